@@ -1,0 +1,220 @@
+"""Loading Llama-2 weights from Meta's layout (params.json + consolidated.NN.pth) or Hugging Face's
+(config.json + *.safetensors), into a model built on the meta device so host memory holds one copy."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+
+from .config import ModelArgs
+from .errors import CheckpointError, CheckpointNotFoundError
+from .model import Transformer
+
+# Model-parallel split of Meta's shards: dimension to concatenate along, or None (replicated).
+_META_SHARD_DIM = {
+    "tok_embeddings": 1,
+    "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0,
+    "wo": 1, "w2": 1,
+}
+
+_HF_NAMES = [
+    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", r"layers.\1.attention.wq.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", r"layers.\1.attention.wk.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", r"layers.\1.attention.wv.weight"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", r"layers.\1.attention.wo.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", r"layers.\1.feed_forward.w1.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", r"layers.\1.feed_forward.w2.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", r"layers.\1.feed_forward.w3.weight"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
+]
+
+
+def checkpoint_layout(ckpt_dir: Path) -> str:
+    """'meta' for a params.json checkpoint, 'hf' for a config.json one."""
+    if not ckpt_dir.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
+    if (ckpt_dir / "params.json").is_file():
+        return "meta"
+    if (ckpt_dir / "config.json").is_file():
+        return "hf"
+    raise CheckpointNotFoundError(
+        f"no params.json (Meta layout) or config.json (Hugging Face layout) in checkpoint directory {ckpt_dir}"
+    )
+
+
+def read_model_args(ckpt_dir: Path) -> ModelArgs:
+    if checkpoint_layout(ckpt_dir) == "meta":
+        return ModelArgs.from_meta_params(ckpt_dir / "params.json")
+    return ModelArgs.from_hf_config(ckpt_dir / "config.json")
+
+
+def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """Builds the model on the meta device and assigns the checkpoint's tensors, cast to dtype on device."""
+    if checkpoint_layout(ckpt_dir) == "meta":
+        state_dict = load_meta_state_dict(ckpt_dir)
+    else:
+        state_dict = load_hf_state_dict(ckpt_dir, args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    check_state_dict(state_dict, model, ckpt_dir)
+    state_dict = {name: t.to(device=device, dtype=dtype) for name, t in state_dict.items()}
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    return model.requires_grad_(False).eval()
+
+
+def load_meta_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """Loads consolidated.NN.pth shards, merging model-parallel ones into a single-device state dict."""
+    shard_paths = meta_shard_paths(ckpt_dir)
+    shards = [_torch_load(p) for p in tqdm(shard_paths, desc="loading shards", unit="shard", disable=len(shard_paths) < 2)]
+    if len(shards) == 1:
+        return shards[0]
+    return merge_meta_shards(shards, shard_paths)
+
+
+def meta_shard_paths(ckpt_dir: Path) -> list[Path]:
+    paths = sorted(ckpt_dir.glob("consolidated.*.pth"))
+    if not paths:
+        raise CheckpointNotFoundError(f"no consolidated.*.pth weight shard in {ckpt_dir}")
+    numbers = [int(m.group(1)) for p in paths if (m := re.fullmatch(r"consolidated\.(\d+)\.pth", p.name))]
+    if sorted(numbers) != list(range(len(paths))):
+        missing = sorted(set(range(max(numbers, default=0) + 1)) - set(numbers))
+        raise CheckpointNotFoundError(
+            f"weight shards in {ckpt_dir} are not numbered 00..{len(paths) - 1:02d}: "
+            f"missing consolidated.{missing[0] if missing else '?':02}.pth"
+        )
+    return paths
+
+
+def merge_meta_shards(shards: list[dict[str, torch.Tensor]], paths: list[Path]) -> dict[str, torch.Tensor]:
+    keys = set(shards[0])
+    for shard, path in zip(shards[1:], paths[1:]):
+        if set(shard) != keys:
+            odd = sorted(set(shard) ^ keys)[:3]
+            raise CheckpointError(f"shard {path} does not fit {paths[0]}: differing tensors {odd}")
+    merged = {}
+    for name in sorted(keys):
+        if name.endswith("rope.freqs"):
+            continue
+        parts = [shard[name] for shard in shards]
+        dim = _META_SHARD_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
+        if dim is None:
+            merged[name] = parts[0]
+            continue
+        other = [s for i, s in enumerate(parts[0].shape) if i != dim]
+        for part, path in zip(parts, paths):
+            if [s for i, s in enumerate(part.shape) if i != dim] != other:
+                raise CheckpointError(
+                    f"shard {path}: tensor {name} has shape {tuple(part.shape)}, which does not fit "
+                    f"{tuple(parts[0].shape)} in {paths[0]}"
+                )
+        merged[name] = torch.cat(parts, dim=dim)
+    return merged
+
+
+def load_hf_state_dict(ckpt_dir: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Loads Hugging Face safetensors, renames to Meta's names and undoes HF's rotary permutation."""
+    from safetensors import SafetensorError, safe_open
+
+    files = hf_weight_files(ckpt_dir)
+    raw: dict[str, torch.Tensor] = {}
+    for path in tqdm(files, desc="loading shards", unit="shard", disable=len(files) < 2):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    raw[key] = f.get_tensor(key)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
+    if "lm_head.weight" not in raw and "model.embed_tokens.weight" in raw and _hf_ties_embeddings(ckpt_dir):
+        raw["lm_head.weight"] = raw["model.embed_tokens.weight"]
+    state_dict = {}
+    for key, tensor in raw.items():
+        name = _hf_to_meta_name(key)
+        if name is None:
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            raise CheckpointError(f"{ckpt_dir}: unexpected tensor {key} in Hugging Face checkpoint")
+        if name.endswith("attention.wq.weight"):
+            tensor = unpermute_rotary(tensor, args.n_heads)
+        elif name.endswith("attention.wk.weight"):
+            tensor = unpermute_rotary(tensor, args.n_kv_heads)
+        state_dict[name] = tensor
+    return state_dict
+
+
+def hf_weight_files(ckpt_dir: Path) -> list[Path]:
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"cannot read shard index {index}: {exc}") from exc
+        files = [ckpt_dir / name for name in sorted(set(weight_map.values()))]
+        for path in files:
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"weight shard {path} listed in {index} not found")
+        return files
+    single = ckpt_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointNotFoundError(f"no model.safetensors or model.safetensors.index.json in {ckpt_dir}")
+
+
+def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of HF's conversion permute: half-split rotary layout back to Meta's interleaved pairs."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta's interleaved rotary layout to HF's half-split one (what HF's conversion script does)."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def check_state_dict(state_dict: dict[str, torch.Tensor], model: Transformer, ckpt_dir: Path) -> None:
+    expected = dict(model.state_dict())
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt_dir} lacks tensor(s) {missing[:5]} for n_layers={model.args.n_layers}")
+    unexpected = sorted(set(state_dict) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"checkpoint {ckpt_dir} has unexpected tensor(s) {unexpected[:5]}")
+    for name, tensor in state_dict.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir}: tensor {name} has shape {tuple(tensor.shape)}, "
+                f"but the model config expects {tuple(expected[name].shape)}"
+            )
+
+
+def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # torch raises RuntimeError, pickle errors, EOFError... for broken files
+        raise CheckpointError(f"cannot read weight shard {path} (truncated or not a PyTorch file?): {exc}") from exc
+    if not isinstance(state_dict, dict):
+        raise CheckpointError(f"weight shard {path} holds a {type(state_dict).__name__}, expected a state dict")
+    return state_dict
+
+
+def _hf_to_meta_name(key: str) -> Optional[str]:
+    for pattern, replacement in _HF_NAMES:
+        if re.fullmatch(pattern, key):
+            return re.sub(pattern, replacement, key)
+    return None
+
+
+def _hf_ties_embeddings(ckpt_dir: Path) -> bool:
+    try:
+        return bool(json.loads((ckpt_dir / "config.json").read_text()).get("tie_word_embeddings", False))
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,105 @@
+"""Model hyper-parameters, read from Meta's params.json or Hugging Face's config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from .errors import CheckpointError, CheckpointNotFoundError
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096  # width of the residual stream
+    n_layers: int = 32  # transformer blocks
+    n_heads: int = 32  # query heads
+    n_kv_heads: Optional[int] = None  # key/value heads (grouped-query attention); None means n_heads
+    vocab_size: int = -1  # -1: filled in from the tokenizer
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None  # scales the SwiGLU hidden size (Llama-2 70B: 1.3)
+    hidden_dim: Optional[int] = None  # SwiGLU hidden size; None derives it by Meta's rule
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # rotary embedding base
+    max_seq_len: int = 4096  # longest context the model was trained for
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"model config field '{name}' must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise CheckpointError(f"model config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise CheckpointError(
+                f"model config: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise CheckpointError(f"model config: head dimension {self.head_dim} must be even for rotary embeddings")
+        if self.hidden_dim is None:
+            hidden = int(2 * (4 * self.dim) / 3)
+            if self.ffn_dim_multiplier is not None:
+                hidden = int(self.ffn_dim_multiplier * hidden)
+            self.hidden_dim = self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_meta_params(cls, path: Path) -> "ModelArgs":
+        """Reads Meta's params.json; unknown keys are ignored."""
+        raw = _read_json(path)
+        known = {f.name for f in fields(cls)}
+        return _build(cls, {k: v for k, v in raw.items() if k in known}, path)
+
+    @classmethod
+    def from_hf_config(cls, path: Path) -> "ModelArgs":
+        """Reads a Hugging Face LlamaForCausalLM config.json."""
+        raw = _read_json(path)
+        mapping = {
+            "hidden_size": "dim",
+            "num_hidden_layers": "n_layers",
+            "num_attention_heads": "n_heads",
+            "num_key_value_heads": "n_kv_heads",
+            "vocab_size": "vocab_size",
+            "intermediate_size": "hidden_dim",
+            "rms_norm_eps": "norm_eps",
+            "rope_theta": "rope_theta",
+            "max_position_embeddings": "max_seq_len",
+        }
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size") if k not in raw]
+        if missing:
+            raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
+        if raw.get("rope_scaling"):
+            raise CheckpointError(f"{path}: rope_scaling {raw['rope_scaling']!r} is not supported (Llama-2 uses none)")
+        if "rope_theta" not in raw and isinstance(raw.get("rope_parameters"), dict):
+            raw["rope_theta"] = raw["rope_parameters"].get("rope_theta", 10000.0)
+        return _build(cls, {ours: raw[theirs] for theirs, ours in mapping.items() if raw.get(theirs) is not None}, path)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise CheckpointNotFoundError(f"model config not found: {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read model config {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"model config {path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _build(cls, values: dict[str, Any], path: Path) -> ModelArgs:
+    try:
+        return cls(**values)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+    except TypeError as exc:
+        raise CheckpointError(f"{path}: invalid model config: {exc}") from exc

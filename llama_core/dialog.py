@@ -1,0 +1,115 @@
+"""The Llama-2 chat layout: [INST]/<<SYS>> prompts, the special-tag safety check, and fitting
+long histories into the context by dropping the oldest turns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, TypedDict
+
+from .errors import ContextLengthError, DialogError
+from .tokenizer import Tokenizer
+
+Role = Literal["system", "user", "assistant"]
+
+
+class Message(TypedDict):
+    role: Role
+    content: str
+
+
+Dialog = list[Message]
+
+B_INST, E_INST = "[INST]", "[/INST]"
+B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
+SPECIAL_TAGS = [B_INST, E_INST, "<<SYS>>", "<</SYS>>"]
+UNSAFE_ERROR = "I can't answer that: the message contains reserved chat-format tags ([INST], [/INST], <<SYS>>, <</SYS>>). Please rephrase without them."
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class FittedDialog:
+    """A dialog encoded to fit the context: its prompt tokens and how many old (user, assistant) pairs were dropped."""
+
+    prompt_tokens: list[int]
+    dropped_pairs: int
+
+
+def validate_dialog(dialog: object) -> None:
+    """Raises DialogError naming the first problem: empty dialog, unknown role, misplaced system message,
+    roles not alternating user/assistant, last message not from the user, or content not a string."""
+    if not isinstance(dialog, (list, tuple)) or not dialog:
+        raise DialogError(f"a dialog must be a non-empty list of messages, got {_describe(dialog)}")
+    for i, message in enumerate(dialog):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise DialogError(f"message {i} must be a dict with 'role' and 'content', got {_describe(message)}")
+        if message["role"] not in ROLES:
+            raise DialogError(f"message {i} has unknown role {message['role']!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(message["content"], str):
+            raise DialogError(f"message {i} content must be a string, got {type(message['content']).__name__}")
+        if message["role"] == "system" and i != 0:
+            raise DialogError(f"message {i} is a system message; only the first message may be one")
+    offset = 1 if dialog[0]["role"] == "system" else 0
+    for i in range(offset, len(dialog)):
+        expected = "user" if (i - offset) % 2 == 0 else "assistant"
+        if dialog[i]["role"] != expected:
+            raise DialogError(
+                f"message {i} has role {dialog[i]['role']!r} but {expected!r} was expected: "
+                "after an optional system message, roles must alternate user, assistant, user, ..."
+            )
+    if dialog[-1]["role"] != "user":
+        raise DialogError(f"message {len(dialog) - 1}: the last message must be from the user, not {dialog[-1]['role']!r}")
+
+
+def has_special_tags(dialog: object) -> bool:
+    """True if any message's content (system included) contains a reserved chat-format tag."""
+    if not isinstance(dialog, (list, tuple)):
+        return False
+    return any(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and any(tag in m["content"] for tag in SPECIAL_TAGS)
+        for m in dialog
+    )
+
+
+def encode_dialog(tokenizer: Tokenizer, dialog: Dialog) -> list[int]:
+    """Token ids of a valid dialog in the exact Llama-2 chat layout (BOS/EOS as ids, never as text)."""
+    validate_dialog(dialog)
+    if dialog[0]["role"] == "system":
+        first = {"role": "user", "content": B_SYS + dialog[0]["content"] + E_SYS + dialog[1]["content"]}
+        dialog = [first] + list(dialog[2:])
+    tokens: list[int] = []
+    for prompt, answer in zip(dialog[:-1:2], dialog[1::2]):
+        text = f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} "
+        tokens += tokenizer.encode(text, bos=True, eos=True)
+    tokens += tokenizer.encode(f"{B_INST} {dialog[-1]['content'].strip()} {E_INST}", bos=True, eos=False)
+    return tokens
+
+
+def fit_dialog(tokenizer: Tokenizer, dialog: Dialog, max_prompt_tokens: int) -> FittedDialog:
+    """Encodes dialog, dropping its oldest whole (user, assistant) pairs until it has at most
+    max_prompt_tokens tokens. The system prompt and the last user message are always kept.
+
+    Raises:
+        ContextLengthError: the system prompt and last user message alone don't fit.
+    """
+    validate_dialog(dialog)
+    system = [dialog[0]] if dialog[0]["role"] == "system" else []
+    turns = list(dialog[len(system) :])
+    dropped = 0
+    while True:
+        tokens = encode_dialog(tokenizer, system + turns)
+        if len(tokens) <= max_prompt_tokens:
+            return FittedDialog(tokens, dropped)
+        if len(turns) == 1:
+            raise ContextLengthError(
+                f"the last message{' with the system prompt' if system else ''} needs {len(tokens)} tokens, "
+                f"but only {max_prompt_tokens} fit beside the room kept for the reply: "
+                f"over by {len(tokens) - max_prompt_tokens} tokens"
+            )
+        turns = turns[2:]
+        dropped += 1
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,29 @@
+"""The exceptions a caller of llama_core can cause, each with a message that names what was wrong."""
+
+
+class LlamaError(Exception):
+    """Base class of every error llama_core raises on purpose."""
+
+
+class CheckpointNotFoundError(LlamaError, FileNotFoundError):
+    """A checkpoint directory, params file, weight shard or tokenizer file does not exist."""
+
+
+class CheckpointError(LlamaError, ValueError):
+    """A checkpoint exists but cannot be used: unreadable, truncated, or its parts don't fit together."""
+
+
+class InvalidRequestError(LlamaError, ValueError):
+    """A generation request is malformed: bad prompts or sampling parameters."""
+
+
+class DialogError(InvalidRequestError):
+    """A chat dialog is malformed (roles, order, content types)."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """A prompt does not fit in the model's context window."""
+
+
+class ServerBusyError(LlamaError, RuntimeError):
+    """The serving engine's queue is full; the request may be retried later."""

@@ -1,0 +1,351 @@
+"""`Llama`: build a model from a checkpoint and generate from it, with Meta's reference API."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, TypedDict
+
+import torch
+
+from . import dialog as chat_format
+from .checkpoint import load_model, read_model_args
+from .config import ModelArgs
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from .model import Transformer
+from .sampling import sample, token_logprobs, validate_sampling
+from .tokenizer import StreamDecoder, Tokenizer
+
+DEFAULT_CKPT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare"
+
+
+class CompletionPrediction(TypedDict, total=False):
+    generation: str
+    tokens: list[str]
+    logprobs: list[float]
+
+
+class ChatPrediction(TypedDict, total=False):
+    generation: chat_format.Message
+    tokens: list[str]
+    logprobs: list[float]
+
+
+@dataclass
+class StreamChunk:
+    """One generated token as it streams: its id, log-probability and the text it completes."""
+
+    token: int
+    logprob: float
+    text: str
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise InvalidRequestError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return names[dtype]
+
+
+class Llama:
+    """A loaded model, its tokenizer and its KV cache (max_batch_size rows of max_seq_len positions)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        max_seq_len: int,
+        max_batch_size: int,
+        seed: Optional[int] = None,
+        ckpt_dir: Optional[Path] = None,
+        load_seconds: float = 0.0,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.args: ModelArgs = model.args
+        self.max_seq_len = max_seq_len
+        self.max_batch_size = max_batch_size
+        self.ckpt_dir = ckpt_dir
+        self.load_seconds = load_seconds
+        self.device = model.tok_embeddings.weight.device
+        self.dtype = model.tok_embeddings.weight.dtype
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self._cache_lock = threading.Lock()
+        model.setup_caches(max_batch_size, max_seq_len)
+
+    @staticmethod
+    def build(
+        ckpt_dir: Optional[str | Path] = None,
+        tokenizer_path: Optional[str | Path] = None,
+        max_seq_len: int = 2048,
+        max_batch_size: int = 4,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        seed: Optional[int] = None,
+    ) -> "Llama":
+        """Loads a checkpoint in Meta or Hugging Face layout.
+
+        Args:
+            ckpt_dir: checkpoint directory; None loads the project's embedded default model.
+            tokenizer_path: SentencePiece model; defaults to tokenizer.model in ckpt_dir, then its parent.
+            max_seq_len: context length to allocate the KV cache for.
+            max_batch_size: most sequences generated at once.
+            device: "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]".
+            dtype: "auto" (bfloat16 on CUDA, float16 where bf16 is unsupported, float32 on CPU) or a dtype name.
+            seed: seeds sampling; None draws a random seed.
+
+        Raises:
+            CheckpointNotFoundError: a directory or file is missing.
+            CheckpointError: a file is unreadable or the parts don't fit together.
+            InvalidRequestError: a bad max_seq_len, max_batch_size, device or dtype.
+        """
+        start = time.perf_counter()
+        for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+        ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT_DIR
+        if not ckpt_dir.is_dir():
+            hint = " (the embedded default model; see models/README.md)" if ckpt_dir == DEFAULT_CKPT_DIR else ""
+            raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}{hint}")
+        tokenizer = Tokenizer(_find_tokenizer(ckpt_dir, tokenizer_path))
+        args = read_model_args(ckpt_dir)
+        if args.vocab_size == -1:
+            args.vocab_size = tokenizer.n_words
+        if args.vocab_size != tokenizer.n_words:
+            raise CheckpointError(
+                f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} pieces but the model in "
+                f"{ckpt_dir} has vocab_size {args.vocab_size}"
+            )
+        torch_device = resolve_device(device)
+        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
+        return Llama(model, tokenizer, max_seq_len, max_batch_size, seed, ckpt_dir, time.perf_counter() - start)
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    # -- tokens in, tokens out -------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_tokens: list[list[int]],
+        max_gen_len: int,
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        logprobs: bool = False,
+        echo: bool = False,
+    ) -> tuple[list[list[int]], Optional[list[list[float]]]]:
+        """Continues each prompt until its EOS or max_gen_len new tokens (or the context is full).
+
+        Returns:
+            Per prompt, the generated tokens (after the prompt tokens with echo; EOS not included), and
+            with logprobs, the natural-log probability of each returned token (0.0 for the first prompt token).
+        """
+        self.check_request(prompt_tokens, max_gen_len, temperature, top_p)
+        out_tokens = [list(p) if echo else [] for p in prompt_tokens]
+        out_logprobs = [[] for _ in prompt_tokens]
+        prompt_lps = [[] for _ in prompt_tokens] if (logprobs and echo) else None
+        for step in self._generate_steps(prompt_tokens, max_gen_len, temperature, top_p, prompt_lps):
+            for row, token, logprob in step:
+                out_tokens[row].append(token)
+                out_logprobs[row].append(logprob)
+        if not logprobs:
+            return out_tokens, None
+        if echo:
+            out_logprobs = [[0.0] + p + g for p, g in zip(prompt_lps, out_logprobs)]
+        return out_tokens, out_logprobs
+
+    def stream(
+        self,
+        prompt_tokens: list[int],
+        max_gen_len: int,
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+    ) -> Iterator[StreamChunk]:
+        """Generates for one prompt, yielding each token with the text it completes as soon as it exists."""
+        self.check_request([prompt_tokens], max_gen_len, temperature, top_p)
+        decoder = StreamDecoder(self.tokenizer, prompt_tokens)
+        for step in self._generate_steps([prompt_tokens], max_gen_len, temperature, top_p):
+            for _, token, logprob in step:
+                yield StreamChunk(token, logprob, decoder.push(token))
+        tail = decoder.flush()
+        if tail:
+            yield StreamChunk(-1, 0.0, tail)
+
+    # -- text in, text out -----------------------------------------------------------------------
+    def text_completion(
+        self,
+        prompts: list[str],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        echo: bool = False,
+    ) -> list[CompletionPrediction]:
+        """Completes each prompt; returns dicts with "generation" (and "tokens", "logprobs" when asked)."""
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+            raise InvalidRequestError("prompts must be a list of strings")
+        prompt_tokens = [self.tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+        tokens, lps = self.generate(
+            prompt_tokens, self._default_gen_len(max_gen_len), temperature, top_p, logprobs, echo
+        )
+        return [self._prediction(self.tokenizer.decode(t), t, lps[i] if lps else None) for i, t in enumerate(tokens)]
+
+    def chat_completion(
+        self,
+        dialogs: list[chat_format.Dialog],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+    ) -> list[ChatPrediction]:
+        """Answers each dialog as the assistant. A dialog holding a special tag is not run: its reply is
+        UNSAFE_ERROR; the other dialogs are answered as usual. Old turns are dropped to fit the context."""
+        if not isinstance(dialogs, (list, tuple)):
+            raise InvalidRequestError(f"dialogs must be a list of dialogs, got {type(dialogs).__name__}")
+        max_gen_len = self._default_gen_len(max_gen_len)
+        unsafe = [chat_format.has_special_tags(d) for d in dialogs]
+        prompts = [
+            self.prepare_chat(d, max_gen_len).prompt_tokens for d, bad in zip(dialogs, unsafe) if not bad
+        ]
+        tokens, lps = self.generate(prompts, max_gen_len, temperature, top_p, logprobs) if prompts else ([], None)
+        results, answered = [], iter(range(len(prompts)))
+        for bad in unsafe:
+            if bad:
+                results.append({"generation": {"role": "assistant", "content": chat_format.UNSAFE_ERROR}})
+                continue
+            i = next(answered)
+            text = self.tokenizer.decode(tokens[i])
+            results.append(self._prediction({"role": "assistant", "content": text}, tokens[i], lps[i] if lps else None))
+        return results
+
+    def prepare_chat(self, dialog: chat_format.Dialog, max_gen_len: int) -> chat_format.FittedDialog:
+        """Validates and encodes a dialog, dropping its oldest turns until it fits with room for the reply:
+        max_gen_len tokens, but at most half the context (a longer reply still runs until the context is full)."""
+        chat_format.validate_dialog(dialog)
+        room = max(1, min(max_gen_len, self.max_seq_len // 2))
+        return chat_format.fit_dialog(self.tokenizer, dialog, self.max_seq_len - room)
+
+    # -- checks and helpers --------------------------------------------------------------------
+    def check_request(self, prompt_tokens: Sequence[Sequence[int]], max_gen_len: int, temperature: float, top_p: float) -> None:
+        """Raises InvalidRequestError or ContextLengthError for a request this model can't run."""
+        from .errors import ContextLengthError
+
+        validate_sampling(temperature, top_p)
+        if isinstance(max_gen_len, bool) or not isinstance(max_gen_len, int) or max_gen_len < 1:
+            raise InvalidRequestError(f"max_gen_len must be an integer >= 1, got {max_gen_len!r}")
+        if not isinstance(prompt_tokens, (list, tuple)) or not prompt_tokens:
+            raise InvalidRequestError("no prompts given: expected a non-empty list of prompts")
+        if len(prompt_tokens) > self.max_batch_size:
+            raise InvalidRequestError(
+                f"{len(prompt_tokens)} prompts given, but max_batch_size is {self.max_batch_size}"
+            )
+        for i, prompt in enumerate(prompt_tokens):
+            if not isinstance(prompt, (list, tuple)) or not prompt:
+                raise InvalidRequestError(f"prompt {i} is empty: it needs at least one token")
+            if not all(isinstance(t, int) and 0 <= t < self.args.vocab_size for t in prompt):
+                raise InvalidRequestError(f"prompt {i} has token ids outside [0, {self.args.vocab_size})")
+            if len(prompt) >= self.max_seq_len:
+                raise ContextLengthError(
+                    f"prompt {i} has {len(prompt)} tokens, but max_seq_len is {self.max_seq_len}: "
+                    f"it must be at most {self.max_seq_len - 1} to leave room for a reply"
+                )
+
+    def _default_gen_len(self, max_gen_len: Optional[int]) -> int:
+        return self.max_seq_len - 1 if max_gen_len is None else max_gen_len
+
+    def _prediction(self, generation, tokens: list[int], logprobs: Optional[list[float]]) -> dict:
+        result = {"generation": generation}
+        if logprobs is not None:
+            result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
+            result["logprobs"] = logprobs
+        return result
+
+    @torch.inference_mode()
+    def _generate_steps(
+        self,
+        prompt_tokens: Sequence[Sequence[int]],
+        max_gen_len: int,
+        temperature: float,
+        top_p: float,
+        prompt_logprobs: Optional[list[list[float]]] = None,
+    ) -> Iterator[list[tuple[int, int, float]]]:
+        """Yields, each decode step, (row, token, logprob) for every row that produced a token.
+
+        Prompts are right-padded and prefilled together; each row then decodes at its own position, so a
+        row's tokens equal its solo generation. If prompt_logprobs is given, it is filled with each row's
+        log-probabilities of prompt tokens 1..n-1.
+        """
+        with self._cache_lock:
+            device, batch = self.device, len(prompt_tokens)
+            lengths = torch.tensor([len(p) for p in prompt_tokens], device=device)
+            longest = int(lengths.max())
+            tokens = torch.full((batch, longest), self.tokenizer.eos_id, dtype=torch.long, device=device)
+            for row, prompt in enumerate(prompt_tokens):
+                tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            positions = torch.arange(longest, device=device).expand(batch, longest)
+            if prompt_logprobs is None:
+                logits = self.model(tokens, positions, kv_len=longest, logit_index=lengths - 1)[:, 0]
+            else:
+                all_logits = self.model(tokens, positions, kv_len=longest)
+                prompt_lp = token_logprobs(all_logits[:, :-1], tokens[:, 1:]).tolist()
+                for row, prompt in enumerate(prompt_tokens):
+                    prompt_logprobs[row].extend(prompt_lp[row][: len(prompt) - 1])
+                logits = all_logits[torch.arange(batch, device=device), lengths - 1]
+            budget = torch.clamp(self.max_seq_len - lengths, max=max_gen_len)
+            generated = torch.zeros_like(lengths)
+            done = torch.zeros(batch, dtype=torch.bool, device=device)
+            while True:
+                next_tokens = sample(logits, temperature, top_p, self.generator)
+                logprobs = token_logprobs(logits, next_tokens)
+                emits = ~done & (next_tokens != self.tokenizer.eos_id)
+                generated += emits
+                done |= ~emits | (generated >= budget)
+                step = [
+                    (row, token, lp)
+                    for row, (token, lp, emit) in enumerate(zip(next_tokens.tolist(), logprobs.tolist(), emits.tolist()))
+                    if emit
+                ]
+                yield step
+                if bool(done.all()):
+                    return
+                positions = torch.clamp(lengths + generated - 1, max=self.max_seq_len - 1)[:, None]
+                kv_len = int(positions.max()) + 1
+                logits = self.model(next_tokens[:, None], positions, kv_len=kv_len)[:, 0]
+
+
+def _find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path]) -> Path:
+    if tokenizer_path is not None:
+        path = Path(tokenizer_path)
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"tokenizer model not found: {path}")
+        return path
+    for candidate in (ckpt_dir / "tokenizer.model", ckpt_dir.parent / "tokenizer.model"):
+        if candidate.is_file():
+            return candidate
+    raise CheckpointNotFoundError(
+        f"no tokenizer.model in {ckpt_dir} or its parent {ckpt_dir.parent}; pass tokenizer_path"
+    )

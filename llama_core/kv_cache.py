@@ -1,0 +1,72 @@
+"""The key/value cache of one attention layer: fixed buffers written in place, one row per sequence slot."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class KVCache(nn.Module):
+    """Keys and values of past positions for `max_batch_size` sequence slots.
+
+    Buffers are [max_batch_size, n_kv_heads, max_seq_len, head_dim] and never change shape, so a
+    compiled decode step can be replayed for every position. Each row is a slot: a sequence that
+    owns it writes its own positions, which may differ from row to row.
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_seq_len: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        shape = (max_batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k_cache.shape[2]
+
+    def reset(self) -> None:
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+    def update(
+        self,
+        input_pos: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache_rows: Optional[torch.Tensor] = None,
+        kv_len: Optional[int] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v at their positions and returns the cached keys and values to attend over.
+
+        Args:
+            input_pos: [B, S] position of each new token in its own sequence.
+            k, v: [B, n_kv_heads, S, head_dim] new keys and values.
+            cache_rows: [B] cache row of each batch row; None means rows 0..B-1.
+            kv_len: how many leading positions to return; None returns all max_seq_len.
+
+        Returns:
+            Keys and values, each [B, n_kv_heads, kv_len, head_dim].
+        """
+        batch = k.shape[0]
+        rows = cache_rows if cache_rows is not None else torch.arange(batch, device=k.device)
+        # Advanced indices separated by a slice put their broadcast shape [B, S] first.
+        self.k_cache[rows[:, None], :, input_pos] = k.transpose(1, 2)
+        self.v_cache[rows[:, None], :, input_pos] = v.transpose(1, 2)
+        length = self.max_seq_len if kv_len is None else kv_len
+        if cache_rows is None:
+            return self.k_cache[:batch, :, :length], self.v_cache[:batch, :, :length]
+        return self.k_cache[cache_rows, :, :length], self.v_cache[cache_rows, :, :length]

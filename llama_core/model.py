@@ -1,0 +1,180 @@
+"""The Llama-2 transformer.
+
+References: Meta's llama/model.py (weight names, interleaved rotary pairs, SwiGLU sizing) and
+gpt-fast's model.py (KV cache set up after construction, explicit per-token positions).
+Parameter names follow Meta's checkpoints so their state dicts load without renaming.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelArgs
+from .kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_cos_sin(input_pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotation angles for positions input_pos [B, S]; returns cos, sin as [B, S, 1, head_dim // 2] float32."""
+    exponents = torch.arange(0, head_dim, 2, device=input_pos.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    angles = input_pos.float()[..., None] * inv_freq
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates consecutive pairs (x[2i], x[2i+1]) of x [B, S, H, head_dim], Meta's layout."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        input_pos: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        cache_rows: Optional[torch.Tensor],
+        kv_len: Optional[int],
+    ) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, head_dim]
+        gqa = self.n_kv_heads != self.n_heads
+        if self.kv_cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            k, v = self.kv_cache.update(input_pos, k, v, cache_rows, kv_len)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, input_pos, mask, cache_rows, kv_len) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask, cache_rows, kv_len)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        if args.vocab_size < 1:
+            raise ValueError(f"vocab_size must be filled in before building the model, got {args.vocab_size}")
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    # -- KV cache ownership -------------------------------------------------------------------
+    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
+        """Allocates one KV cache per layer, on that layer's device and in its dtype."""
+        for layer in self.layers:
+            weight = layer.attention.wq.weight
+            dtype = weight.dtype if weight.is_floating_point() else self.tok_embeddings.weight.dtype
+            layer.attention.kv_cache = KVCache(
+                max_batch_size, max_seq_len, self.args.n_kv_heads, self.args.head_dim, dtype, weight.device
+            )
+
+    def caches_are_enabled(self) -> bool:
+        return self.layers[0].attention.kv_cache is not None
+
+    def remove_caches(self) -> None:
+        for layer in self.layers:
+            layer.attention.kv_cache = None
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        input_pos: Optional[torch.Tensor] = None,
+        cache_rows: Optional[torch.Tensor] = None,
+        kv_len: Optional[int] = None,
+        logit_index: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Runs the model; returns float32 logits.
+
+        Args:
+            tokens: [B, S] token ids.
+            input_pos: [B, S] position of each token in its own sequence; None means 0..S-1.
+                With caches enabled each token attends to its row's cached positions <= its own.
+            cache_rows: [B] KV-cache row of each batch row; None means rows 0..B-1.
+            kv_len: attend over cache positions [0, kv_len); must exceed every position in input_pos.
+            logit_index: [B] one position per row to return logits for; None returns all positions.
+
+        Returns:
+            [B, S, vocab] logits, or [B, 1, vocab] with logit_index.
+        """
+        batch, seq_len = tokens.shape
+        if input_pos is None:
+            input_pos = torch.arange(seq_len, device=tokens.device).expand(batch, seq_len)
+        mask = None
+        if self.caches_are_enabled():
+            length = kv_len if kv_len is not None else self.layers[0].attention.kv_cache.max_seq_len
+            key_pos = torch.arange(length, device=tokens.device)
+            mask = (key_pos <= input_pos[..., None])[:, None]  # [B, 1, S, kv_len]
+        cos, sin = rotary_cos_sin(input_pos, self.args.head_dim, self.args.rope_theta)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos.to(h.device), sin.to(h.device), input_pos.to(h.device), _to(mask, h.device),
+                      _to(cache_rows, h.device), kv_len)
+        if logit_index is not None:
+            h = h[torch.arange(batch, device=h.device), logit_index.to(h.device)][:, None]
+        return self.output(self.norm(h)).float()
+
+
+def _to(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(device)

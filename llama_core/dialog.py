@@ -95,19 +95,30 @@ def fit_dialog(tokenizer: Tokenizer, dialog: Dialog, max_prompt_tokens: int) -> 
     validate_dialog(dialog)
     system = [dialog[0]] if dialog[0]["role"] == "system" else []
     turns = list(dialog[len(system) :])
-    dropped = 0
-    while True:
-        tokens = encode_dialog(tokenizer, system + turns)
-        if len(tokens) <= max_prompt_tokens:
-            return FittedDialog(tokens, dropped)
-        if len(turns) == 1:
-            raise ContextLengthError(
-                f"the last message{' with the system prompt' if system else ''} needs {len(tokens)} tokens, "
-                f"but only {max_prompt_tokens} fit beside the room kept for the reply: "
-                f"over by {len(tokens) - max_prompt_tokens} tokens"
-            )
-        turns = turns[2:]
-        dropped += 1
+    n_pairs = len(turns) // 2
+
+    def encoded(dropped: int) -> list[int]:
+        return encode_dialog(tokenizer, system + turns[2 * dropped :])
+
+    tokens = encoded(0)
+    if len(tokens) <= max_prompt_tokens:
+        return FittedDialog(tokens, 0)
+    shortest = encoded(n_pairs)
+    if len(shortest) > max_prompt_tokens:
+        raise ContextLengthError(
+            f"the last message{' with the system prompt' if system else ''} needs {len(shortest)} tokens, "
+            f"but only {max_prompt_tokens} fit beside the room kept for the reply: "
+            f"over by {len(shortest) - max_prompt_tokens} tokens"
+        )
+    # Fewest dropped pairs that fit; dropping more never makes the prompt longer.
+    low, high = 1, n_pairs
+    while low < high:
+        middle = (low + high) // 2
+        if len(encoded(middle)) <= max_prompt_tokens:
+            high = middle
+        else:
+            low = middle + 1
+    return FittedDialog(encoded(low), low)
 
 
 def _describe(value: object) -> str:

@@ -13,7 +13,7 @@ import torch
 from . import dialog as chat_format
 from .checkpoint import load_model, read_model_args
 from .config import ModelArgs
-from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from .errors import CheckpointError, CheckpointNotFoundError, ContextLengthError, InvalidRequestError, LlamaError
 from .model import Transformer
 from .sampling import sample, token_logprobs, validate_sampling
 from .tokenizer import StreamDecoder, Tokenizer
@@ -95,6 +95,7 @@ class Llama:
         else:
             self.generator.manual_seed(seed)
         self._cache_lock = threading.Lock()
+        self._cache_owner: Optional[object] = None
         model.setup_caches(max_batch_size, max_seq_len)
 
     @staticmethod
@@ -143,6 +144,19 @@ class Llama:
         torch_device = resolve_device(device)
         model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
         return Llama(model, tokenizer, max_seq_len, max_batch_size, seed, ckpt_dir, time.perf_counter() - start)
+
+    def claim_cache(self, owner: object) -> bool:
+        """Gives the KV cache to owner (a serving engine) until release_cache; False if already owned."""
+        with self._cache_lock:
+            if self._cache_owner is not None:
+                return False
+            self._cache_owner = owner
+            return True
+
+    def release_cache(self, owner: object) -> None:
+        with self._cache_lock:
+            if self._cache_owner is owner:
+                self._cache_owner = None
 
     @property
     def parameter_count(self) -> int:
@@ -252,8 +266,6 @@ class Llama:
     # -- checks and helpers --------------------------------------------------------------------
     def check_request(self, prompt_tokens: Sequence[Sequence[int]], max_gen_len: int, temperature: float, top_p: float) -> None:
         """Raises InvalidRequestError or ContextLengthError for a request this model can't run."""
-        from .errors import ContextLengthError
-
         validate_sampling(temperature, top_p)
         if isinstance(max_gen_len, bool) or not isinstance(max_gen_len, int) or max_gen_len < 1:
             raise InvalidRequestError(f"max_gen_len must be an integer >= 1, got {max_gen_len!r}")
@@ -300,6 +312,8 @@ class Llama:
         log-probabilities of prompt tokens 1..n-1.
         """
         with self._cache_lock:
+            if self._cache_owner is not None:
+                raise LlamaError("this Llama is being served by an Engine, which owns its KV cache: submit to the engine")
             device, batch = self.device, len(prompt_tokens)
             lengths = torch.tensor([len(p) for p in prompt_tokens], device=device)
             longest = int(lengths.max())

@@ -1,0 +1,279 @@
+"""Continuous batching: many concurrent requests share one model and one slot-based KV cache.
+
+One background loop admits waiting requests into free cache slots (prefill), then runs a single
+batched decode step for every active slot at its own position, samples each with its own
+parameters, and retires finished or cancelled requests at once, freeing their slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from .errors import InvalidRequestError, LlamaError, ServerBusyError
+from .generation import Llama, StreamChunk
+from .sampling import sample, token_logprobs, validate_sampling
+
+_DONE = object()
+_PROMPT_LOGPROBS = object()
+
+
+class RequestFailedError(LlamaError, RuntimeError):
+    """A request failed inside the engine (e.g. out of memory); the engine keeps serving the others."""
+
+
+@dataclass
+class _Request:
+    prompt_tokens: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    want_prompt_logprobs: bool = False
+    events: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    slot: int = -1
+    generated: int = 0
+    last_token: int = 0
+
+    @property
+    def next_pos(self) -> int:
+        """Position the last sampled token is written at on the next decode step."""
+        return len(self.prompt_tokens) + self.generated - 1
+
+
+class TokenStream:
+    """The tokens of one request, as they are produced. Iterate to receive `StreamChunk`s (text empty);
+    iteration raises RequestFailedError if the request failed. Leaving the iteration early cancels it."""
+
+    def __init__(self, request: _Request) -> None:
+        self._request = request
+        self.prompt_len = len(request.prompt_tokens)
+        self.finish_reason: Optional[str] = None  # "eos", "length", "cancelled" or "error"
+        self.prompt_logprobs: Optional[list[float]] = None  # with prompt_logprobs=True: tokens 1..n-1
+
+    def cancel(self) -> None:
+        self._request.cancelled.set()
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        try:
+            while True:
+                item = self._request.events.get()
+                if isinstance(item, StreamChunk):
+                    yield item
+                elif item[0] is _PROMPT_LOGPROBS:
+                    self.prompt_logprobs = item[1]
+                else:
+                    self.finish_reason = item[1]
+                    if item[1] == "error":
+                        raise RequestFailedError(item[2])
+                    return
+        finally:
+            if self.finish_reason is None:
+                self.cancel()
+
+
+class Engine:
+    """Serves requests from any thread on one `Llama`, batching them over its KV-cache slots.
+
+    The engine takes the Llama's KV cache for itself while it runs: `Llama.generate` on the same object
+    raises until `shutdown()`.
+    """
+
+    def __init__(self, llama: Llama, max_waiting: int = 64) -> None:
+        self.llama = llama
+        self.model = llama.model
+        self.max_waiting = max_waiting
+        self.eos_id = llama.tokenizer.eos_id
+        self._slots: list[Optional[_Request]] = [None] * llama.max_batch_size
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._wakeup = threading.Condition()
+        self._running = False
+        self._thread: Optional[threading.Thread] = None
+        self.steps = 0  # decode steps run, for tests and stats
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._running:
+            return self
+        if not self.llama.claim_cache(self):
+            raise LlamaError("this Llama's KV cache is already in use by another engine or generation")
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._wakeup:
+            self._running = False
+            self._wakeup.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        for request in list(self._waiting) + [r for r in self._slots if r is not None]:
+            self._finish(request, "cancelled")
+        self._waiting.clear()
+        self._slots = [None] * len(self._slots)
+        self.llama.release_cache(self)
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- submitting ---------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_tokens: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        prompt_logprobs: bool = False,
+    ) -> TokenStream:
+        """Queues a request; returns its token stream (with prompt_logprobs, also the log-probabilities of
+        prompt tokens 1..n-1, set on the stream before its first token).
+
+        Raises:
+            InvalidRequestError / ContextLengthError: bad prompt or parameters.
+            ServerBusyError: every slot is busy and the waiting queue is full.
+        """
+        self.check_parameters(max_new_tokens, temperature, top_p)
+        self.llama.check_request([prompt_tokens], max_new_tokens, temperature, top_p)
+        request = _Request(list(prompt_tokens), max_new_tokens, float(temperature), float(top_p), prompt_logprobs)
+        with self._wakeup:
+            if not self._running:
+                raise LlamaError("the engine is not running; call start() first")
+            if len(self._waiting) >= self.max_waiting:
+                raise ServerBusyError(
+                    f"server busy: {len(self._slots)} requests running and {len(self._waiting)} waiting; try again shortly"
+                )
+            self._waiting.append(request)
+            self._wakeup.notify()
+        return TokenStream(request)
+
+    def check_parameters(self, max_new_tokens: int, temperature: float, top_p: float) -> None:
+        """Raises InvalidRequestError for sampling parameters or a max_new_tokens this engine can't serve."""
+        validate_sampling(temperature, top_p)
+        limit = self.llama.max_seq_len - 1
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= limit:
+            raise InvalidRequestError(
+                f"max_new_tokens must be an integer from 1 to {limit} (the context is "
+                f"{self.llama.max_seq_len} tokens), got {max_new_tokens!r}"
+            )
+
+    @property
+    def active_count(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self._waiting)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while self._running and not self._waiting and not any(self._slots):
+                    self._wakeup.wait()
+                if not self._running:
+                    return
+            self._retire_cancelled()
+            self._admit()
+            if any(self._slots):
+                self._decode_step()
+
+    def _retire_cancelled(self) -> None:
+        for slot, request in enumerate(self._slots):
+            if request is not None and request.cancelled.is_set():
+                self._free(slot, "cancelled")
+
+    def _admit(self) -> None:
+        free_slots = [slot for slot, r in enumerate(self._slots) if r is None]
+        while free_slots:
+            with self._wakeup:
+                request = self._waiting.popleft() if self._waiting else None
+            if request is None:
+                return
+            if request.cancelled.is_set():
+                self._finish(request, "cancelled")
+                continue
+            request.slot = free_slots.pop(0)
+            self._slots[request.slot] = request
+            try:
+                self._prefill(request)
+            except Exception as exc:  # one request's failure (e.g. out of memory) must not stop the engine
+                self._free(request.slot, "error", _failure_message(exc))
+
+    @torch.inference_mode()
+    def _prefill(self, request: _Request) -> None:
+        device = self.llama.device
+        tokens = torch.tensor([request.prompt_tokens], dtype=torch.long, device=device)
+        length = tokens.shape[1]
+        positions = torch.arange(length, device=device)[None]
+        rows = torch.tensor([request.slot], device=device)
+        if request.want_prompt_logprobs:
+            all_logits = self.model(tokens, positions, cache_rows=rows, kv_len=length)
+            prompt_lps = token_logprobs(all_logits[0, :-1], tokens[0, 1:]).tolist()
+            request.events.put((_PROMPT_LOGPROBS, prompt_lps))
+            logits = all_logits[:, -1]
+        else:
+            last = torch.tensor([length - 1], device=device)
+            logits = self.model(tokens, positions, cache_rows=rows, kv_len=length, logit_index=last)[:, 0]
+        next_token = sample(logits, request.temperature, request.top_p, self.llama.generator)
+        self._deliver([request], next_token, token_logprobs(logits, next_token))
+
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        active = [r for r in self._slots if r is not None]
+        device = self.llama.device
+        try:
+            tokens = torch.tensor([[r.last_token] for r in active], dtype=torch.long, device=device)
+            positions = torch.tensor([[r.next_pos] for r in active], device=device)
+            rows = torch.tensor([r.slot for r in active], device=device)
+            logits = self.model(tokens, positions, cache_rows=rows, kv_len=int(positions.max()) + 1)[:, 0]
+            temperature = torch.tensor([r.temperature for r in active], device=device)
+            top_p = torch.tensor([r.top_p for r in active], device=device)
+            next_tokens = sample(logits, temperature, top_p, self.llama.generator)
+            logprobs = token_logprobs(logits, next_tokens)
+        except Exception as exc:
+            for r in active:
+                self._free(r.slot, "error", _failure_message(exc))
+            return
+        self.steps += 1
+        self._deliver(active, next_tokens, logprobs)
+
+    def _deliver(self, requests: list[_Request], next_tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        for request, token, logprob in zip(requests, next_tokens.tolist(), logprobs.tolist()):
+            if request.cancelled.is_set():
+                self._free(request.slot, "cancelled")
+            elif token == self.eos_id:
+                self._free(request.slot, "eos")
+            else:
+                request.generated += 1
+                request.last_token = token
+                request.events.put(StreamChunk(token, logprob, ""))
+                room = self.llama.max_seq_len - len(request.prompt_tokens)
+                if request.generated >= min(request.max_new_tokens, room):
+                    self._free(request.slot, "length")
+
+    def _free(self, slot: int, reason: str, message: str = "") -> None:
+        request = self._slots[slot]
+        self._slots[slot] = None
+        if request is not None:
+            self._finish(request, reason, message)
+
+    @staticmethod
+    def _finish(request: _Request, reason: str, message: str = "") -> None:
+        request.events.put((_DONE, reason, message))
+
+
+def _failure_message(exc: Exception) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "the request ran out of device memory; try a shorter prompt or fewer new tokens"
+    return f"generation failed: {type(exc).__name__}: {exc}"

@@ -7,6 +7,8 @@ parameters, and retires finished or cancelled requests at once, freeing their sl
 
 from __future__ import annotations
 
+import atexit
+import math
 import collections
 import queue
 import threading
@@ -35,6 +37,7 @@ class _Request:
     temperature: float
     top_p: float
     want_prompt_logprobs: bool = False
+    want_logprobs: bool = True
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     slot: int = -1
@@ -106,6 +109,7 @@ class Engine:
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
         self._thread.start()
+        atexit.register(self.shutdown)  # stop the loop before the interpreter tears torch down
         return self
 
     def shutdown(self) -> None:
@@ -120,6 +124,7 @@ class Engine:
         self._waiting.clear()
         self._slots = [None] * len(self._slots)
         self.llama.release_cache(self)
+        atexit.unregister(self.shutdown)
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -135,9 +140,10 @@ class Engine:
         temperature: float = 0.6,
         top_p: float = 0.9,
         prompt_logprobs: bool = False,
+        logprobs: bool = True,
     ) -> TokenStream:
         """Queues a request; returns its token stream (with prompt_logprobs, also the log-probabilities of
-        prompt tokens 1..n-1, set on the stream before its first token).
+        prompt tokens 1..n-1, set on the stream before its first token). Without logprobs, chunks carry NaN log-probabilities.
 
         Raises:
             InvalidRequestError / ContextLengthError: bad prompt or parameters.
@@ -145,7 +151,7 @@ class Engine:
         """
         self.check_parameters(max_new_tokens, temperature, top_p)
         self.llama.check_request([prompt_tokens], max_new_tokens, temperature, top_p)
-        request = _Request(list(prompt_tokens), max_new_tokens, float(temperature), float(top_p), prompt_logprobs)
+        request = _Request(list(prompt_tokens), max_new_tokens, float(temperature), float(top_p), prompt_logprobs, logprobs)
         with self._wakeup:
             if not self._running:
                 raise LlamaError("the engine is not running; call start() first")
@@ -183,10 +189,15 @@ class Engine:
                     self._wakeup.wait()
                 if not self._running:
                     return
-            self._retire_cancelled()
-            self._admit()
-            if any(self._slots):
-                self._decode_step()
+            try:
+                self._retire_cancelled()
+                self._admit()
+                if any(self._slots):
+                    self._decode_step()
+            except Exception as exc:  # a bug must fail the requests in flight, not hang them
+                for slot, request in enumerate(self._slots):
+                    if request is not None:
+                        self._free(slot, "error", _failure_message(exc))
 
     def _retire_cancelled(self) -> None:
         for slot, request in enumerate(self._slots):
@@ -240,7 +251,10 @@ class Engine:
             temperature = torch.tensor([r.temperature for r in active], device=device)
             top_p = torch.tensor([r.top_p for r in active], device=device)
             next_tokens = sample(logits, temperature, top_p, self.llama.generator)
-            logprobs = token_logprobs(logits, next_tokens)
+            if any(r.want_logprobs for r in active):
+                logprobs = token_logprobs(logits, next_tokens)
+            else:
+                logprobs = torch.full_like(logits[:, 0], math.nan)
         except Exception as exc:
             for r in active:
                 self._free(r.slot, "error", _failure_message(exc))

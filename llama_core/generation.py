@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from . import dialog as chat_format
 from .checkpoint import load_model, read_model_args
 from .config import ModelArgs
 from .errors import CheckpointError, CheckpointNotFoundError, ContextLengthError, InvalidRequestError, LlamaError
-from .model import Transformer
+from .model import Transformer, execution_device
 from .sampling import sample, token_logprobs, validate_sampling
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -87,7 +88,7 @@ class Llama:
         self.max_batch_size = max_batch_size
         self.ckpt_dir = ckpt_dir
         self.load_seconds = load_seconds
-        self.device = model.tok_embeddings.weight.device
+        self.device = execution_device(model.tok_embeddings)  # where inputs go; logits come back here too
         self.dtype = model.tok_embeddings.weight.dtype
         self.generator = torch.Generator(device=self.device)
         if seed is None:
@@ -96,6 +97,8 @@ class Llama:
             self.generator.manual_seed(seed)
         self._cache_lock = threading.Lock()
         self._cache_owner: Optional[object] = None
+        if model.layers[0].attention.wqkv is None:
+            model.fuse_projections()
         model.setup_caches(max_batch_size, max_seq_len)
 
     @staticmethod
@@ -182,7 +185,8 @@ class Llama:
         out_tokens = [list(p) if echo else [] for p in prompt_tokens]
         out_logprobs = [[] for _ in prompt_tokens]
         prompt_lps = [[] for _ in prompt_tokens] if (logprobs and echo) else None
-        for step in self._generate_steps(prompt_tokens, max_gen_len, temperature, top_p, prompt_lps):
+        steps = self._generate_steps(prompt_tokens, max_gen_len, temperature, top_p, logprobs, prompt_lps)
+        for step in steps:
             for row, token, logprob in step:
                 out_tokens[row].append(token)
                 out_logprobs[row].append(logprob)
@@ -202,7 +206,7 @@ class Llama:
         """Generates for one prompt, yielding each token with the text it completes as soon as it exists."""
         self.check_request([prompt_tokens], max_gen_len, temperature, top_p)
         decoder = StreamDecoder(self.tokenizer, prompt_tokens)
-        for step in self._generate_steps([prompt_tokens], max_gen_len, temperature, top_p):
+        for step in self._generate_steps([prompt_tokens], max_gen_len, temperature, top_p, want_logprobs=True):
             for _, token, logprob in step:
                 yield StreamChunk(token, logprob, decoder.push(token))
         tail = decoder.flush()
@@ -303,9 +307,11 @@ class Llama:
         max_gen_len: int,
         temperature: float,
         top_p: float,
+        want_logprobs: bool = False,
         prompt_logprobs: Optional[list[list[float]]] = None,
     ) -> Iterator[list[tuple[int, int, float]]]:
-        """Yields, each decode step, (row, token, logprob) for every row that produced a token.
+        """Yields, each decode step, (row, token, logprob) for every row that produced a token
+        (logprob is NaN unless want_logprobs).
 
         Prompts are right-padded and prefilled together; each row then decodes at its own position, so a
         row's tokens equal its solo generation. If prompt_logprobs is given, it is filled with each row's
@@ -334,7 +340,7 @@ class Llama:
             done = torch.zeros(batch, dtype=torch.bool, device=device)
             while True:
                 next_tokens = sample(logits, temperature, top_p, self.generator)
-                logprobs = token_logprobs(logits, next_tokens)
+                logprobs = token_logprobs(logits, next_tokens) if want_logprobs else torch.full_like(logits[:, 0], math.nan)
                 emits = ~done & (next_tokens != self.tokenizer.eos_id)
                 generated += emits
                 done |= ~emits | (generated >= budget)

@@ -29,20 +29,18 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rotary_cos_sin(input_pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotation angles for positions input_pos [B, S]; returns cos, sin as [B, S, 1, head_dim // 2] float32."""
+def rotary_angles(input_pos: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """Unit complex rotations e^(i * pos * freq) for positions input_pos [B, S]: [B, S, 1, head_dim // 2]."""
     exponents = torch.arange(0, head_dim, 2, device=input_pos.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     angles = input_pos.float()[..., None] * inv_freq
-    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    return torch.polar(torch.ones_like(angles), angles)[:, :, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates consecutive pairs (x[2i], x[2i+1]) of x [B, S, H, head_dim], Meta's layout."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+def apply_rotary(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotates consecutive pairs (x[2i], x[2i+1]) of x [B, S, H, head_dim] as complex numbers (Meta's layout)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
@@ -55,23 +53,33 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wqkv: Optional[nn.Module] = None  # wq, wk, wv stacked; set by fuse_projections()
         self.kv_cache: Optional[KVCache] = None
+
+    def fuse_projections(self) -> None:
+        """Replaces wq, wk, wv by one stacked projection: one matrix-vector product instead of three."""
+        self.wqkv = _stacked_linear(self.wq, self.wk, self.wv)
+        del self.wq, self.wk, self.wv
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotation: torch.Tensor,
         input_pos: torch.Tensor,
         mask: Optional[torch.Tensor],
         cache_rows: Optional[torch.Tensor],
         kv_len: Optional[int],
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.wqkv is not None:
+            kv_size = self.n_kv_heads * self.head_dim
+            q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(batch, seq_len, self.n_heads, self.head_dim)
+        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, rotation), apply_rotary(k, rotation)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, head_dim]
         gqa = self.n_kv_heads != self.n_heads
         if self.kv_cache is None:
@@ -90,8 +98,16 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w13: Optional[nn.Module] = None  # w1 and w3 stacked; set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        self.w13 = _stacked_linear(self.w1, self.w3)
+        del self.w1, self.w3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -103,8 +119,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, input_pos, mask, cache_rows, kv_len) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask, cache_rows, kv_len)
+    def forward(self, x, rotation, input_pos, mask, cache_rows, kv_len) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rotation, input_pos, mask, cache_rows, kv_len)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -121,13 +137,18 @@ class Transformer(nn.Module):
 
     # -- KV cache ownership -------------------------------------------------------------------
     def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocates one KV cache per layer, on that layer's device and in its dtype."""
+        """Allocates one KV cache per layer, on the device that layer runs on and in its dtype."""
         for layer in self.layers:
-            weight = layer.attention.wq.weight
-            dtype = weight.dtype if weight.is_floating_point() else self.tok_embeddings.weight.dtype
-            layer.attention.kv_cache = KVCache(
-                max_batch_size, max_seq_len, self.args.n_kv_heads, self.args.head_dim, dtype, weight.device
+            attention, dtype = layer.attention, layer.attention_norm.weight.dtype
+            attention.kv_cache = KVCache(
+                max_batch_size, max_seq_len, attention.n_kv_heads, attention.head_dim, dtype, execution_device(layer)
             )
+
+    def fuse_projections(self) -> None:
+        """Stacks each layer's q/k/v and gate/up projections for inference (state dict names change)."""
+        for layer in self.layers:
+            layer.attention.fuse_projections()
+            layer.feed_forward.fuse_projections()
 
     def caches_are_enabled(self) -> bool:
         return self.layers[0].attention.kv_cache is not None
@@ -166,15 +187,34 @@ class Transformer(nn.Module):
             length = kv_len if kv_len is not None else self.layers[0].attention.kv_cache.max_seq_len
             key_pos = torch.arange(length, device=tokens.device)
             mask = (key_pos <= input_pos[..., None])[:, None]  # [B, 1, S, kv_len]
-        cos, sin = rotary_cos_sin(input_pos, self.args.head_dim, self.args.rope_theta)
+        rotation = rotary_angles(input_pos, self.args.head_dim, self.args.rope_theta)
+        inputs = (rotation, input_pos, mask, cache_rows)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos.to(h.device), sin.to(h.device), input_pos.to(h.device), _to(mask, h.device),
-                      _to(cache_rows, h.device), kv_len)
+            if inputs[0].device != h.device:  # layers placed on several devices
+                inputs = tuple(None if t is None else t.to(h.device) for t in inputs)
+            h = layer(h, *inputs, kv_len)
         if logit_index is not None:
             h = h[torch.arange(batch, device=h.device), logit_index.to(h.device)][:, None]
         return self.output(self.norm(h)).float()
 
 
-def _to(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    return None if t is None else t.to(device)
+def execution_device(module: nn.Module) -> torch.device:
+    """The device module computes on: its weights' device or, where accelerate's dispatch offloads the
+    weights (left on the meta device between calls), the device its hook runs it on."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device(device)
+    return next(module.parameters()).device
+
+
+def _stacked_linear(*linears: nn.Module) -> nn.Module:
+    """One module computing cat([l(x) for l in linears], -1); int8-quantized linears stay quantized."""
+    from .quantize import Int8Linear
+
+    if all(isinstance(l, Int8Linear) for l in linears):
+        return Int8Linear.stacked(linears)
+    weight = torch.cat([l.weight for l in linears], dim=0)
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    stacked.weight = nn.Parameter(weight, requires_grad=False)
+    return stacked

@@ -12,6 +12,9 @@ from .generation import StreamChunk
 from .tokenizer import StreamDecoder
 
 
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
 class TextStream:
     """One request's reply as text pieces. Iterate for `StreamChunk`s whose `text` is the newly completed
     text; afterwards `generated_tokens`, `tokens_per_second` and `finish_reason` describe the run.
@@ -86,16 +89,18 @@ def stream_completion(
     prompt: str,
     temperature: float = 0.6,
     top_p: float = 0.9,
-    max_new_tokens: int = 256,
+    max_new_tokens: Optional[int] = None,
     prompt_logprobs: bool = False,
 ) -> TextStream:
-    """Submits a plain-text prompt (BOS prepended) to the engine and returns its reply stream."""
+    """Submits a plain-text prompt (BOS prepended) to the engine and returns its reply stream.
+    max_new_tokens None means DEFAULT_MAX_NEW_TOKENS, or less where the context is shorter."""
     if not isinstance(prompt, str):
         raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
         raise InvalidRequestError("prompt is empty: type some text to continue")
     tokenizer = engine.llama.tokenizer
     prompt_tokens = tokenizer.encode(prompt, bos=True, eos=False)
+    max_new_tokens = _default_max_new_tokens(engine, max_new_tokens)
     tokens = engine.submit(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs)
     return TextStream(tokens, StreamDecoder(tokenizer, prompt_tokens), len(prompt_tokens), engine.llama.max_seq_len)
 
@@ -105,7 +110,7 @@ def stream_chat(
     dialog: chat_format.Dialog,
     temperature: float = 0.6,
     top_p: float = 0.9,
-    max_new_tokens: int = 256,
+    max_new_tokens: Optional[int] = None,
 ) -> TextStream:
     """Submits a dialog (ending with the user's message) and returns the assistant's reply stream.
 
@@ -114,8 +119,15 @@ def stream_chat(
     """
     if chat_format.has_special_tags(dialog):
         return TextStream(None, None, 0, engine.llama.max_seq_len, refusal=chat_format.UNSAFE_ERROR)
+    max_new_tokens = _default_max_new_tokens(engine, max_new_tokens)
     engine.check_parameters(max_new_tokens, temperature, top_p)
     fitted = engine.llama.prepare_chat(dialog, max_new_tokens)
     tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, temperature, top_p)
     decoder = StreamDecoder(engine.llama.tokenizer, fitted.prompt_tokens)
     return TextStream(tokens, decoder, len(fitted.prompt_tokens), engine.llama.max_seq_len, fitted.dropped_pairs)
+
+
+def _default_max_new_tokens(engine: Engine, max_new_tokens: Optional[int]) -> int:
+    if max_new_tokens is None:
+        return min(DEFAULT_MAX_NEW_TOKENS, engine.llama.max_seq_len - 1)
+    return max_new_tokens

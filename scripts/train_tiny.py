@@ -56,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--evaluate", action="store_true",
+                   help="only measure the exported model in --out (losses, unigram baseline) and update its training.json")
     return p.parse_args()
 
 
@@ -154,6 +157,7 @@ def batch_from(streams: list[torch.Tensor], batch_size: int, seq_len: int, gen: 
 @torch.no_grad()
 def evaluate(model: Transformer, streams: list[torch.Tensor], seq_len: int, device: str, max_windows: int = 64) -> float:
     """Mean next-token loss (nats) over non-overlapping windows of the given streams."""
+    was_training = model.training
     model.eval()
     losses = []
     for stream in streams:
@@ -164,12 +168,14 @@ def evaluate(model: Transformer, streams: list[torch.Tensor], seq_len: int, devi
         for i in range(0, n, 16):
             logits = model(x[i : i + 16])
             losses.append(F.cross_entropy(logits.flatten(0, 1), y[i : i + 16].flatten(), reduction="sum").item())
-    model.train()
+    model.train(was_training)
     return sum(losses) / sum(min(max_windows, (len(s) - 1) // seq_len) * seq_len for s in streams)
 
 
 def main() -> None:
     a = parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     a.work_dir.mkdir(parents=True, exist_ok=True)
@@ -178,6 +184,10 @@ def main() -> None:
     default_system = DEFAULT_SYSTEM_PROMPT.read_text().strip()
     train_dialogs = chat_dialogs(train_text, default_system, rng)
     val_dialogs = chat_dialogs(val_text, default_system, rng)
+
+    if a.evaluate:
+        report_losses(a, train_text, val_text, train_dialogs, val_dialogs)
+        return
 
     tok_path = a.work_dir / "tokenizer.model"
     if not tok_path.exists():
@@ -237,6 +247,45 @@ def main() -> None:
     val_loss = evaluate(model, list(val_streams), a.seq_len, a.device)
     export(model, args, tok_path, a, train_loss, val_loss, len(train_streams[0]) + len(train_streams[1]))
     print(f"final train loss {train_loss:.4f}, val loss {val_loss:.4f}; saved to {a.out}")
+
+
+def unigram_loss(train_tokens: torch.Tensor, eval_tokens: torch.Tensor, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of eval_tokens under add-one-smoothed unigram counts of train_tokens."""
+    counts = torch.bincount(train_tokens, minlength=vocab_size).double() + 1.0
+    log_probs = (counts / counts.sum()).log()
+    return float(-log_probs[eval_tokens].mean())
+
+
+def held_out_losses(model: Transformer, tokenizer: Tokenizer, train_text: str, val_text: str, seq_len: int,
+                    val_dialogs=(), windows: int = 64) -> dict:
+    """Model and unigram losses (nats/token) on the held-out plain text, and the model's on held-out chats."""
+    train_plain, _ = encode_stream(tokenizer, train_text, [])
+    val_plain, val_chat = encode_stream(tokenizer, val_text, list(val_dialogs))
+    n = min(windows, (len(val_plain) - 1) // seq_len)
+    result = {
+        "val_loss_plain": evaluate(model, [val_plain], seq_len, "cpu", max_windows=windows),
+        "unigram_val_loss_plain": unigram_loss(train_plain, val_plain[1 : n * seq_len + 1], tokenizer.n_words),
+    }
+    if len(val_chat) > seq_len:
+        result["val_loss_chat"] = evaluate(model, [val_chat], seq_len, "cpu", max_windows=windows)
+    return result
+
+
+def report_losses(a, train_text: str, val_text: str, train_dialogs, val_dialogs) -> None:
+    from llama_core.checkpoint import load_model, read_model_args
+
+    args = read_model_args(a.out)
+    tokenizer = Tokenizer(a.out / "tokenizer.model")
+    args.vocab_size = tokenizer.n_words
+    model = load_model(a.out, args, torch.device("cpu"), torch.float32)
+    seq_len = json.loads((a.out / "training.json").read_text())["seq_len"]
+    losses = held_out_losses(model, tokenizer, train_text, val_text, seq_len, val_dialogs)
+    train_plain, train_chat = encode_stream(tokenizer, train_text, train_dialogs)
+    losses["train_loss"] = evaluate(model, [train_plain, train_chat], seq_len, "cpu")
+    record = json.loads((a.out / "training.json").read_text())
+    record.update({k: round(v, 4) for k, v in losses.items()})
+    (a.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2))
 
 
 def encode_dialog_text(dialog: list[dict]) -> str:

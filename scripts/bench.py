@@ -1,0 +1,282 @@
+"""Speed benchmark: llama_core against Hugging Face transformers' LlamaForCausalLM on the same random
+weights, in one process, side by side.
+
+    python scripts/bench.py --shape 15m                 # CPU shapes: 15m, 110m; GPU: 7b, 13b
+    python scripts/bench.py --shape 7b --device cuda --quantize int8
+    python scripts/bench.py --shape custom --dim 512 --n-layers 8 --n-heads 8 --n-kv-heads 2
+
+Reports batch-1 decode tokens/s, time to first token for several prompt lengths, aggregate tokens/s
+for 8 and 32 concurrent sequences and peak memory; on CUDA also the achieved weight bandwidth and
+its share of the device-to-device copy bandwidth measured in the same run. Prints a table and
+writes the figures as JSON (--json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from llama_core.checkpoint import permute_rotary  # noqa: E402
+from llama_core.config import ModelArgs  # noqa: E402
+from llama_core.generation import Llama  # noqa: E402
+from llama_core.model import Transformer  # noqa: E402
+from llama_core.quantize import quantize_int8  # noqa: E402
+
+SHAPES = {
+    "15m": dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=32000, multiple_of=32),
+    "110m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, vocab_size=32000, multiple_of=32),
+    "7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000, multiple_of=256),
+    "13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, multiple_of=256),
+}
+
+
+class _Vocab:
+    """Stand-in tokenizer: the benchmark feeds token ids directly and never reaches EOS (id -1)."""
+
+    bos_id, eos_id, pad_id = 1, -1, -1
+
+    def __init__(self, n_words: int) -> None:
+        self.n_words = n_words
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="15m", choices=[*SHAPES, "custom"])
+    for name in ("dim", "n-layers", "n-heads", "n-kv-heads", "vocab-size"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per decode measurement")
+    p.add_argument("--prompt-lengths", default="128,512,2048", help="prompt lengths for time to first token")
+    p.add_argument("--batch-sizes", default="8,32", help="concurrent sequences for aggregate throughput")
+    p.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
+    p.add_argument("--quantize", choices=["none", "int8"], default="none")
+    p.add_argument("--skip-hf", action="store_true", help="measure llama_core only")
+    p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return p.parse_args()
+
+
+def model_args(a: argparse.Namespace) -> ModelArgs:
+    shape = dict(SHAPES.get(a.shape, SHAPES["15m"]))
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size"):
+        if getattr(a, key) is not None:
+            shape[key] = getattr(a, key)
+    return ModelArgs(**shape, max_seq_len=4096)
+
+
+def random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(args).to(dtype)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.ones_(p)
+    return model.requires_grad_(False).eval()
+
+
+def hf_model(model: Transformer, attn: str = "eager"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    a = model.args
+    config = LlamaConfig(
+        hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, vocab_size=a.vocab_size,
+        rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len,
+        tie_word_embeddings=False, attn_implementation=attn,
+    )
+    weight = model.tok_embeddings.weight
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    state = {"model.embed_tokens.weight": weight, "model.norm.weight": model.norm.weight, "lm_head.weight": model.output.weight}
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        state[pre + "self_attn.q_proj.weight"] = permute_rotary(layer.attention.wq.weight, a.n_heads)
+        state[pre + "self_attn.k_proj.weight"] = permute_rotary(layer.attention.wk.weight, a.n_kv_heads)
+        state[pre + "self_attn.v_proj.weight"] = layer.attention.wv.weight
+        state[pre + "self_attn.o_proj.weight"] = layer.attention.wo.weight
+        state[pre + "mlp.gate_proj.weight"] = layer.feed_forward.w1.weight
+        state[pre + "mlp.up_proj.weight"] = layer.feed_forward.w3.weight
+        state[pre + "mlp.down_proj.weight"] = layer.feed_forward.w2.weight
+        state[pre + "input_layernorm.weight"] = layer.attention_norm.weight
+        state[pre + "post_attention_layernorm.weight"] = layer.ffn_norm.weight
+    hf.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True, strict=False)
+    hf.model.rotary_emb.inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, device=weight.device).float() / a.head_dim))
+    hf.model.rotary_emb.original_inv_freq = hf.model.rotary_emb.inv_freq
+    return hf.to(weight.device).requires_grad_(False).eval()
+
+
+def best_time(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(name: str, generate: Callable[[list[list[int]], int], None], a, vocab: int, device: torch.device) -> dict:
+    """Decode speed, time to first token and batched throughput of one implementation."""
+    gen = torch.Generator().manual_seed(1)
+
+    def prompts(batch: int, length: int) -> list[list[int]]:
+        return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
+
+    n = a.decode_tokens
+    short = prompts(1, 16)
+    generate(short, 2)  # warm-up
+    first = best_time(lambda: generate(short, 1), a.repeats, device)
+    full = best_time(lambda: generate(short, n + 1), a.repeats, device)
+    result = {"decode_tokens_per_s": n / max(full - first, 1e-9), "ttft_s": {}, "aggregate_tokens_per_s": {}}
+    for length in (int(x) for x in a.prompt_lengths.split(",")):
+        p = prompts(1, length)
+        result["ttft_s"][length] = best_time(lambda: generate(p, 1), a.repeats, device)
+    for batch in (int(x) for x in a.batch_sizes.split(",")):
+        p = prompts(batch, 16)
+        t_first = best_time(lambda: generate(p, 1), 1, device)
+        t_full = best_time(lambda: generate(p, n + 1), 1, device)
+        result["aggregate_tokens_per_s"][batch] = batch * n / max(t_full - t_first, 1e-9)
+    result["peak_memory_bytes"] = _peak_memory(device)
+    print(f"  {name}: {result['decode_tokens_per_s']:.1f} tok/s batch-1 decode", flush=True)
+    return result
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS so far
+
+
+def copy_bandwidth(device: torch.device) -> Optional[float]:
+    """Device-to-device copy bandwidth in bytes/s (read + write), best of a few 1 GiB copies."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = best_time(lambda: dst.copy_(src), 5, device)
+    del src, dst
+    return 2 * (1 << 30) / seconds
+
+
+def max_logprob_deviation(reference: Transformer, quantized: Transformer, vocab: int, device) -> float:
+    tokens = torch.randint(3, vocab, (1, 64), generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.inference_mode():
+        ref = torch.log_softmax(reference(tokens).float(), -1)
+        out = torch.log_softmax(quantized(tokens).float(), -1)
+    return float((ref - out).abs().max())
+
+
+def main() -> None:
+    a = parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from llama_core.generation import resolve_device, resolve_dtype
+
+    device = resolve_device(a.device)
+    dtype = resolve_dtype(a.dtype, device)
+    args = model_args(a)
+    max_len = max(int(x) for x in a.prompt_lengths.split(",")) + a.decode_tokens + 8
+    max_batch = max(int(x) for x in a.batch_sizes.split(","))
+    model = random_model(args, device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    report = {
+        "shape": a.shape, "args": args.to_dict(), "device": _device_name(device), "dtype": str(dtype).split(".")[-1],
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "parameters": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": weight_bytes, "decode_tokens": a.decode_tokens, "results": {},
+    }
+    print(f"{a.shape}: {report['parameters'] / 1e6:.1f}M parameters, {dtype}, {report['device']}, {report['threads']} threads", flush=True)
+
+    hf = None if a.skip_hf else hf_model(model)
+    if a.quantize == "int8":
+        reference = model
+        model = quantize_int8(random_model(args, device, dtype))
+        report["int8_max_logprob_deviation"] = max_logprob_deviation(reference, model, args.vocab_size, device)
+        report["weight_bytes_int8"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        if hf is None:
+            del reference
+    llama = Llama(model, _Vocab(args.vocab_size), max_len, max_batch)
+    report["results"]["llama_core"] = measure(
+        "llama_core", lambda p, n: llama.generate(p, n, temperature=0), a, args.vocab_size, device
+    )
+    if hf is not None:
+        report["results"]["hf_eager"] = measure("hf_eager", lambda p, n: _hf_generate(hf, p, n), a, args.vocab_size, device)
+        if a.hf_compile:
+            try:
+                hf.generation_config.cache_implementation = "static"
+                hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+                report["results"]["hf_static_compiled"] = measure(
+                    "hf_static_compiled", lambda p, n: _hf_generate(hf, p, n), a, args.vocab_size, device
+                )
+            except Exception as exc:  # compile support varies by version and device
+                report["hf_compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    bandwidth = copy_bandwidth(device)
+    if bandwidth:
+        report["copy_bandwidth_bytes_per_s"] = bandwidth
+        for result in report["results"].values():
+            achieved = report.get("weight_bytes_int8", weight_bytes) * result["decode_tokens_per_s"]
+            result["achieved_bandwidth_bytes_per_s"] = achieved
+            result["share_of_copy_bandwidth"] = achieved / bandwidth
+    print_table(report)
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _hf_generate(hf, prompts: list[list[int]], n: int) -> None:
+    ids = torch.tensor(prompts, device=hf.device)
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def print_table(report: dict) -> None:
+    results = report["results"]
+    names = list(results)
+    rows = [("decode tok/s (batch 1)", lambda r: f"{r['decode_tokens_per_s']:.1f}")]
+    for length in next(iter(results.values()))["ttft_s"]:
+        rows.append((f"TTFT {length} tokens (ms)", lambda r, n=length: f"{1000 * r['ttft_s'][n]:.1f}"))
+    for batch in next(iter(results.values()))["aggregate_tokens_per_s"]:
+        rows.append((f"aggregate tok/s ({batch} seqs)", lambda r, b=batch: f"{r['aggregate_tokens_per_s'][b]:.1f}"))
+    rows.append(("peak memory (MiB)", lambda r: f"{r['peak_memory_bytes'] / 2**20:.0f}"))
+    if "copy_bandwidth_bytes_per_s" in report:
+        rows.append(("weight bandwidth (GB/s)", lambda r: f"{r['achieved_bandwidth_bytes_per_s'] / 1e9:.0f}"))
+        rows.append(("share of copy bandwidth", lambda r: f"{100 * r['share_of_copy_bandwidth']:.0f}%"))
+    width = max(len(label) for label, _ in rows)
+    print(f"\n{'':<{width}}  " + "  ".join(f"{n:>18}" for n in names))
+    for label, cell in rows:
+        print(f"{label:<{width}}  " + "  ".join(f"{cell(results[n]):>18}" for n in names))
+    if "hf_eager" in results:
+        ours, hf = results["llama_core"], results["hf_eager"]
+        print(f"\ndecode speed-up vs HF eager: {ours['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.2f}x")
+    if "int8_max_logprob_deviation" in report:
+        print(f"int8 max |logprob - float logprob| over 64 positions: {report['int8_max_logprob_deviation']:.4f}")
+    if "copy_bandwidth_bytes_per_s" in report:
+        print(f"device copy bandwidth: {report['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

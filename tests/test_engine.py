@@ -1,0 +1,178 @@
+"""The continuous-batching engine: concurrency without cross-talk, cancellation, bad input, failures."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama, LlamaError, ServerBusyError
+from llama_core.engine import Engine, RequestFailedError
+from llama_core.errors import ContextLengthError
+from llama_core.serving import stream_chat, stream_completion
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+
+
+def _model_dir() -> Path:
+    if (DEFAULT_CKPT_DIR / "params.json").is_file():
+        return DEFAULT_CKPT_DIR
+    if STORIES.is_dir():
+        return STORIES
+    pytest.skip("neither the embedded default model nor ../shared/models/stories260K is present")
+
+
+@pytest.fixture(scope="module")
+def llama() -> Llama:
+    return Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(llama) -> list[list[int]]:
+    rng = random.Random(7)
+    words = "the king and queen of my lord good night sweet love day come".split()
+    return [
+        llama.tokenizer.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 40))), bos=True, eos=False)
+        for _ in range(16)
+    ]
+
+
+@pytest.fixture(scope="module")
+def solo(llama, prompts) -> list[list[int]]:
+    return [llama.generate([p], 40, temperature=0)[0][0] for p in prompts]
+
+
+def _collect(stream) -> list[int]:
+    return [chunk.token for chunk in stream]
+
+
+def test_concurrent_greedy_requests_equal_their_solo_outputs(llama, prompts, solo):
+    results: list = [None] * len(prompts)
+    with Engine(llama) as engine:
+        def run(i: int) -> None:
+            results[i] = _collect(engine.submit(prompts[i], 40, temperature=0))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        steps = engine.steps
+    assert results == solo
+    # 16 requests of up to 40 tokens over 8 slots: batching shares steps between requests.
+    assert steps < sum(len(s) for s in solo) / 2
+
+
+def test_cancelling_a_request_frees_its_slot_for_a_waiting_one(prompts):
+    llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
+    with Engine(llama) as engine:
+        first = engine.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
+        chunks = iter(first)
+        next(chunks)  # the first request holds the only slot
+        waiting = engine.submit(prompts[1], 5, temperature=0)
+        assert engine.waiting_count == 1
+        first.cancel()
+        second_tokens = _collect(waiting)
+        assert 1 <= len(second_tokens) <= 5
+        assert first.finish_reason in (None, "cancelled")
+        assert list(chunks) == [] or first.finish_reason == "cancelled"
+
+
+def test_leaving_a_stream_early_cancels_it(llama, prompts):
+    with Engine(llama) as engine:
+        stream = engine.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
+        for _ in stream:
+            break
+        follow_up = _collect(engine.submit(prompts[2], 3, temperature=0))
+        assert len(follow_up) >= 1
+        assert engine.active_count == 0
+
+
+def test_queue_past_its_bound_answers_busy(prompts):
+    llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
+    with Engine(llama, max_waiting=2) as engine:
+        # One request runs in the only slot, two wait; the fourth finds the queue full.
+        streams = [engine.submit(prompts[0], 100, temperature=1.0, top_p=1.0)]
+        next(iter(streams[0]))
+        streams += [engine.submit(prompts[0], 100, temperature=1.0, top_p=1.0) for _ in range(2)]
+        with pytest.raises(ServerBusyError, match="busy"):
+            for _ in range(5):
+                streams.append(engine.submit(prompts[0], 100))
+        for stream in streams:
+            stream.cancel()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 10_000}, "max_new_tokens"),
+    ],
+)
+def test_bad_parameters_are_refused_and_the_engine_keeps_serving(llama, prompts, solo, kwargs, message):
+    with Engine(llama) as engine:
+        request = {"prompt_tokens": prompts[3], "max_new_tokens": 40, "temperature": 0.0, "top_p": 0.9, **kwargs}
+        with pytest.raises(InvalidRequestError, match=message):
+            engine.submit(**request)
+        assert _collect(engine.submit(prompts[3], 40, temperature=0)) == solo[3]
+
+
+def test_bad_text_input_is_refused_with_a_message(llama):
+    with Engine(llama) as engine:
+        with pytest.raises(InvalidRequestError, match="string"):
+            stream_completion(engine, 42)
+        with pytest.raises(ContextLengthError, match="max_seq_len"):
+            stream_completion(engine, "word " * 200_000)
+        with pytest.raises(ContextLengthError, match="over by"):
+            stream_chat(engine, [{"role": "user", "content": "word " * 200_000}])
+        with pytest.raises(InvalidRequestError, match="message 1"):
+            stream_chat(engine, [{"role": "user", "content": "hi"}, {"role": "user", "content": "hi"}])
+        refused = stream_chat(engine, [{"role": "user", "content": "hello [/INST] there"}])
+        assert list(refused) == [] and refused.refusal and refused.finish_reason == "refused"
+        assert "".join(c.text for c in stream_completion(engine, "good", temperature=0, max_new_tokens=8))
+
+
+class _FailOnLength(torch.nn.Module):
+    """Wraps a model; a prefill of exactly `length` tokens raises out-of-memory."""
+
+    def __init__(self, model, length: int) -> None:
+        super().__init__()
+        self.inner, self.length, self.args = model, length, model.args
+
+    def forward(self, tokens, *args, **kwargs):
+        if tokens.shape[1] == self.length:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return self.inner(tokens, *args, **kwargs)
+
+
+def test_a_failing_request_fails_alone(llama, prompts, solo):
+    engine = Engine(llama)
+    engine.model = _FailOnLength(llama.model, length=97)
+    with engine:
+        doomed = engine.submit(list(prompts[0][:1]) * 97, 10)
+        with pytest.raises(RequestFailedError, match="memory"):
+            _collect(doomed)
+        assert _collect(engine.submit(prompts[4], 40, temperature=0)) == solo[4]
+
+
+def test_generate_refuses_while_an_engine_owns_the_cache(llama, prompts):
+    with Engine(llama):
+        with pytest.raises(LlamaError, match="Engine"):
+            llama.generate([prompts[0]], 4)
+    assert llama.generate([prompts[0]], 4, temperature=0)[0][0]
+
+
+def test_prompt_logprobs_match_generate_echo(llama, prompts):
+    expected = llama.generate([prompts[5]], 4, temperature=0, logprobs=True, echo=True)[1][0]
+    with Engine(llama) as engine:
+        stream = engine.submit(prompts[5], 4, temperature=0, prompt_logprobs=True)
+        generated = [chunk.logprob for chunk in stream]
+    assert stream.prompt_logprobs == pytest.approx(expected[1 : len(prompts[5])], abs=1e-4)
+    assert generated == pytest.approx(expected[len(prompts[5]) :], abs=1e-4)

@@ -76,7 +76,7 @@ def load_meta_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     shard_paths = meta_shard_paths(ckpt_dir)
     shards = [_torch_load(p) for p in tqdm(shard_paths, desc="loading shards", unit="shard", disable=len(shard_paths) < 2)]
     if len(shards) == 1:
-        return shards[0]
+        return {name: t for name, t in shards[0].items() if not name.endswith("rope.freqs")}
     return merge_meta_shards(shards, shard_paths)
 
 

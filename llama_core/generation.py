@@ -57,6 +57,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise InvalidRequestError(f"dtype must be a floating-point type, got {dtype}")
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
@@ -96,7 +98,8 @@ class Llama:
         else:
             self.generator.manual_seed(seed)
         self._cache_lock = threading.Lock()
-        self._cache_owner: Optional[object] = None
+        self._cache_owner: Optional[object] = None  # an Engine serving this Llama
+        self._cache_holder: Optional[int] = None  # thread running a generation
         if model.layers[0].attention.wqkv is None:
             model.fuse_projections()
         model.setup_caches(max_batch_size, max_seq_len)
@@ -110,6 +113,9 @@ class Llama:
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
         seed: Optional[int] = None,
+        device_map: Optional[str | dict] = None,
+        max_memory: Optional[dict] = None,
+        tensor_parallel: bool = False,
     ) -> "Llama":
         """Loads a checkpoint in Meta or Hugging Face layout.
 
@@ -121,6 +127,13 @@ class Llama:
             device: "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]".
             dtype: "auto" (bfloat16 on CUDA, float16 where bf16 is unsupported, float32 on CPU) or a dtype name.
             seed: seeds sampling; None draws a random seed.
+            device_map: places whole layers over several devices with accelerate (instead of `device`):
+                "auto" spreads them over the GPUs, offloading to CPU memory as a last resort; or a dict like
+                {"tok_embeddings": 0, "layers.0": 0, ..., "output": 1} (see llama_core.device_map).
+            max_memory: with a device_map strategy, the most each device may hold: {0: "20GiB", "cpu": "64GiB"}.
+            tensor_parallel: under `torchrun --nproc_per_node N`, splits heads and FFN units over the N
+                processes. Rank 0 gets the Llama, which drives every rank; on the other ranks this call
+                serves rank 0's steps until rank 0 exits, then exits the process (see llama_core.parallel).
 
         Raises:
             CheckpointNotFoundError: a directory or file is missing.
@@ -144,9 +157,28 @@ class Llama:
                 f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} pieces but the model in "
                 f"{ckpt_dir} has vocab_size {args.vocab_size}"
             )
-        torch_device = resolve_device(device)
-        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
-        return Llama(model, tokenizer, max_seq_len, max_batch_size, seed, ckpt_dir, time.perf_counter() - start)
+        if max_memory is not None and not isinstance(device_map, str):
+            raise InvalidRequestError("max_memory goes with a device_map strategy such as device_map='auto'")
+        if tensor_parallel:
+            from . import parallel
+
+            if device_map is not None:
+                raise InvalidRequestError("device_map and tensor_parallel exclude each other: choose one")
+            torch_device = parallel.init_distributed(device, args)
+            model = parallel.load_model_shard(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
+        elif device_map is not None:
+            from .device_map import load_dispatched
+
+            if str(device) != "auto":
+                raise InvalidRequestError(f"device_map places the model: leave device as 'auto', got {device!r}")
+            model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len)
+        else:
+            torch_device = resolve_device(device)
+            model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
+        llama = Llama(model, tokenizer, max_seq_len, max_batch_size, seed, ckpt_dir, time.perf_counter() - start)
+        if tensor_parallel:
+            parallel.lead_or_serve(llama)  # returns on rank 0 only
+        return llama
 
     def claim_cache(self, owner: object) -> bool:
         """Gives the KV cache to owner (a serving engine) until release_cache; False if already owned."""
@@ -202,10 +234,22 @@ class Llama:
         max_gen_len: int,
         temperature: float = 0.6,
         top_p: float = 0.9,
+        continue_prompt: bool = True,
     ) -> Iterator[StreamChunk]:
-        """Generates for one prompt, yielding each token with the text it completes as soon as it exists."""
+        """Generates for one prompt, yielding each token with the text it completes as soon as it exists.
+
+        With continue_prompt, pieces are decoded after the prompt, so decode(prompt) + the pieces reads as
+        decode(prompt + generated) (a completion that starts a new word starts with its space). Without it,
+        the pieces join to decode(generated), as a chat reply's content is.
+
+        Raises:
+            InvalidRequestError / ContextLengthError: at once, for a request this model can't run.
+        """
         self.check_request([prompt_tokens], max_gen_len, temperature, top_p)
-        decoder = StreamDecoder(self.tokenizer, prompt_tokens)
+        decoder = StreamDecoder(self.tokenizer, prompt_tokens if continue_prompt else ())
+        return self._stream_chunks(decoder, prompt_tokens, max_gen_len, temperature, top_p)
+
+    def _stream_chunks(self, decoder, prompt_tokens, max_gen_len, temperature, top_p) -> Iterator[StreamChunk]:
         for step in self._generate_steps([prompt_tokens], max_gen_len, temperature, top_p, want_logprobs=True):
             for _, token, logprob in step:
                 yield StreamChunk(token, logprob, decoder.push(token))
@@ -242,8 +286,8 @@ class Llama:
     ) -> list[ChatPrediction]:
         """Answers each dialog as the assistant. A dialog holding a special tag is not run: its reply is
         UNSAFE_ERROR; the other dialogs are answered as usual. Old turns are dropped to fit the context."""
-        if not isinstance(dialogs, (list, tuple)):
-            raise InvalidRequestError(f"dialogs must be a list of dialogs, got {type(dialogs).__name__}")
+        if not isinstance(dialogs, (list, tuple)) or not dialogs:
+            raise InvalidRequestError(f"dialogs must be a non-empty list of dialogs, got {dialogs!r:.60}")
         max_gen_len = self._default_gen_len(max_gen_len)
         unsafe = [chat_format.has_special_tags(d) for d in dialogs]
         prompts = [
@@ -317,44 +361,57 @@ class Llama:
         row's tokens equal its solo generation. If prompt_logprobs is given, it is filled with each row's
         log-probabilities of prompt tokens 1..n-1.
         """
+        if self._cache_holder == threading.get_ident():
+            raise LlamaError(
+                "the KV cache is in use by an unfinished generation on this thread (a stream not read to "
+                "the end?): finish or close() it before generating again"
+            )
         with self._cache_lock:
-            if self._cache_owner is not None:
-                raise LlamaError("this Llama is being served by an Engine, which owns its KV cache: submit to the engine")
-            device, batch = self.device, len(prompt_tokens)
-            lengths = torch.tensor([len(p) for p in prompt_tokens], device=device)
-            longest = int(lengths.max())
-            tokens = torch.full((batch, longest), self.tokenizer.eos_id, dtype=torch.long, device=device)
+            self._cache_holder = threading.get_ident()
+            try:
+                yield from self._decode(prompt_tokens, max_gen_len, temperature, top_p, want_logprobs, prompt_logprobs)
+            finally:
+                self._cache_holder = None
+
+    def _decode(self, prompt_tokens, max_gen_len, temperature, top_p, want_logprobs, prompt_logprobs):
+        """The body of _generate_steps, run while holding the KV cache."""
+        if self._cache_owner is not None:
+            raise LlamaError("this Llama is being served by an Engine, which owns its KV cache: submit to the engine")
+        device, batch = self.device, len(prompt_tokens)
+        lengths = torch.tensor([len(p) for p in prompt_tokens], device=device)
+        longest = int(lengths.max())
+        tokens = torch.full((batch, longest), self.tokenizer.eos_id, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompt_tokens):
+            tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        positions = torch.arange(longest, device=device).expand(batch, longest)
+        if prompt_logprobs is None:
+            logits = self.model(tokens, positions, kv_len=longest, logit_index=lengths - 1)[:, 0]
+        else:
+            all_logits = self.model(tokens, positions, kv_len=longest)
+            prompt_lp = token_logprobs(all_logits[:, :-1], tokens[:, 1:]).tolist()
             for row, prompt in enumerate(prompt_tokens):
-                tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-            positions = torch.arange(longest, device=device).expand(batch, longest)
-            if prompt_logprobs is None:
-                logits = self.model(tokens, positions, kv_len=longest, logit_index=lengths - 1)[:, 0]
-            else:
-                all_logits = self.model(tokens, positions, kv_len=longest)
-                prompt_lp = token_logprobs(all_logits[:, :-1], tokens[:, 1:]).tolist()
-                for row, prompt in enumerate(prompt_tokens):
-                    prompt_logprobs[row].extend(prompt_lp[row][: len(prompt) - 1])
-                logits = all_logits[torch.arange(batch, device=device), lengths - 1]
-            budget = torch.clamp(self.max_seq_len - lengths, max=max_gen_len)
-            generated = torch.zeros_like(lengths)
-            done = torch.zeros(batch, dtype=torch.bool, device=device)
-            while True:
-                next_tokens = sample(logits, temperature, top_p, self.generator)
-                logprobs = token_logprobs(logits, next_tokens) if want_logprobs else torch.full_like(logits[:, 0], math.nan)
-                emits = ~done & (next_tokens != self.tokenizer.eos_id)
-                generated += emits
-                done |= ~emits | (generated >= budget)
-                step = [
-                    (row, token, lp)
-                    for row, (token, lp, emit) in enumerate(zip(next_tokens.tolist(), logprobs.tolist(), emits.tolist()))
-                    if emit
-                ]
-                yield step
-                if bool(done.all()):
-                    return
-                positions = torch.clamp(lengths + generated - 1, max=self.max_seq_len - 1)[:, None]
-                kv_len = int(positions.max()) + 1
-                logits = self.model(next_tokens[:, None], positions, kv_len=kv_len)[:, 0]
+                prompt_logprobs[row].extend(prompt_lp[row][: len(prompt) - 1])
+            logits = all_logits[torch.arange(batch, device=device), lengths - 1]
+        budget = torch.clamp(self.max_seq_len - lengths, max=max_gen_len)
+        generated = torch.zeros_like(lengths)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        while True:
+            next_tokens = sample(logits, temperature, top_p, self.generator)
+            logprobs = token_logprobs(logits, next_tokens) if want_logprobs else torch.full_like(logits[:, 0], math.nan)
+            emits = ~done & (next_tokens != self.tokenizer.eos_id)
+            generated += emits
+            done |= ~emits | (generated >= budget)
+            step = [
+                (row, token, lp)
+                for row, (token, lp, emit) in enumerate(zip(next_tokens.tolist(), logprobs.tolist(), emits.tolist()))
+                if emit
+            ]
+            yield step
+            if bool(done.all()):
+                return
+            positions = torch.clamp(lengths + generated - 1, max=self.max_seq_len - 1)[:, None]
+            kv_len = int(positions.max()) + 1
+            logits = self.model(next_tokens[:, None], positions, kv_len=kv_len)[:, 0]
 
 
 def _find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path]) -> Path:

@@ -123,7 +123,7 @@ def stream_chat(
     engine.check_parameters(max_new_tokens, temperature, top_p)
     fitted = engine.llama.prepare_chat(dialog, max_new_tokens)
     tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, temperature, top_p)
-    decoder = StreamDecoder(engine.llama.tokenizer, fitted.prompt_tokens)
+    decoder = StreamDecoder(engine.llama.tokenizer)  # the reply's text, as chat_completion's content reads
     return TextStream(tokens, decoder, len(fitted.prompt_tokens), engine.llama.max_seq_len, fitted.dropped_pairs)
 
 

@@ -1,0 +1,130 @@
+"""Checkpoint loading: every layout yields exactly the weights that were written, whatever the sharding."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import (
+    LAYOUTS,
+    build_llama,
+    load_weights,
+    meta_to_hf_state_dict,
+    split_meta_shards,
+    write_meta_checkpoint,
+)
+from llama_core.checkpoint import checkpoint_layout, permute_rotary, read_model_args, unpermute_rotary
+from llama_core.config import ModelArgs
+
+
+def assert_weights_equal(loaded, state_dict, what):
+    assert set(loaded) == set(state_dict), what
+    for name, tensor in state_dict.items():
+        assert torch.equal(loaded[name], tensor), f"{what}: {name} differs from the weights written"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_layout_loads_the_written_weights(ckpt_dirs, tiny_state_dict, tiny_args, layout):
+    assert_weights_equal(load_weights(ckpt_dirs[layout], tiny_args.vocab_size), tiny_state_dict, layout)
+    llama = build_llama(ckpt_dirs[layout])
+    assert llama.model.args.n_kv_heads == 2 and llama.model.args.n_heads == 4
+    assert llama.model.args.vocab_size == tiny_args.vocab_size
+
+
+def test_layout_detection(ckpt_dirs):
+    assert checkpoint_layout(ckpt_dirs["meta"]) == "meta"
+    assert checkpoint_layout(ckpt_dirs["meta_sharded"]) == "meta"
+    assert checkpoint_layout(ckpt_dirs["hf"]) == "hf"
+
+
+def test_model_args_agree_across_layouts(ckpt_dirs, tiny_args):
+    meta = read_model_args(ckpt_dirs["meta"])
+    hf = read_model_args(ckpt_dirs["hf"])
+    assert meta.vocab_size == -1  # Meta's convention: filled in from the tokenizer at build time
+    assert (meta.dim, meta.n_layers, meta.n_heads, meta.n_kv_heads) == (64, 2, 4, 2)
+    assert meta.hidden_dim == hf.hidden_dim == tiny_args.hidden_dim == 176  # 2/3 * 4 * 64 = 170, rounded up to 16
+    assert hf.vocab_size == tiny_args.vocab_size
+    assert hf.rope_theta == meta.rope_theta == 10000.0
+    assert hf.norm_eps == meta.norm_eps == 1e-5
+
+
+def test_hf_config_rope_theta_read_from_either_place(tmp_path, ckpt_dirs):
+    raw = json.loads((ckpt_dirs["hf"] / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    raw["rope_theta"] = 500000.0
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert ModelArgs.from_hf_config(tmp_path / "config.json").rope_theta == 500000.0
+    raw.pop("rope_theta")
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 20000.0}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert ModelArgs.from_hf_config(tmp_path / "config.json").rope_theta == 20000.0
+
+
+@pytest.mark.parametrize("n_heads", [4, 2, 1])
+def test_unpermute_rotary_inverts_permute(n_heads):
+    weight = torch.randn(n_heads * 16, 64)
+    permuted = permute_rotary(weight, n_heads)
+    assert not torch.equal(permuted, weight)
+    assert torch.equal(unpermute_rotary(permuted, n_heads), weight)
+    # Within each head, HF's layout puts the even (first-of-pair) rows before the odd ones.
+    head = weight[:16]
+    assert torch.equal(permuted[:16], torch.cat((head[0::2], head[1::2])))
+
+
+@pytest.mark.parametrize("n_shards", [1, 2])
+def test_meta_checkpoint_with_rope_freqs_loads(tmp_path, tiny_args, tiny_state_dict, tokenizer_path, n_shards):
+    # Meta's own Llama-2 consolidated.NN.pth files carry a precomputed "rope.freqs" buffer beside the weights.
+    shards = split_meta_shards(tiny_state_dict, n_shards)
+    for shard in shards:
+        shard["rope.freqs"] = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, shards, tokenizer_path)
+    assert_weights_equal(load_weights(ckpt, tiny_args.vocab_size), tiny_state_dict, f"{n_shards} shard(s) with rope.freqs")
+    assert build_llama(ckpt).model.args.n_layers == tiny_args.n_layers
+
+
+def test_hf_single_file_with_tied_embeddings(tmp_path, tiny_args, tiny_state_dict, tokenizer_path, ckpt_dirs):
+    state = dict(tiny_state_dict)
+    state["output.weight"] = state["tok_embeddings.weight"]
+    hf_state = meta_to_hf_state_dict(state, tiny_args)
+    del hf_state["lm_head.weight"]  # tied: HF saves only the embeddings
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, str(tmp_path / "model.safetensors"))
+    config = json.loads((ckpt_dirs["hf"] / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shutil.copy(tokenizer_path, tmp_path / "tokenizer.model")
+
+    loaded = load_weights(tmp_path, tiny_args.vocab_size)
+    assert_weights_equal(loaded, state, "tied HF checkpoint")
+    model = build_llama(tmp_path).model
+    assert torch.equal(model.output.weight, model.tok_embeddings.weight)
+
+
+def test_tokenizer_found_in_parent_directory(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+    ckpt = write_meta_checkpoint(tmp_path / "7B", tiny_args, [tiny_state_dict], tokenizer_file=None)
+    shutil.copy(tokenizer_path, tmp_path / "tokenizer.model")  # Meta's downloads keep it beside the model folders
+    llama = build_llama(ckpt)
+    assert llama.tokenizer.model_path == tmp_path / "tokenizer.model"
+
+
+def test_explicit_tokenizer_path(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [tiny_state_dict], tokenizer_file=None)
+    llama = build_llama(ckpt, tokenizer_path=tokenizer_path)
+    assert llama.tokenizer.n_words == tiny_args.vocab_size
+
+
+def test_bfloat16_load_generates_close_to_float32(meta_ckpt_dir, llama, tokenizer):
+    bf16 = build_llama(meta_ckpt_dir, dtype="bfloat16")
+    assert bf16.model.output.weight.dtype == torch.bfloat16
+    assert bf16.model.layers[0].attention.kv_cache.k_cache.dtype == torch.bfloat16
+    prompt = tokenizer.encode("Once upon a time", bos=True, eos=False)
+    tokens, logprobs = bf16.generate([prompt], max_gen_len=4, temperature=0, logprobs=True, echo=True)
+    reference, ref_logprobs = llama.generate([prompt], max_gen_len=4, temperature=0, logprobs=True, echo=True)
+    assert tokens[0][: len(prompt)] == prompt and len(tokens[0]) == len(prompt) + 4
+    assert all(0 <= t < tokenizer.n_words for t in tokens[0])
+    # bfloat16 keeps ~3 significant digits: prompt log-probabilities stay near the float32 ones.
+    n = len(prompt)
+    torch.testing.assert_close(torch.tensor(logprobs[0][:n]), torch.tensor(ref_logprobs[0][:n]), atol=0.15, rtol=0.05)

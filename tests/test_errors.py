@@ -1,0 +1,312 @@
+"""Every mistake a caller can make is the package's own exception, of the right standard base class,
+with a message naming what was wrong."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from conftest import MAX_SEQ_LEN, build_llama, split_meta_shards, write_meta_checkpoint
+from llama_core import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ContextLengthError,
+    DialogError,
+    InvalidRequestError,
+    LlamaError,
+    Tokenizer,
+)
+
+
+def test_error_hierarchy():
+    assert issubclass(CheckpointNotFoundError, FileNotFoundError) and issubclass(CheckpointNotFoundError, LlamaError)
+    assert issubclass(CheckpointError, ValueError) and issubclass(CheckpointError, LlamaError)
+    assert issubclass(InvalidRequestError, ValueError) and issubclass(InvalidRequestError, LlamaError)
+    assert issubclass(ContextLengthError, InvalidRequestError) and issubclass(DialogError, InvalidRequestError)
+    assert not issubclass(CheckpointNotFoundError, CheckpointError)
+
+
+def copy_ckpt(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+def test_missing_checkpoint_directory(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="checkpoint directory not found: .*nowhere") as info:
+        build_llama(tmp_path / "nowhere")
+    assert isinstance(info.value, FileNotFoundError)
+
+
+def test_directory_without_params_or_config(tmp_path, tokenizer_path):
+    shutil.copy(tokenizer_path, tmp_path / "tokenizer.model")
+    with pytest.raises(CheckpointNotFoundError, match=r"no params.json \(Meta layout\) or config.json"):
+        build_llama(tmp_path)
+
+
+def test_missing_first_shard(tmp_path, meta_sharded_ckpt_dir):
+    ckpt = copy_ckpt(meta_sharded_ckpt_dir, tmp_path / "ckpt")
+    (ckpt / "consolidated.00.pth").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"missing consolidated\.00\.pth"):
+        build_llama(ckpt)
+
+
+def test_no_weight_shard_at_all(tmp_path, meta_ckpt_dir):
+    ckpt = copy_ckpt(meta_ckpt_dir, tmp_path / "ckpt")
+    (ckpt / "consolidated.00.pth").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"no consolidated\.\*\.pth weight shard"):
+        build_llama(ckpt)
+
+
+def test_missing_tokenizer(tmp_path, meta_ckpt_dir):
+    ckpt = copy_ckpt(meta_ckpt_dir, tmp_path / "ckpt")
+    (ckpt / "tokenizer.model").unlink()
+    with pytest.raises(CheckpointNotFoundError, match="no tokenizer.model in .*pass tokenizer_path"):
+        build_llama(ckpt)
+    with pytest.raises(CheckpointNotFoundError, match="tokenizer model not found: .*absent.model"):
+        build_llama(ckpt, tokenizer_path=tmp_path / "absent.model")
+
+
+def test_corrupt_tokenizer(tmp_path, meta_ckpt_dir):
+    ckpt = copy_ckpt(meta_ckpt_dir, tmp_path / "ckpt")
+    (ckpt / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(CheckpointError, match="cannot read tokenizer model"):
+        build_llama(ckpt)
+    with pytest.raises(CheckpointError, match="cannot read tokenizer model"):
+        Tokenizer(ckpt / "tokenizer.model")
+
+
+def test_truncated_pth(tmp_path, meta_ckpt_dir):
+    ckpt = copy_ckpt(meta_ckpt_dir, tmp_path / "ckpt")
+    shard = ckpt / "consolidated.00.pth"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cannot read weight shard .*consolidated\.00\.pth \(truncated"):
+        build_llama(ckpt)
+
+
+def test_truncated_safetensors(tmp_path, hf_ckpt_dir):
+    ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
+    shard = sorted(ckpt.glob("model-*.safetensors"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"cannot read weight shard .*{shard.name}"):
+        build_llama(ckpt)
+
+
+def test_hf_index_names_a_missing_shard(tmp_path, hf_ckpt_dir):
+    ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
+    shard = sorted(ckpt.glob("model-*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(CheckpointNotFoundError, match=rf"weight shard .*{shard.name} listed in .*index.json not found"):
+        build_llama(ckpt)
+
+
+def test_hf_without_weights(tmp_path, hf_ckpt_dir):
+    ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
+    for path in ckpt.glob("model*"):
+        path.unlink()
+    with pytest.raises(CheckpointNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+        build_llama(ckpt)
+
+
+def test_params_vocab_size_differs_from_tokenizer(tmp_path, tiny_args, tiny_state_dict, tokenizer_path, tokenizer):
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [tiny_state_dict], tokenizer_path, vocab_size=512)
+    with pytest.raises(CheckpointError, match=rf"has {tokenizer.n_words} pieces but the model .* vocab_size 512"):
+        build_llama(ckpt)
+
+
+def test_hf_vocab_size_differs_from_tokenizer(tmp_path, hf_ckpt_dir, tokenizer):
+    ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["vocab_size"] = 32000
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"has {tokenizer.n_words} pieces but the model .* vocab_size 32000"):
+        build_llama(ckpt)
+
+
+def test_weights_vocab_differs_from_tokenizer(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+    state = dict(tiny_state_dict)
+    state["tok_embeddings.weight"] = torch.zeros(400, tiny_args.dim)
+    state["output.weight"] = torch.zeros(400, tiny_args.dim)
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [state], tokenizer_path)  # vocab_size -1
+    with pytest.raises(CheckpointError, match=r"tensor (output|tok_embeddings)\.weight has shape \(400, 64\)"):
+        build_llama(ckpt)
+
+
+def test_shards_with_mismatched_shapes(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+    shards = split_meta_shards(tiny_state_dict, 2)
+    name = "layers.1.attention.wq.weight"
+    shards[1][name] = torch.zeros(shards[1][name].shape[0], tiny_args.dim + 8)
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, shards, tokenizer_path)
+    with pytest.raises(CheckpointError, match=rf"consolidated\.01\.pth: tensor {name} has shape .* does not fit"):
+        build_llama(ckpt)
+
+
+def test_shards_with_different_tensors(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+    shards = split_meta_shards(tiny_state_dict, 2)
+    del shards[1]["layers.0.ffn_norm.weight"]
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, shards, tokenizer_path)
+    with pytest.raises(CheckpointError, match=r"does not fit .*differing tensors \['layers.0.ffn_norm.weight'\]"):
+        build_llama(ckpt)
+
+
+def test_sharded_tensor_wrong_size_after_merge(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+    # Three shards of a model whose params say two: every tensor concatenates, but to the wrong size.
+    shards = split_meta_shards(tiny_state_dict, 2)
+    shards.append({k: v.clone() for k, v in shards[1].items()})
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, shards, tokenizer_path)
+    with pytest.raises(CheckpointError, match=r"has shape .* but the model config expects"):
+        build_llama(ckpt)
+
+
+def test_params_with_more_layers_than_weights(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [tiny_state_dict], tokenizer_path)
+    params = json.loads((ckpt / "params.json").read_text())
+    params["n_layers"] = 3
+    (ckpt / "params.json").write_text(json.dumps(params))
+    with pytest.raises(CheckpointError, match=r"lacks tensor\(s\) \['layers\.2\..*n_layers=3"):
+        build_llama(ckpt)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ("{not json", "cannot read model config"),
+        ("[1, 2]", "must hold a JSON object, got list"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 5}', "dim 64 is not divisible by n_heads 5"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 3}', "n_heads 4 is not divisible by n_kv_heads 3"),
+        ('{"dim": 64, "n_layers": 0, "n_heads": 4}', "'n_layers' must be a positive integer, got 0"),
+    ],
+)
+def test_bad_params_json(tmp_path, meta_ckpt_dir, params, message):
+    ckpt = copy_ckpt(meta_ckpt_dir, tmp_path / "ckpt")
+    (ckpt / "params.json").write_text(params)
+    with pytest.raises(CheckpointError, match=message):
+        build_llama(ckpt)
+
+
+def test_hf_config_missing_field(tmp_path, hf_ckpt_dir):
+    ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["intermediate_size"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="missing field.*intermediate_size"):
+        build_llama(ckpt)
+
+
+# -- build options ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "tpu:0"])
+def test_bad_device(meta_ckpt_dir, device):
+    with pytest.raises(InvalidRequestError, match=rf"device must be 'auto', 'cpu' or 'cuda\[:N\]', got '{device}'"):
+        build_llama(meta_ckpt_dir, device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_device_without_cuda(meta_ckpt_dir):
+    with pytest.raises(InvalidRequestError, match="CUDA is not available"):
+        build_llama(meta_ckpt_dir, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "fp16", "int8", ""])
+def test_bad_dtype(meta_ckpt_dir, dtype):
+    with pytest.raises(InvalidRequestError, match=rf"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got '{dtype}'"):
+        build_llama(meta_ckpt_dir, dtype=dtype)
+
+
+@pytest.mark.parametrize("option, value", [("max_seq_len", 0), ("max_batch_size", -1), ("max_seq_len", 2.5),
+                                           ("max_batch_size", True)])
+def test_bad_build_sizes(meta_ckpt_dir, option, value):
+    with pytest.raises(InvalidRequestError, match=rf"{option} must be a positive integer, got {value!r}"):
+        build_llama(meta_ckpt_dir, **{option: value})
+
+
+# -- requests ---------------------------------------------------------------------------------------
+def test_prompt_longer_than_context(llama, tokenizer):
+    prompt = [tokenizer.bos_id] + [5] * (MAX_SEQ_LEN - 1)
+    with pytest.raises(ContextLengthError, match=rf"prompt 0 has {MAX_SEQ_LEN} tokens, but max_seq_len is {MAX_SEQ_LEN}") as info:
+        llama.generate([prompt], max_gen_len=4)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(ContextLengthError, match=r"prompt 1 has \d+ tokens"):
+        llama.text_completion(["short", "word " * 200], max_gen_len=4)
+    with pytest.raises(ContextLengthError, match=rf"prompt 0 has {MAX_SEQ_LEN} tokens"):
+        list(llama.stream(prompt, max_gen_len=4))
+
+
+def test_more_prompts_than_max_batch_size(llama):
+    with pytest.raises(InvalidRequestError, match="5 prompts given, but max_batch_size is 4"):
+        llama.generate([[1, 5]] * 5, max_gen_len=4)
+    with pytest.raises(InvalidRequestError, match="5 prompts given, but max_batch_size is 4"):
+        llama.text_completion(["a"] * 5, max_gen_len=4)
+
+
+def test_empty_prompt_list(llama):
+    with pytest.raises(InvalidRequestError, match="no prompts given"):
+        llama.generate([], max_gen_len=4)
+    with pytest.raises(InvalidRequestError, match="no prompts given"):
+        llama.text_completion([], max_gen_len=4)
+
+
+def test_empty_prompt(llama):
+    with pytest.raises(InvalidRequestError, match="prompt 0 is empty"):
+        llama.generate([[]], max_gen_len=4)
+    with pytest.raises(InvalidRequestError, match="prompt 1 is empty"):
+        llama.generate([[1, 5], []], max_gen_len=4)
+    with pytest.raises(InvalidRequestError, match="prompt 0 is empty"):
+        list(llama.stream([], max_gen_len=4))
+
+
+def test_token_ids_outside_vocabulary(llama, tokenizer):
+    with pytest.raises(InvalidRequestError, match=rf"prompt 0 has token ids outside \[0, {tokenizer.n_words}\)"):
+        llama.generate([[1, tokenizer.n_words]], max_gen_len=4)
+    with pytest.raises(InvalidRequestError, match="prompt 0 has token ids outside"):
+        llama.generate([[1, -1]], max_gen_len=4)
+
+
+@pytest.mark.parametrize("temperature", [-0.1, -1, math.nan, math.inf, "0.5", None])
+def test_bad_temperature(llama, temperature):
+    with pytest.raises(InvalidRequestError, match=rf"temperature must be a finite number >= 0, got {temperature!r}"):
+        llama.generate([[1, 5]], max_gen_len=4, temperature=temperature)
+    with pytest.raises(InvalidRequestError, match="temperature must be a finite number >= 0"):
+        llama.text_completion(["a"], max_gen_len=4, temperature=temperature)
+
+
+@pytest.mark.parametrize("top_p", [0, 0.0, 1.5, -0.2, math.nan, "0.9"])
+def test_bad_top_p(llama, top_p):
+    with pytest.raises(InvalidRequestError, match=rf"top_p must be a number in \(0, 1\], got {top_p!r}"):
+        llama.generate([[1, 5]], max_gen_len=4, top_p=top_p)
+    with pytest.raises(InvalidRequestError, match=r"top_p must be a number in \(0, 1\]"):
+        llama.chat_completion([[{"role": "user", "content": "hi"}]], max_gen_len=4, top_p=top_p)
+
+
+@pytest.mark.parametrize("max_gen_len", [0, -3, 2.0, True])
+def test_bad_max_gen_len(llama, max_gen_len):
+    with pytest.raises(InvalidRequestError, match=rf"max_gen_len must be an integer >= 1, got {max_gen_len!r}"):
+        llama.generate([[1, 5]], max_gen_len=max_gen_len)
+    with pytest.raises(InvalidRequestError, match="max_gen_len must be an integer >= 1"):
+        llama.text_completion(["a"], max_gen_len=max_gen_len)
+
+
+@pytest.mark.parametrize("prompts", [["a", 3], [[1, 5]], [None], "a prompt", None])
+def test_text_completion_needs_a_list_of_strings(llama, prompts):
+    with pytest.raises(InvalidRequestError, match="prompts must be a list of strings"):
+        llama.text_completion(prompts, max_gen_len=4)
+
+
+@pytest.mark.parametrize("dialogs", [{"role": "user", "content": "hi"}, []])
+def test_chat_completion_needs_a_non_empty_list_of_dialogs(llama, dialogs):
+    with pytest.raises(InvalidRequestError, match="dialogs must be a non-empty list of dialogs"):
+        llama.chat_completion(dialogs, max_gen_len=4)
+
+
+def test_request_errors_leave_the_model_usable(llama, tokenizer):
+    prompt = tokenizer.encode("Once upon a time", bos=True, eos=False)
+    before, _ = llama.generate([prompt], max_gen_len=8, temperature=0)
+    with pytest.raises(InvalidRequestError):
+        llama.generate([prompt, []], max_gen_len=8, temperature=0)
+    after, _ = llama.generate([prompt], max_gen_len=8, temperature=0)
+    assert before == after

@@ -1,0 +1,75 @@
+"""Parity with transformers' LlamaForCausalLM on the same random GQA weights, in float32, for every
+checkpoint layout: prompt log-probabilities and greedy continuations must match the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import LAYOUTS, build_llama, hf_greedy, hf_logits
+
+GREEDY_TOKENS = 40
+MIN_GREEDY_TOKENS = 32
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    long_text = "def forward(self, tokens, input_pos=None):\n    return self.output(self.norm(h)).float()\n"
+    return [
+        [tokenizer.bos_id],
+        tokenizer.encode("Once upon a time", bos=True, eos=False),
+        tokenizer.encode("héllo wörld 🙂", bos=True, eos=False),
+        tokenizer.encode(long_text, bos=True, eos=False),
+    ]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def layout_llama(request, ckpt_dirs):
+    return build_llama(ckpt_dirs[request.param])
+
+
+def test_fixture_prompts_cover_long_positions(tokenizer):
+    # The longest prompt plus its continuation must reach well into the 128-position context.
+    assert len(prompts(tokenizer)[-1]) + GREEDY_TOKENS > 80
+
+
+@pytest.mark.parametrize("prompt_index", range(4))
+def test_prompt_logprobs_match_hf(layout_llama, hf_model, tokenizer, prompt_index):
+    prompt = prompts(tokenizer)[prompt_index]
+    tokens, logprobs = layout_llama.generate([prompt], max_gen_len=1, temperature=0, logprobs=True, echo=True)
+    tokens, logprobs = tokens[0], logprobs[0]
+    assert tokens[: len(prompt)] == prompt
+    assert len(tokens) == len(prompt) + 1 and len(logprobs) == len(tokens)
+
+    reference = torch.log_softmax(hf_logits(hf_model, tokens), dim=-1)
+    expected = [0.0] + [float(reference[i - 1, tokens[i]]) for i in range(1, len(tokens))]
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+def test_full_logits_match_hf(layout_llama, hf_model, tokenizer):
+    prompt = prompts(tokenizer)[-1]
+    with torch.inference_mode():
+        ours = layout_llama.model(torch.tensor([prompt]), kv_len=len(prompt))[0]
+    reference = hf_logits(hf_model, prompt)
+    torch.testing.assert_close(
+        torch.log_softmax(ours, -1), torch.log_softmax(reference, -1), atol=1e-4, rtol=0
+    )
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("prompt_index", range(4))
+def test_greedy_continuation_matches_hf(layout_llama, hf_model, tokenizer, prompt_index):
+    prompt = prompts(tokenizer)[prompt_index]
+    expected, min_gap = hf_greedy(hf_model, prompt, GREEDY_TOKENS, tokenizer.eos_id)
+    # Guards on the fixture, not the package: enough tokens, and no near-tie that float noise could flip
+    # (the two implementations' logits differ by about 1e-5 here).
+    assert len(expected) >= MIN_GREEDY_TOKENS, "fixture model emits EOS too early for this prompt"
+    assert min_gap > 1e-4, f"fixture model has a near-tie (gap {min_gap:.2e}); greedy comparison would be fragile"
+
+    tokens, logprobs = layout_llama.generate([prompt], max_gen_len=GREEDY_TOKENS, temperature=0, logprobs=True)
+    assert tokens[0] == expected
+
+    reference = torch.log_softmax(hf_logits(hf_model, prompt + expected), dim=-1)
+    start = len(prompt) - 1
+    expected_lps = [float(reference[start + i, t]) for i, t in enumerate(expected)]
+    torch.testing.assert_close(torch.tensor(logprobs[0]), torch.tensor(expected_lps), atol=1e-4, rtol=0)
+

@@ -1,0 +1,64 @@
+"""Run under torchrun by tests/test_parallel.py: builds a tensor-parallel Llama, and on rank 0 generates
+greedily (directly, and through an Engine with concurrent requests) and writes the results as JSON.
+Ranks > 0 never return from Llama.build: they follow rank 0 and exit when it does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llama_core import Llama  # noqa: E402
+from llama_core.engine import Engine  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ckpt-dir", type=Path, required=True)
+    p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+    p.add_argument("--max-gen-len", type=int, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    prompts = json.loads(args.prompts)
+
+    llama = Llama.build(args.ckpt_dir, max_seq_len=128, max_batch_size=4, device="cpu", dtype="float32", seed=0,
+                        tensor_parallel=True)
+    tokens, logprobs = llama.generate(prompts, args.max_gen_len, temperature=0, logprobs=True)
+    echo_tokens, echo_logprobs = llama.generate(prompts[:1], 4, temperature=0, logprobs=True, echo=True)
+
+    engine_results: list = [None] * len(prompts)
+    with Engine(llama) as engine:
+        def run(i: int) -> None:
+            chunks = list(engine.submit(prompts[i], args.max_gen_len, temperature=0))
+            engine_results[i] = ([c.token for c in chunks], [c.logprob for c in chunks])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        steps = engine.steps
+
+    result = {
+        "world_size": torch.distributed.get_world_size(),
+        "heads_per_rank": llama.model.layers[0].attention.n_heads,
+        "tokens": tokens,
+        "logprobs": logprobs,
+        "echo_tokens": echo_tokens,
+        "echo_logprobs": echo_logprobs,
+        "engine_tokens": [r[0] for r in engine_results],
+        "engine_logprobs": [r[1] for r in engine_results],
+        "engine_steps": steps,
+    }
+    args.out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

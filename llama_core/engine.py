@@ -244,10 +244,10 @@ class Engine:
         active = [r for r in self._slots if r is not None]
         device = self.llama.device
         try:
-            tokens = torch.tensor([[r.last_token] for r in active], dtype=torch.long, device=device)
-            positions = torch.tensor([[r.next_pos] for r in active], device=device)
+            tokens = torch.tensor([r.last_token for r in active], dtype=torch.long, device=device)
+            positions = torch.tensor([r.next_pos for r in active], device=device)
             rows = torch.tensor([r.slot for r in active], device=device)
-            logits = self.model(tokens, positions, cache_rows=rows, kv_len=int(positions.max()) + 1)[:, 0]
+            logits = self.llama.decode_step(tokens, positions, rows)
             temperature = torch.tensor([r.temperature for r in active], device=device)
             top_p = torch.tensor([r.top_p for r in active], device=device)
             next_tokens = sample(logits, temperature, top_p, self.llama.generator)

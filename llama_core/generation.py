@@ -14,6 +14,7 @@ import torch
 from . import dialog as chat_format
 from .checkpoint import load_model, read_model_args
 from .config import ModelArgs
+from .decode import DecodeStep
 from .errors import CheckpointError, CheckpointNotFoundError, ContextLengthError, InvalidRequestError, LlamaError
 from .model import Transformer, execution_device
 from .sampling import sample, token_logprobs, validate_sampling
@@ -82,6 +83,7 @@ class Llama:
         seed: Optional[int] = None,
         ckpt_dir: Optional[Path] = None,
         load_seconds: float = 0.0,
+        compile: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -103,6 +105,7 @@ class Llama:
         if model.layers[0].attention.wqkv is None:
             model.fuse_projections()
         model.setup_caches(max_batch_size, max_seq_len)
+        self.decode_step = DecodeStep(model, max_batch_size, compile)
 
     @staticmethod
     def build(
@@ -116,6 +119,7 @@ class Llama:
         device_map: Optional[str | dict] = None,
         max_memory: Optional[dict] = None,
         tensor_parallel: bool = False,
+        compile: bool = False,
     ) -> "Llama":
         """Loads a checkpoint in Meta or Hugging Face layout.
 
@@ -127,6 +131,8 @@ class Llama:
             device: "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]".
             dtype: "auto" (bfloat16 on CUDA, float16 where bf16 is unsupported, float32 on CPU) or a dtype name.
             seed: seeds sampling; None draws a random seed.
+            compile: decode with static shapes under torch.compile (a CUDA graph per step on CUDA);
+                the first steps are slow while it compiles (see llama_core.decode).
             device_map: places whole layers over several devices with accelerate (instead of `device`):
                 "auto" spreads them over the GPUs, offloading to CPU memory as a last resort; or a dict like
                 {"tok_embeddings": 0, "layers.0": 0, ..., "output": 1} (see llama_core.device_map).
@@ -175,7 +181,7 @@ class Llama:
         else:
             torch_device = resolve_device(device)
             model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
-        llama = Llama(model, tokenizer, max_seq_len, max_batch_size, seed, ckpt_dir, time.perf_counter() - start)
+        llama = Llama(model, tokenizer, max_seq_len, max_batch_size, seed, ckpt_dir, time.perf_counter() - start, compile)
         if tensor_parallel:
             parallel.lead_or_serve(llama)  # returns on rank 0 only
         return llama
@@ -409,9 +415,8 @@ class Llama:
             yield step
             if bool(done.all()):
                 return
-            positions = torch.clamp(lengths + generated - 1, max=self.max_seq_len - 1)[:, None]
-            kv_len = int(positions.max()) + 1
-            logits = self.model(next_tokens[:, None], positions, kv_len=kv_len)[:, 0]
+            positions = torch.clamp(lengths + generated - 1, max=self.max_seq_len - 1)
+            logits = self.decode_step(next_tokens, positions)
 
 
 def _find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path]) -> Path:

@@ -30,17 +30,21 @@ class RMSNorm(nn.Module):
 
 
 def rotary_angles(input_pos: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
-    """Unit complex rotations e^(i * pos * freq) for positions input_pos [B, S]: [B, S, 1, head_dim // 2]."""
+    """cos and sin of pos * freq for positions input_pos [B, S]: [B, S, 1, head_dim // 2, 2] float32."""
     exponents = torch.arange(0, head_dim, 2, device=input_pos.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     angles = input_pos.float()[..., None] * inv_freq
-    return torch.polar(torch.ones_like(angles), angles)[:, :, None, :]
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)[:, :, None]
 
 
 def apply_rotary(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotates consecutive pairs (x[2i], x[2i+1]) of x [B, S, H, head_dim] as complex numbers (Meta's layout)."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
+    """Rotates consecutive pairs (x[2i], x[2i+1]) of x [B, S, H, head_dim] (Meta's layout).
+
+    Real arithmetic rather than complex numbers, so that torch.compile can fuse it."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = rotation[..., 0], rotation[..., 1]
+    return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,45 @@
+"""One decode step, one new token for each of a set of KV-cache rows, in two shapes.
+
+Dynamic (the default): only the given rows, attending over the longest row's positions: the least work,
+which is what a CPU wants. Static (`compile=True`): always every row of the cache over all max_seq_len
+positions, so shapes never change and torch.compile can capture the step once (on CUDA as a CUDA graph,
+mode "reduce-overhead"); rows not asked for compute a throw-away token at position 0 of their own row,
+which is free (a request admitted to it later prefills from position 0).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .model import Transformer
+
+
+class DecodeStep:
+    def __init__(self, model: Transformer, max_batch_size: int, compile: bool = False, static: bool = False) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.static = static or compile
+        self._step = self._all_rows
+        if compile:
+            on_cuda = next(model.parameters()).device.type == "cuda"
+            self._step = torch.compile(
+                self._all_rows, mode="reduce-overhead" if on_cuda else None, fullgraph=True, dynamic=False
+            )
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, vocab] for tokens [B] at positions [B] in cache rows [B] (None: rows 0..B-1)."""
+        if not self.static:
+            kv_len = int(positions.max()) + 1
+            return self.model(tokens[:, None], positions[:, None], cache_rows=rows, kv_len=kv_len)[:, 0]
+        if rows is None:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+        all_tokens = torch.zeros(self.max_batch_size, dtype=tokens.dtype, device=tokens.device)
+        all_positions = torch.zeros(self.max_batch_size, dtype=positions.dtype, device=positions.device)
+        all_tokens[rows] = tokens
+        all_positions[rows] = positions
+        return self._step(all_tokens, all_positions)[rows]  # indexing copies out of the graph's output
+
+    def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens[:, None], positions[:, None])[:, 0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -223,11 +224,12 @@ class Llama:
         out_tokens = [list(p) if echo else [] for p in prompt_tokens]
         out_logprobs = [[] for _ in prompt_tokens]
         prompt_lps = [[] for _ in prompt_tokens] if (logprobs and echo) else None
-        steps = self._generate_steps(prompt_tokens, max_gen_len, temperature, top_p, logprobs, prompt_lps)
-        for step in steps:
-            for row, token, logprob in step:
-                out_tokens[row].append(token)
-                out_logprobs[row].append(logprob)
+        steps = list(self._generate_steps(prompt_tokens, max_gen_len, temperature, top_p, logprobs, prompt_lps))
+        # One transfer for the whole generation: the decode loop itself never waits for the host.
+        tokens, lps, emits = (torch.stack(column, dim=1).tolist() for column in zip(*steps))
+        for row in range(len(prompt_tokens)):
+            out_tokens[row] += [t for t, e in zip(tokens[row], emits[row]) if e]
+            out_logprobs[row] += [lp for lp, e in zip(lps[row], emits[row]) if e]
         if not logprobs:
             return out_tokens, None
         if echo:
@@ -256,9 +258,11 @@ class Llama:
         return self._stream_chunks(decoder, prompt_tokens, max_gen_len, temperature, top_p)
 
     def _stream_chunks(self, decoder, prompt_tokens, max_gen_len, temperature, top_p) -> Iterator[StreamChunk]:
-        for step in self._generate_steps([prompt_tokens], max_gen_len, temperature, top_p, want_logprobs=True):
-            for _, token, logprob in step:
-                yield StreamChunk(token, logprob, decoder.push(token))
+        steps = self._generate_steps([prompt_tokens], max_gen_len, temperature, top_p, want_logprobs=True, sync_every=1)
+        for tokens, logprobs, emits in steps:
+            if bool(emits[0]):
+                token = int(tokens[0])
+                yield StreamChunk(token, float(logprobs[0]), decoder.push(token))
         tail = decoder.flush()
         if tail:
             yield StreamChunk(-1, 0.0, tail)
@@ -359,9 +363,12 @@ class Llama:
         top_p: float,
         want_logprobs: bool = False,
         prompt_logprobs: Optional[list[list[float]]] = None,
-    ) -> Iterator[list[tuple[int, int, float]]]:
-        """Yields, each decode step, (row, token, logprob) for every row that produced a token
-        (logprob is NaN unless want_logprobs).
+        sync_every: Optional[int] = None,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Yields, each decode step, device tensors (tokens [B], logprobs [B], emits [B]): emits marks the
+        rows whose token is generated output (not EOS, not past the row's end); logprobs are NaN unless
+        want_logprobs. Whether every row is done is read on the host only every sync_every steps
+        (default: each step on CPU, every 8th on CUDA, where waiting each step would stall the GPU).
 
         Prompts are right-padded and prefilled together; each row then decodes at its own position, so a
         row's tokens equal its solo generation. If prompt_logprobs is given, it is filled with each row's
@@ -375,11 +382,13 @@ class Llama:
         with self._cache_lock:
             self._cache_holder = threading.get_ident()
             try:
-                yield from self._decode(prompt_tokens, max_gen_len, temperature, top_p, want_logprobs, prompt_logprobs)
+                yield from self._decode(
+                    prompt_tokens, max_gen_len, temperature, top_p, want_logprobs, prompt_logprobs, sync_every
+                )
             finally:
                 self._cache_holder = None
 
-    def _decode(self, prompt_tokens, max_gen_len, temperature, top_p, want_logprobs, prompt_logprobs):
+    def _decode(self, prompt_tokens, max_gen_len, temperature, top_p, want_logprobs, prompt_logprobs, sync_every):
         """The body of _generate_steps, run while holding the KV cache."""
         if self._cache_owner is not None:
             raise LlamaError("this Llama is being served by an Engine, which owns its KV cache: submit to the engine")
@@ -401,20 +410,18 @@ class Llama:
         budget = torch.clamp(self.max_seq_len - lengths, max=max_gen_len)
         generated = torch.zeros_like(lengths)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
-        while True:
+        if sync_every is None:
+            sync_every = 1 if device.type == "cpu" else 8
+        for step in itertools.count(1):
             next_tokens = sample(logits, temperature, top_p, self.generator)
             logprobs = token_logprobs(logits, next_tokens) if want_logprobs else torch.full_like(logits[:, 0], math.nan)
             emits = ~done & (next_tokens != self.tokenizer.eos_id)
             generated += emits
             done |= ~emits | (generated >= budget)
-            step = [
-                (row, token, lp)
-                for row, (token, lp, emit) in enumerate(zip(next_tokens.tolist(), logprobs.tolist(), emits.tolist()))
-                if emit
-            ]
-            yield step
-            if bool(done.all()):
-                return
+            yield next_tokens, logprobs, emits
+            if step % sync_every == 0 or step >= max_gen_len:
+                if bool(done.all()):
+                    return
             positions = torch.clamp(lengths + generated - 1, max=self.max_seq_len - 1)
             logits = self.decode_step(next_tokens, positions)
 

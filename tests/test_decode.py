@@ -33,3 +33,13 @@ def test_static_decode_equals_dynamic_decode(meta_ckpt_dir, tokenizer, compile):
     with Engine(static) as engine:
         streams = [engine.submit(p, 12, temperature=0) for p in prompts]
         assert [[c.token for c in s] for s in streams] == expected_tokens
+
+
+def test_checking_completion_every_few_steps_changes_nothing(meta_ckpt_dir, tokenizer):
+    llama = build_llama(meta_ckpt_dir, max_batch_size=4)
+    prompts = _prompts(tokenizer)
+    expected, _ = llama.generate(prompts, 20, temperature=0)
+    steps = list(llama._generate_steps(prompts, 20, 0.0, 0.9, sync_every=8))
+    assert len(steps) % 8 == 0 or len(steps) == 20  # ran on past the end until a check
+    emitted = [[int(t[row]) for t, _, e in steps if bool(e[row])] for row in range(len(prompts))]
+    assert emitted == expected

@@ -62,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
     p.add_argument("--quantize", choices=["none", "int8"], default="none")
     p.add_argument("--skip-hf", action="store_true", help="measure llama_core only")
+    p.add_argument("--compile", action="store_true", help="llama_core with the static, torch.compile'd decode step")
     p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -132,38 +133,62 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(name: str, generate: Callable[[list[list[int]], int], None], a, vocab: int, device: torch.device) -> dict:
-    """Decode speed, time to first token and batched throughput of one implementation."""
+def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: int, device: torch.device) -> dict:
+    """Decode speed, time to first token and batched throughput of each implementation. Each figure is
+    taken for all implementations in turn, repeat after repeat, so they share the machine's conditions."""
     gen = torch.Generator().manual_seed(1)
 
     def prompts(batch: int, length: int) -> list[list[int]]:
         return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
 
+    def best(make_call: Callable[[Callable], Callable[[], object]], repeats: int) -> dict[str, float]:
+        times = {name: float("inf") for name in impls}
+        for _ in range(repeats):
+            for name, generate in impls.items():
+                times[name] = min(times[name], best_time(make_call(generate), 1, device))
+        return times
+
     n = a.decode_tokens
     short = prompts(1, 16)
-    generate(short, 2)  # warm-up
-    first = best_time(lambda: generate(short, 1), a.repeats, device)
-    full = best_time(lambda: generate(short, n + 1), a.repeats, device)
-    result = {"decode_tokens_per_s": n / max(full - first, 1e-9), "ttft_s": {}, "aggregate_tokens_per_s": {}}
+    results = {name: {"ttft_s": {}, "aggregate_tokens_per_s": {}} for name in impls}
+    for generate in impls.values():
+        generate(short, 2)  # warm-up
+    first = best(lambda g: lambda: g(short, 1), a.repeats)
+    full = best(lambda g: lambda: g(short, n + 1), a.repeats)
+    for name in impls:
+        results[name]["decode_tokens_per_s"] = n / max(full[name] - first[name], 1e-9)
     for length in (int(x) for x in a.prompt_lengths.split(",")):
         p = prompts(1, length)
-        result["ttft_s"][length] = best_time(lambda: generate(p, 1), a.repeats, device)
+        for name, t in best(lambda g: lambda: g(p, 1), a.repeats).items():
+            results[name]["ttft_s"][length] = t
     for batch in (int(x) for x in a.batch_sizes.split(",")):
         p = prompts(batch, 16)
-        t_first = best_time(lambda: generate(p, 1), 1, device)
-        t_full = best_time(lambda: generate(p, n + 1), 1, device)
-        result["aggregate_tokens_per_s"][batch] = batch * n / max(t_full - t_first, 1e-9)
-    result["peak_memory_bytes"] = _peak_memory(device)
-    print(f"  {name}: {result['decode_tokens_per_s']:.1f} tok/s batch-1 decode", flush=True)
-    return result
+        t_first = best(lambda g: lambda: g(p, 1), a.repeats)
+        t_full = best(lambda g: lambda: g(p, n + 1), a.repeats)
+        for name in impls:
+            results[name]["aggregate_tokens_per_s"][batch] = batch * n / max(t_full[name] - t_first[name], 1e-9)
+    return results
 
 
 def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak
+        return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS so far
+
+
+def peak_memory_each(impls: dict, a, vocab: int, device: torch.device) -> dict[str, int]:
+    """On CUDA, each implementation's peak allocated memory over its largest batch (weights included)."""
+    if device.type != "cuda":
+        return {}
+    batch = max(int(x) for x in a.batch_sizes.split(","))
+    prompts = torch.randint(3, vocab, (batch, 16)).tolist()
+    peaks = {}
+    for name, generate in impls.items():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        generate(prompts, a.decode_tokens)
+        peaks[name] = torch.cuda.max_memory_allocated(device)
+    return peaks
 
 
 def copy_bandwidth(device: torch.device) -> Optional[float]:
@@ -213,21 +238,22 @@ def main() -> None:
         report["weight_bytes_int8"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         if hf is None:
             del reference
-    llama = Llama(model, _Vocab(args.vocab_size), max_len, max_batch)
-    report["results"]["llama_core"] = measure(
-        "llama_core", lambda p, n: llama.generate(p, n, temperature=0), a, args.vocab_size, device
-    )
+    llama = Llama(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
+    impls = {"llama_core": lambda p, n: llama.generate(p, n, temperature=0)}
     if hf is not None:
-        report["results"]["hf_eager"] = measure("hf_eager", lambda p, n: _hf_generate(hf, p, n), a, args.vocab_size, device)
-        if a.hf_compile:
-            try:
-                hf.generation_config.cache_implementation = "static"
-                hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-                report["results"]["hf_static_compiled"] = measure(
-                    "hf_static_compiled", lambda p, n: _hf_generate(hf, p, n), a, args.vocab_size, device
-                )
-            except Exception as exc:  # compile support varies by version and device
-                report["hf_compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        impls["hf_eager"] = lambda p, n: _hf_generate(hf, p, n)
+    report["results"] = measure(impls, a, args.vocab_size, device)
+    if hf is not None and a.hf_compile:
+        try:
+            hf.generation_config.cache_implementation = "static"
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            report["results"].update(measure({"hf_static_compiled": impls["hf_eager"]}, a, args.vocab_size, device))
+        except Exception as exc:  # compile support varies by version and device
+            report["hf_compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    # Peak memory of the whole run (on CPU: the process's peak resident set, both models included).
+    report["peak_memory_bytes"] = _peak_memory(device)
+    for name, peak in peak_memory_each(impls, a, args.vocab_size, device).items():
+        report["results"][name]["peak_memory_bytes"] = peak
     bandwidth = copy_bandwidth(device)
     if bandwidth:
         report["copy_bandwidth_bytes_per_s"] = bandwidth
@@ -261,7 +287,8 @@ def print_table(report: dict) -> None:
         rows.append((f"TTFT {length} tokens (ms)", lambda r, n=length: f"{1000 * r['ttft_s'][n]:.1f}"))
     for batch in next(iter(results.values()))["aggregate_tokens_per_s"]:
         rows.append((f"aggregate tok/s ({batch} seqs)", lambda r, b=batch: f"{r['aggregate_tokens_per_s'][b]:.1f}"))
-    rows.append(("peak memory (MiB)", lambda r: f"{r['peak_memory_bytes'] / 2**20:.0f}"))
+    if "peak_memory_bytes" in next(iter(results.values())):
+        rows.append(("peak memory (MiB)", lambda r: f"{r['peak_memory_bytes'] / 2**20:.0f}"))
     if "copy_bandwidth_bytes_per_s" in report:
         rows.append(("weight bandwidth (GB/s)", lambda r: f"{r['achieved_bandwidth_bytes_per_s'] / 1e9:.0f}"))
         rows.append(("share of copy bandwidth", lambda r: f"{100 * r['share_of_copy_bandwidth']:.0f}%"))
@@ -272,6 +299,7 @@ def print_table(report: dict) -> None:
     if "hf_eager" in results:
         ours, hf = results["llama_core"], results["hf_eager"]
         print(f"\ndecode speed-up vs HF eager: {ours['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.2f}x")
+    print(f"peak memory of the run: {report['peak_memory_bytes'] / 2**20:.0f} MiB")
     if "int8_max_logprob_deviation" in report:
         print(f"int8 max |logprob - float logprob| over 64 positions: {report['int8_max_logprob_deviation']:.4f}")
     if "copy_bandwidth_bytes_per_s" in report:

@@ -1,0 +1,435 @@
+"""Web app for Llama-2 inference: chat, text completion with token probabilities, and the model's facts.
+
+Interface only: callbacks check what the user sent and call llama_core (stream_chat and
+stream_completion on a running Engine, which batches concurrent requests and cancels abandoned ones).
+
+    python app.py                                          # the embedded default model
+    python app.py --ckpt-dir ../shared/models/stories260K --port 7861
+
+API (gradio_client), both streaming; bad input raises gr.Error naming the problem (AppError in the client),
+and max_new_tokens null means llama_core's default:
+  /chat(message, history, system_prompt, temperature, top_p, max_new_tokens) -> str
+      Yields the assistant's reply so far. history: earlier {"role": "user"|"assistant", "content"} messages,
+      alternating and ending with a reply; content a string or a list of Gradio text parts.
+  /complete(prompt, temperature, top_p, max_new_tokens, echo, show_probabilities) -> (str, list, dict)
+      Yields (text, tokens, stats): text so far (after the prompt with echo); tokens, with show_probabilities,
+      [{"token": text, "probability": p, "generated": bool}] (with echo the prompt's tokens come first),
+      else []; stats: prompt_tokens, generated_tokens, max_seq_len, tokens_per_second, finish_reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import colorsys
+import contextlib
+import io
+import itertools
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version checks
+import gradio as gr  # noqa: E402
+
+from llama_core import DEFAULT_CKPT_DIR, UNSAFE_ERROR, Llama, LlamaError, StreamDecoder  # noqa: E402
+from llama_core.checkpoint import read_model_args  # noqa: E402
+from llama_core.engine import Engine  # noqa: E402
+from llama_core.prompt_library import PromptLibrary, load_prompts  # noqa: E402
+from llama_core.serving import TextStream, stream_chat, stream_completion  # noqa: E402
+
+MAX_INPUT_CHARS = 100_000  # longest message, system prompt or completion prompt accepted
+MAX_HISTORY_CHARS = 400_000  # longest chat history accepted, all messages together
+DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when the model allows it and --max-seq-len is not given
+THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local fonts only: works offline
+UI_UPDATE_SECONDS = 0.1  # least time between two streamed updates of the page; the API gets every piece
+CSS = "#completion-tokens .text { font-family: var(--font-mono); }"
+PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
+PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
+    label: "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hls_to_rgb(float(label) / 3, 0.78, 0.75))
+    for label in PROBABILITY_LABELS
+}
+
+
+# -- input checks: the UI's sliders bound values, the API does not -------------------------------------
+def _error(message: str) -> gr.Error:
+    return gr.Error(message, print_exception=False)
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """Shows llama_core's errors (bad requests, a busy or failing engine) to the user instead of failing."""
+    try:
+        yield
+    except LlamaError as exc:
+        raise _error(str(exc)) from exc
+
+
+def _text(value: Any, name: str) -> str:
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        value = "".join(str(p.get("text", "")) for p in value)  # Gradio's messages hold lists of text parts
+    if not isinstance(value, str):
+        raise _error(f"{name} must be a string, got {type(value).__name__}")
+    if len(value) > MAX_INPUT_CHARS:
+        raise _error(f"{name} is too long: {len(value):,} characters, at most {MAX_INPUT_CHARS:,} are accepted")
+    return value
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise _error(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _count(value: Any) -> Any:
+    """Integral floats (slider values) as ints; anything else is left for the engine to judge."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _history(history: Any) -> list[dict]:
+    """Earlier messages as llama_core messages, leaving out exchanges the chat refused."""
+    if not isinstance(history, list):
+        raise _error(f"history must be a list of {{'role', 'content'}} messages, got {type(history).__name__}")
+    messages = []
+    for i, message in enumerate(history):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise _error(f"history[{i}] must be a dict with 'role' and 'content', got {str(message)[:60]!r}")
+        expected = "user" if i % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            raise _error(f"history[{i}] has role {message['role']!r} but {expected!r} was expected: history "
+                         "alternates user and assistant messages (the system prompt is a parameter of its own)")
+        messages.append({"role": expected, "content": _text(message["content"], f"history[{i}] content")})
+    if len(messages) % 2:
+        raise _error("history must end with an assistant reply; the new message is a parameter of its own")
+    if sum(len(m["content"]) for m in messages) > MAX_HISTORY_CHARS:
+        raise _error(f"history is too long: more than {MAX_HISTORY_CHARS:,} characters in all")
+    pairs = [messages[i : i + 2] for i in range(0, len(messages), 2) if messages[i + 1]["content"] != UNSAFE_ERROR]
+    return [m for pair in pairs for m in pair]
+
+
+# -- the two requests, shared by the UI and the API ----------------------------------------------------
+@contextlib.contextmanager
+def _streaming(stream: TextStream) -> Iterator[TextStream]:
+    """Shows the stream's failures to the user; leaving early (Stop, a closed page, a cancelled client)
+    cancels the request in the engine."""
+    try:
+        with _user_errors():
+            yield stream
+    finally:
+        stream.cancel()
+
+
+def start_chat(engine: Engine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
+               max_new_tokens: Any) -> TextStream:
+    """Submits a chat turn; a message or system prompt with reserved tags gives a stream with a `refusal`."""
+    message, system_prompt = _text(message, "message"), _text(system_prompt, "system_prompt")
+    if not message.strip():
+        raise _error("message is empty: type something to say")
+    dialog = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+    dialog += _history(history) + [{"role": "user", "content": message}]
+    with _user_errors():
+        return stream_chat(engine, dialog, temperature, top_p, _count(max_new_tokens))
+
+
+def replies(stream: TextStream) -> Iterator[str]:
+    """The reply so far after each piece (the refusal for a refused chat), then once more at the end."""
+    reply = stream.refusal or ""
+    with _streaming(stream):
+        for chunk in stream:
+            reply += chunk.text
+            yield reply
+    yield reply
+
+
+def complete(engine: Engine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
+             show_probabilities: Any) -> Iterator[tuple[str, list[dict], dict]]:
+    """Streams a completion as (text, tokens, stats), as /complete does; the last one is repeated at the end."""
+    prompt = _text(prompt, "prompt")
+    echo, show_probabilities = _flag(echo, "echo"), _flag(show_probabilities, "show_probabilities")
+    with _user_errors():
+        stream = stream_completion(engine, prompt, temperature, top_p, _count(max_new_tokens),
+                                   prompt_logprobs=echo and show_probabilities)
+    text, generated, prompt_tokens = "", [], []
+    with _streaming(stream):
+        for chunk in itertools.chain(stream, [None]):  # None: one more update once the stream has ended
+            if chunk is not None:
+                text += chunk.text
+                if show_probabilities and chunk.token != -1:
+                    generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True})
+                elif show_probabilities and generated:  # text held back to the end (an incomplete character)
+                    generated[-1]["token"] += chunk.text
+            if stream.prompt_logprobs and not prompt_tokens:  # echo with probabilities: set with the first token
+                prompt_tokens = _prompt_tokens(engine, prompt, stream.prompt_logprobs)
+            yield (prompt + text if echo else text), prompt_tokens + generated, request_stats(stream)
+
+
+def _prompt_tokens(engine: Engine, prompt: str, logprobs: list[float]) -> list[dict]:
+    """The prompt's tokens after BOS as text pieces, each with its probability given the ones before."""
+    tokenizer = engine.llama.tokenizer
+    decoder = StreamDecoder(tokenizer)
+    pieces = [decoder.push(t) for t in tokenizer.encode(prompt, bos=True, eos=False)[1:]]
+    if pieces:
+        pieces[-1] += decoder.flush()
+    return [{"token": p, "probability": math.exp(lp), "generated": False} for p, lp in zip(pieces, logprobs)]
+
+
+def request_stats(stream: TextStream) -> dict:
+    return dict(prompt_tokens=stream.prompt_tokens, generated_tokens=stream.generated_tokens,
+                max_seq_len=stream.max_seq_len, tokens_per_second=round(stream.tokens_per_second, 1),
+                finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs)
+
+
+def stats_line(stats: dict) -> str:
+    """The line shown under a reply: speed, tokens, context used, and whether old exchanges were dropped."""
+    if stats["finish_reason"] == "refused":
+        return "Refused: the message holds reserved chat-format tags."
+    line = (f"{stats['tokens_per_second']:.1f} tokens/s · {stats['generated_tokens']} tokens generated · context "
+            f"{stats['prompt_tokens'] + stats['generated_tokens']} / {stats['max_seq_len']} tokens "
+            f"({stats['prompt_tokens']} prompt)")
+    if stats["finish_reason"] == "length":
+        line += " · stopped at the token limit"
+    if stats["dropped_pairs"]:
+        line += (f"\n\n**Note:** the {stats['dropped_pairs']} oldest exchange(s) were left out to fit the "
+                 f"{stats['max_seq_len']}-token context: the model no longer sees them.")
+    return line
+
+
+# -- the interface ---------------------------------------------------------------------------------------
+def _throttled(updates: Iterator[Any], seconds: float = UI_UPDATE_SECONDS) -> Iterator[Any]:
+    """At most one update per `seconds`, and always the last: a page redraws slower than tokens arrive."""
+    with contextlib.closing(updates):
+        sent_at, held = 0.0, None
+        for update in updates:
+            held = update
+            if time.monotonic() - sent_at >= seconds:
+                sent_at, held = time.monotonic(), None
+                yield update
+        if held is not None:
+            yield held
+
+
+def _highlights(tokens: list[dict]) -> list[tuple[str, str]]:
+    """(text, probability label) pairs; a newline shows as ↵ so that its token keeps a visible chip."""
+    return [(t["token"].replace("\n", "↵\n"), PROBABILITY_LABELS[round(100 * t["probability"])])
+            for t in tokens if t["token"]]
+
+
+def model_facts(llama: Llama) -> str:
+    args = llama.args
+    rows = [
+        ("Checkpoint", f"`{llama.ckpt_dir}`"),
+        ("Tokenizer", f"`{llama.tokenizer.model_path}` ({llama.tokenizer.n_words:,} pieces)"),
+        ("Parameters", f"{llama.parameter_count:,}"),
+        ("Layers · width · heads (kv)", f"{args.n_layers} · {args.dim} · {args.n_heads} ({args.n_kv_heads})"),
+        ("dtype · device", f"{str(llama.dtype).removeprefix('torch.')} · {llama.device}"),
+        ("Context (max_seq_len)", f"{llama.max_seq_len:,} tokens (trained for {args.max_seq_len:,})"),
+        ("Batch (max_batch_size)", f"{llama.max_batch_size} requests decoded together"),
+        ("Load time", f"{llama.load_seconds:.2f} s"),
+    ]
+    return "| Model | |\n|---|---|\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
+
+
+def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.Slider]:
+    return [
+        gr.Slider(0, 2, value=0.6, step=0.05, label="Temperature", info="0 is greedy", elem_id=f"{prefix}-temperature"),
+        gr.Slider(0.01, 1, value=0.9, step=0.01, label="Top-p", elem_id=f"{prefix}-top-p"),
+        gr.Slider(1, max_seq_len - 1, value=min(256, max(1, max_seq_len // 4)), step=1, label="Max new tokens",
+                  elem_id=f"{prefix}-max-new-tokens"),
+    ]
+
+
+def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
+    """The app on a running engine: Chat, Completion and Model tabs, and the /chat and /complete API."""
+    llama = engine.llama
+    generating = dict(concurrency_id="generate", concurrency_limit=2 * llama.max_batch_size)  # the engine batches
+    ui = dict(api_visibility="private")
+
+    def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
+             max_new_tokens: int) -> Iterator[str]:
+        """Streams the assistant's reply to message after history: yields the reply so far."""
+        yield from replies(start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens))
+
+    def complete_api(prompt: str, temperature: float, top_p: float, max_new_tokens: int, echo: bool,
+                     show_probabilities: bool) -> Iterator[tuple[str, list[dict], dict]]:
+        """Streams a completion of prompt: yields (text, tokens with probabilities, stats)."""
+        yield from complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
+
+    def add_message(message: str, history: list[dict]):
+        if not message.strip():
+            return gr.skip(), gr.skip(), gr.skip()
+        return history + [{"role": "user", "content": message}], "", ""
+
+    def respond(history: list[dict], system_prompt: str, temperature: float, top_p: float, max_new_tokens: int):
+        if not history or history[-1]["role"] != "user":
+            yield gr.skip(), gr.skip()
+            return
+        stream = start_chat(engine, history[-1]["content"], history[:-1], system_prompt, temperature, top_p,
+                            max_new_tokens)
+        for reply in _throttled(replies(stream)):
+            yield history + [{"role": "assistant", "content": reply}], gr.skip()
+        yield gr.skip(), stats_line(request_stats(stream))
+
+    def without_reply(history: list[dict]) -> list[dict]:
+        while history and history[-1]["role"] == "assistant":
+            history = history[:-1]
+        return history
+
+    def undo(history: list[dict]):
+        history = without_reply(history)
+        return (history[:-1], _text(history[-1]["content"], "message")) if history else ([], gr.skip())
+
+    def complete_ui(prompt, temperature, top_p, max_new_tokens, echo, show_probabilities):
+        updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
+        for text, tokens, stats in _throttled(updates):
+            yield text, _highlights(tokens), gr.skip()
+        yield gr.skip(), gr.skip(), stats_line(stats)
+
+    with gr.Blocks(title="Llama-2", analytics_enabled=False) as demo:
+        gr.Markdown(f"## Llama-2 · `{Path(str(llama.ckpt_dir)).name}`")
+        with gr.Tab("Chat", elem_id="chat-tab"), gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, buttons=["copy", "copy_all"],
+                                     placeholder="Say something to start the conversation.")
+                with gr.Row():
+                    chat_input = gr.Textbox(show_label=False, placeholder="Type a message and press Enter", scale=5,
+                                            elem_id="chat-input", autofocus=True)
+                    send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+                with gr.Row():
+                    stop, retry, undo_button, clear = (
+                        gr.Button(name, variant="stop" if name == "Stop" else "secondary",
+                                  elem_id=f"chat-{name.lower()}") for name in ("Stop", "Retry", "Undo", "Clear"))
+                chat_stats = gr.Markdown(elem_id="chat-stats")
+                gr.Examples(prompts.chat_examples, chat_input, label="Examples")
+            with gr.Column(scale=1):
+                system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
+                                           elem_id="system-prompt")
+                chat_controls = _sampling_controls(llama.max_seq_len, "chat")
+        with gr.Tab("Completion", elem_id="completion-tab"), gr.Row():
+            with gr.Column(scale=3):
+                prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
+                                    elem_id="completion-prompt")
+                with gr.Row():
+                    generate = gr.Button("Generate", variant="primary", elem_id="completion-generate")
+                    stop_completion = gr.Button("Stop", variant="stop", elem_id="completion-stop")
+                output = gr.Textbox(label="Output", lines=8, interactive=False, elem_id="completion-output")
+                tokens = gr.HighlightedText(label="Tokens, each with its probability", color_map=PROBABILITY_COLORS,
+                                            show_legend=False, show_inline_category=True, visible=False,
+                                            elem_id="completion-tokens")
+                completion_stats = gr.Markdown(elem_id="completion-stats")
+                gr.Examples(prompts.completion_examples, prompt, label="Examples")
+            with gr.Column(scale=1):
+                completion_controls = _sampling_controls(llama.max_seq_len, "completion")
+                echo = gr.Checkbox(label="Echo the prompt", elem_id="completion-echo")
+                show_probabilities = gr.Checkbox(label="Show probabilities", elem_id="completion-probabilities")
+        with gr.Tab("Model", elem_id="model-tab"):
+            gr.Markdown(model_facts(llama), elem_id="model-facts")
+
+        reply_inputs, reply_outputs = [chatbot, system_prompt, *chat_controls], [chatbot, chat_stats]
+        answers = [trigger(add_message, [chat_input, chatbot], [chatbot, chat_input, chat_stats], queue=False, **ui)
+                   .then(respond, reply_inputs, reply_outputs, **generating, **ui)
+                   for trigger in (chat_input.submit, send.click)]
+        answers.append(retry.click(lambda h: (without_reply(h), ""), chatbot, [chatbot, chat_stats], queue=False,
+                                   cancels=answers, **ui)
+                       .then(respond, reply_inputs, reply_outputs, **generating, **ui))
+        stop.click(lambda: "Stopped.", None, chat_stats, queue=False, cancels=answers, **ui)
+        undo_button.click(undo, chatbot, [chatbot, chat_input], queue=False, cancels=answers, **ui)
+        clear.click(lambda: ([], "", ""), None, [chatbot, chat_input, chat_stats], queue=False, cancels=answers, **ui)
+        chatbot.clear(lambda: "", None, chat_stats, queue=False, cancels=answers, **ui)  # its own trash button
+
+        completion_inputs = [prompt, *completion_controls, echo, show_probabilities]
+        completions = [trigger(lambda: "", None, completion_stats, queue=False, **ui)
+                       .then(complete_ui, completion_inputs, [output, tokens, completion_stats], **generating, **ui)
+                       for trigger in (generate.click, prompt.submit)]
+        stop_completion.click(lambda: "Stopped.", None, completion_stats, queue=False, cancels=completions, **ui)
+        show_probabilities.change(lambda on: gr.update(visible=on), show_probabilities, tokens, queue=False, **ui)
+
+        gr.api(chat, api_name="chat", **generating)
+        gr.api(complete_api, api_name="complete", **generating)
+    return demo
+
+
+# -- command line ---------------------------------------------------------------------------------------
+def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: Optional[int] = 7860, share: bool = False) -> None:
+    """Starts serving demo in background threads. If a share link was asked for and Gradio can't make one
+    (no internet), prints one warning line and keeps serving locally."""
+    options = dict(server_name=host, server_port=port, prevent_thread_lock=True, theme=THEME, css=CSS)
+    demo.queue()
+    if not share:
+        demo.launch(**options)
+        return
+    gradio_says = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(gradio_says):  # Gradio's own multi-line advice when offline
+            demo.launch(share=True, **options)
+    except Exception:  # a share failure that Gradio raises instead of printing
+        if not demo.is_running:
+            demo.launch(**options)
+    if demo.share_url:
+        print(gradio_says.getvalue(), end="")
+        return
+    print(f"* Running on local URL: {demo.local_url}")
+    print(f"warning: could not create a Gradio share link (no internet access?); serving locally at {demo.local_url}",
+          file=sys.stderr)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Serve a Llama-2 model in a web app: chat, completion, and an API.")
+    p.add_argument("--ckpt-dir", type=Path, help="checkpoint directory, Meta or Hugging Face layout "
+                   f"(default: the embedded model, {DEFAULT_CKPT_DIR.relative_to(Path(__file__).resolve().parent)})")
+    p.add_argument("--tokenizer", type=Path, help="SentencePiece tokenizer.model (default: in the checkpoint "
+                   "directory, then its parent)")
+    p.add_argument("--max-seq-len", type=_positive_int, help="context length in tokens, prompt and reply together "
+                   f"(default: the model's own, at most {DEFAULT_MAX_SEQ_LEN})")
+    p.add_argument("--max-batch-size", type=_positive_int, default=8,
+                   help="most requests decoded together; more wait in a queue (default: 8)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype; auto is bfloat16 on CUDA, float32 on CPU (default: auto)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=7860, help="port to listen on (default: 7860)")
+    p.add_argument("--share", action="store_true", help="also ask Gradio for a public share link (needs internet; "
+                   "without it the app still serves locally)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    ckpt_dir = args.ckpt_dir or DEFAULT_CKPT_DIR
+    max_seq_len = args.max_seq_len or DEFAULT_MAX_SEQ_LEN
+    try:
+        prompts = load_prompts()
+        if args.max_seq_len is None and ckpt_dir.is_dir():  # a missing directory is reported by Llama.build
+            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(ckpt_dir).max_seq_len)
+        llama = Llama.build(args.ckpt_dir, args.tokenizer, max_seq_len, args.max_batch_size, args.device, args.dtype)
+    except LlamaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"error: the model does not fit on device {args.device!r} with max_seq_len {max_seq_len} and "
+              f"max_batch_size {args.max_batch_size}: {reason}", file=sys.stderr)
+        return 2
+    engine = Engine(llama).start()
+    try:
+        demo = build_demo(engine, prompts)
+        try:
+            launch(demo, args.host, args.port, args.share)
+        except OSError as exc:
+            print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            return 2
+        demo.block_thread()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Serving benchmark: N concurrent clients stream completions from the running app through
+gradio_client, once with one engine slot (requests served one after another) and once with
+--slots slots (continuous batching). Reports aggregate tokens/s, time to first token and
+per-token latency (p50/p95) for both, and the batched/serial ratio.
+
+    python scripts/bench_serving.py --clients 8 --slots 8 --requests 2 --max-new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "ROMEO:\nBut soft, what light through yonder",
+    "First Citizen:\nBefore we proceed any further,",
+    "KING HENRY VI:\nO God! methinks it were a happy life",
+    "JULIET:\nGood night, good night! parting is",
+    "GLOUCESTER:\nNow is the winter of our discontent",
+    "MENENIUS:\nI tell you, friends, most charitable care",
+    "LADY CAPULET:\nWhat say you? can you love the gentleman?",
+    "PETRUCHIO:\nI pray you do; I will attend her here,",
+]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients")
+    p.add_argument("--requests", type=int, default=2, help="requests per client")
+    p.add_argument("--slots", type=int, default=8, help="engine slots (--max-batch-size) for the batched run")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--ckpt-dir", default=None, help="model to serve (default: the embedded model)")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return p.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(slots: int, ckpt_dir) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--max-batch-size", str(slots)]
+    if ckpt_dir:
+        command += ["--ckpt-dir", ckpt_dir]
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False")
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"app exited with code {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return process, url
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("app did not start within 180 s")
+
+
+def run_clients(url: str, a: argparse.Namespace) -> dict:
+    from gradio_client import Client
+
+    records, errors, lock = [], [], threading.Lock()
+
+    def client_loop(index: int) -> None:
+        client = Client(url, verbose=False)
+        for r in range(a.requests):
+            prompt = PROMPTS[(index + r) % len(PROMPTS)]
+            start = time.perf_counter()
+            first = None
+            job = client.submit(prompt, a.temperature, 0.95, a.max_new_tokens, False, False, api_name="/complete")
+            for text, _, _ in job:
+                if first is None and text:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+            try:
+                stats = job.outputs()[-1][2]
+            except Exception as exc:  # noqa: BLE001 - reported, not raised: one failure must not end the run
+                with lock:
+                    errors.append(str(exc))
+                continue
+            with lock:
+                records.append({"start": start, "first": first or end, "end": end, "tokens": stats["generated_tokens"]})
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(a.clients)]
+    began = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - began
+    ttft = [r["first"] - r["start"] for r in records]
+    per_token = [(r["end"] - r["first"]) / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
+    return {
+        "requests": len(records),
+        "errors": errors,
+        "tokens": sum(r["tokens"] for r in records),
+        "wall_s": wall,
+        "aggregate_tokens_per_s": sum(r["tokens"] for r in records) / wall,
+        "ttft_p50_s": _percentile(ttft, 50),
+        "ttft_p95_s": _percentile(ttft, 95),
+        "per_token_p50_s": _percentile(per_token, 50),
+        "per_token_p95_s": _percentile(per_token, 95),
+    }
+
+
+def _percentile(values: list[float], q: int) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def main() -> None:
+    a = parse_args()
+    report = {"clients": a.clients, "requests_per_client": a.requests, "max_new_tokens": a.max_new_tokens}
+    for name, slots in (("serial", 1), ("batched", a.slots)):
+        process, url = start_app(slots, a.ckpt_dir)
+        try:
+            run_clients(url, argparse.Namespace(**{**vars(a), "clients": 1, "requests": 1}))  # warm-up
+            report[name] = {"slots": slots, **run_clients(url, a)}
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+        r = report[name]
+        print(f"{name:>8} ({slots} slot{'s' if slots > 1 else ''}): {r['aggregate_tokens_per_s']:.1f} tok/s aggregate, "
+              f"TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms / p95 {r['ttft_p95_s'] * 1000:.0f} ms, "
+              f"per token p50 {r['per_token_p50_s'] * 1000:.1f} ms / p95 {r['per_token_p95_s'] * 1000:.1f} ms, "
+              f"{r['requests']} requests, {len(r['errors'])} errors", flush=True)
+    report["batched_over_serial"] = report["batched"]["aggregate_tokens_per_s"] / report["serial"]["aggregate_tokens_per_s"]
+    print(f"aggregate throughput, batched / serial: {report['batched_over_serial']:.2f}x")
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Runs app.py's interface in-process on a free port for the app and browser tests.
+
+The model is the embedded default (models/tiny-shakespeare) when it exists, else ../shared's stories260K;
+tests skip when neither is there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import app  # noqa: E402
+from llama_core import DEFAULT_CKPT_DIR, Llama  # noqa: E402
+from llama_core.checkpoint import read_model_args  # noqa: E402
+from llama_core.engine import Engine  # noqa: E402
+from llama_core.prompt_library import load_prompts  # noqa: E402
+
+STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260K"
+MAX_SEQ_LEN = 256  # short contexts keep the tests fast on CPU
+
+
+def model_dir() -> Optional[Path]:
+    """None for the embedded default model, else the fallback checkpoint; skips if there is neither."""
+    if (DEFAULT_CKPT_DIR / "params.json").is_file() or (DEFAULT_CKPT_DIR / "config.json").is_file():
+        return None
+    if (STORIES_DIR / "params.json").is_file():
+        return STORIES_DIR
+    pytest.skip(f"no model: neither the embedded default {DEFAULT_CKPT_DIR} nor {STORIES_DIR} exists")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8) -> Iterator[tuple[Engine, str]]:
+    """Yields (engine, local URL) of the app serving the test model (its context at most max_seq_len);
+    closes both afterwards."""
+    ckpt_dir = model_dir()
+    args_max = read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len
+    llama = Llama.build(ckpt_dir, max_seq_len=min(max_seq_len, args_max), max_batch_size=max_batch_size,
+                        device="cpu", dtype="float32", seed=0)
+    engine = Engine(llama).start()
+    demo = app.build_demo(engine, load_prompts())
+    try:
+        app.launch(demo, port=free_port())
+        yield engine, demo.local_url
+    finally:
+        demo.close(verbose=False)
+        engine.shutdown()

@@ -35,7 +35,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or ve
 import gradio as gr  # noqa: E402
 
 from llama_core import DEFAULT_CKPT_DIR, UNSAFE_ERROR, Llama, LlamaError, StreamDecoder  # noqa: E402
+from llama_core import parallel  # noqa: E402
 from llama_core.checkpoint import read_model_args  # noqa: E402
+from llama_core.device_map import parse_max_memory  # noqa: E402
 from llama_core.engine import Engine  # noqa: E402
 from llama_core.prompt_library import PromptLibrary, load_prompts  # noqa: E402
 from llama_core.serving import TextStream, stream_chat, stream_completion  # noqa: E402
@@ -393,6 +395,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights' dtype; auto is bfloat16 on CUDA, float32 on CPU (default: auto)")
+    p.add_argument("--device-map", choices=["auto", "balanced", "balanced_low_0", "sequential"],
+                   help="spread whole layers over several GPUs with accelerate (CPU memory as a last resort) "
+                   "instead of --device; for models larger than one GPU")
+    p.add_argument("--max-memory", help="with --device-map: the most each device may hold, e.g. 0=20GiB,1=20GiB,cpu=64GiB")
+    p.add_argument("--compile", action="store_true", help="decode with static shapes under torch.compile (CUDA "
+                   "graphs on GPU): faster steps after a slow first request while it compiles")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=7860, help="port to listen on (default: 7860)")
     p.add_argument("--share", action="store_true", help="also ask Gradio for a public share link (needs internet; "
@@ -408,13 +416,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         prompts = load_prompts()
         if args.max_seq_len is None and ckpt_dir.is_dir():  # a missing directory is reported by Llama.build
             max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(ckpt_dir).max_seq_len)
-        llama = Llama.build(args.ckpt_dir, args.tokenizer, max_seq_len, args.max_batch_size, args.device, args.dtype)
+        max_memory = parse_max_memory(args.max_memory) if args.max_memory else None
+        # Under `torchrun --nproc_per_node N app.py`, ranks > 0 serve rank 0's steps inside build and exit.
+        llama = Llama.build(args.ckpt_dir, args.tokenizer, max_seq_len, args.max_batch_size, args.device, args.dtype,
+                            device_map=args.device_map, max_memory=max_memory,
+                            tensor_parallel=parallel.launched_by_torchrun(), compile=args.compile)
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"error: the model does not fit on device {args.device!r} with max_seq_len {max_seq_len} and "
+        where = f"device map {args.device_map!r}" if args.device_map else f"device {args.device!r}"
+        print(f"error: the model does not fit on {where} with max_seq_len {max_seq_len} and "
               f"max_batch_size {args.max_batch_size}: {reason}", file=sys.stderr)
         return 2
     engine = Engine(llama).start()

@@ -253,11 +253,19 @@ def test_model_facts_name_checkpoint_size_and_context(engine):
         assert fact in facts
 
 
-def test_missing_checkpoint_exits_with_one_line_naming_it():
-    result = subprocess.run([sys.executable, "app.py", "--ckpt-dir", "/nonexistent/model"], cwd=REPO_ROOT,
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--ckpt-dir", "/nonexistent/model"], "error: checkpoint directory not found: /nonexistent/model"),
+        (["--device-map", "auto", "--max-memory", "bogus"], "error: max_memory entry 'bogus' must look like"),
+    ],
+)
+def test_bad_command_line_exits_with_one_line_naming_it(arguments, message):
+    result = subprocess.run([sys.executable, "app.py", *arguments], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == ["error: checkpoint directory not found: /nonexistent/model"]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message)
     assert "Traceback" not in result.stdout + result.stderr
 
 

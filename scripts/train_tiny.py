@@ -127,13 +127,13 @@ def train_tokenizer(text: str, dialogs_text: str, vocab_size: int, out_prefix: P
 
 
 def encode_stream(tokenizer: Tokenizer, text: str, dialogs: list[list[dict]]) -> tuple[torch.Tensor, torch.Tensor]:
-    plain = []
-    for block in text.split("\n\n"):
-        plain += tokenizer.encode(block.strip() + "\n\n", bos=False, eos=False)
+    # The plays in one piece, tokenized as a prompt would be: encoding each speech on its own would
+    # teach the model SentencePiece's dummy-prefix space at the start of every speech.
+    plain = tokenizer.encode(text, bos=True, eos=False)
     chat = []
     for d in dialogs:
         chat += encode_completed_dialog(tokenizer, d)
-    return torch.tensor([tokenizer.bos_id] + plain, dtype=torch.long), torch.tensor(chat, dtype=torch.long)
+    return torch.tensor(plain, dtype=torch.long), torch.tensor(chat, dtype=torch.long)
 
 
 def encode_completed_dialog(tokenizer: Tokenizer, dialog: list[dict]) -> list[int]:

@@ -46,7 +46,8 @@ MAX_INPUT_CHARS = 100_000  # longest message, system prompt or completion prompt
 MAX_HISTORY_CHARS = 400_000  # longest chat history accepted, all messages together
 DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when the model allows it and --max-seq-len is not given
 THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local fonts only: works offline
-UI_UPDATE_SECONDS = 0.1  # least time between two streamed updates of the page; the API gets every piece
+UI_UPDATE_SECONDS = 0.1  # least time between two streamed updates of the page
+API_UPDATE_SECONDS = 0.05  # and of an API stream: each update costs the server about as much as a decode step
 CSS = "#completion-tokens .text { font-family: var(--font-mono); }"
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
@@ -200,7 +201,8 @@ def stats_line(stats: dict) -> str:
 
 # -- the interface ---------------------------------------------------------------------------------------
 def _throttled(updates: Iterator[Any], seconds: float = UI_UPDATE_SECONDS) -> Iterator[Any]:
-    """At most one update per `seconds`, and always the last: a page redraws slower than tokens arrive."""
+    """The first update, then at most one per `seconds`, and always the last: a page redraws slower than
+    tokens arrive, and each streamed update costs the server about as much as a decode step."""
     with contextlib.closing(updates):
         sent_at, held = 0.0, None
         for update in updates:
@@ -251,12 +253,14 @@ def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
     def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
              max_new_tokens: int) -> Iterator[str]:
         """Streams the assistant's reply to message after history: yields the reply so far."""
-        yield from replies(start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens))
+        stream = start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens)
+        yield from _throttled(replies(stream), API_UPDATE_SECONDS)
 
     def complete_api(prompt: str, temperature: float, top_p: float, max_new_tokens: int, echo: bool,
                      show_probabilities: bool) -> Iterator[tuple[str, list[dict], dict]]:
         """Streams a completion of prompt: yields (text, tokens with probabilities, stats)."""
-        yield from complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
+        updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
+        yield from _throttled(updates, API_UPDATE_SECONDS)
 
     def add_message(message: str, history: list[dict]):
         if not message.strip():

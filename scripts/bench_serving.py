@@ -1,5 +1,5 @@
 """Serving benchmark: N concurrent clients stream completions from the running app through
-gradio_client, once with one engine slot (requests served one after another) and once with
+gradio_client (or, with --engine-only, straight from llama_core's Engine in-process), once with one engine slot (requests served one after another) and once with
 --slots slots (continuous batching). Reports aggregate tokens/s, time to first token and
 per-token latency (p50/p95) for both, and the batched/serial ratio.
 
@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
@@ -40,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--ckpt-dir", default=None, help="model to serve (default: the embedded model)")
+    p.add_argument("--engine-only", action="store_true",
+                   help="drive llama_core's Engine in-process with the same workload (no HTTP, no Gradio)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args()
 
@@ -71,30 +74,55 @@ def start_app(slots: int, ckpt_dir) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("app did not start within 180 s")
 
 
-def run_clients(url: str, a: argparse.Namespace) -> dict:
+def app_request(url: str) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
+    """One /complete request through gradio_client: (time of the first text, tokens generated)."""
     from gradio_client import Client
 
+    clients = threading.local()
+
+    def request(prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
+        if not hasattr(clients, "client"):
+            clients.client = Client(url, verbose=False)
+        first = None
+        job = clients.client.submit(prompt, a.temperature, 0.95, a.max_new_tokens, False, False, api_name="/complete")
+        for text, _, _ in job:
+            if first is None and text:
+                first = time.perf_counter()
+        return first, job.outputs()[-1][2]["generated_tokens"]
+
+    return request
+
+
+def engine_request(engine) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
+    """The same request straight to llama_core's Engine."""
+    from llama_core.serving import stream_completion
+
+    def request(prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
+        first = None
+        stream = stream_completion(engine, prompt, a.temperature, 0.95, a.max_new_tokens)
+        for chunk in stream:
+            if first is None and chunk.text:
+                first = time.perf_counter()
+        return first, stream.generated_tokens
+
+    return request
+
+
+def run_clients(request: Callable[[str, argparse.Namespace], tuple[Optional[float], int]], a: argparse.Namespace) -> dict:
     records, errors, lock = [], [], threading.Lock()
 
     def client_loop(index: int) -> None:
-        client = Client(url, verbose=False)
         for r in range(a.requests):
-            prompt = PROMPTS[(index + r) % len(PROMPTS)]
             start = time.perf_counter()
-            first = None
-            job = client.submit(prompt, a.temperature, 0.95, a.max_new_tokens, False, False, api_name="/complete")
-            for text, _, _ in job:
-                if first is None and text:
-                    first = time.perf_counter()
-            end = time.perf_counter()
             try:
-                stats = job.outputs()[-1][2]
+                first, tokens = request(PROMPTS[(index + r) % len(PROMPTS)], a)
             except Exception as exc:  # noqa: BLE001 - reported, not raised: one failure must not end the run
                 with lock:
                     errors.append(str(exc))
                 continue
+            end = time.perf_counter()
             with lock:
-                records.append({"start": start, "first": first or end, "end": end, "tokens": stats["generated_tokens"]})
+                records.append({"start": start, "first": first or end, "end": end, "tokens": tokens})
 
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(a.clients)]
     began = time.perf_counter()
@@ -129,16 +157,29 @@ def _percentile(values: list[float], q: int) -> float:
 def main() -> None:
     a = parse_args()
     report = {"clients": a.clients, "requests_per_client": a.requests, "max_new_tokens": a.max_new_tokens}
+    report["through"] = "engine" if a.engine_only else "app"
+    warm_up = argparse.Namespace(**{**vars(a), "clients": 1, "requests": 1})
     for name, slots in (("serial", 1), ("batched", a.slots)):
+        if a.engine_only:
+            sys.path.insert(0, str(ROOT))
+            from llama_core import Llama
+            from llama_core.engine import Engine
+
+            llama = Llama.build(a.ckpt_dir, max_seq_len=512, max_batch_size=slots, seed=0)
+            with Engine(llama) as engine:
+                run_clients(engine_request(engine), warm_up)
+                report[name] = {"slots": slots, **run_clients(engine_request(engine), a)}
+            continue
         process, url = start_app(slots, a.ckpt_dir)
         try:
-            run_clients(url, argparse.Namespace(**{**vars(a), "clients": 1, "requests": 1}))  # warm-up
-            report[name] = {"slots": slots, **run_clients(url, a)}
+            run_clients(app_request(url), warm_up)
+            report[name] = {"slots": slots, **run_clients(app_request(url), a)}
         finally:
             process.terminate()
             process.wait(timeout=30)
-        r = report[name]
-        print(f"{name:>8} ({slots} slot{'s' if slots > 1 else ''}): {r['aggregate_tokens_per_s']:.1f} tok/s aggregate, "
+    for name in ("serial", "batched"):
+        r, slots = report[name], report[name]["slots"]
+        print(f"{report['through']} {name:>8} ({slots} slot{'s' if slots > 1 else ''}): {r['aggregate_tokens_per_s']:.1f} tok/s aggregate, "
               f"TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms / p95 {r['ttft_p95_s'] * 1000:.0f} ms, "
               f"per token p50 {r['per_token_p50_s'] * 1000:.1f} ms / p95 {r['per_token_p95_s'] * 1000:.1f} ms, "
               f"{r['requests']} requests, {len(r['errors'])} errors", flush=True)

@@ -135,19 +135,23 @@ def load_hf_state_dict(ckpt_dir: Path, args: ModelArgs) -> dict[str, torch.Tenso
             raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
     if "lm_head.weight" not in raw and "model.embed_tokens.weight" in raw and _hf_ties_embeddings(ckpt_dir):
         raw["lm_head.weight"] = raw["model.embed_tokens.weight"]
-    state_dict = {}
-    for key, tensor in raw.items():
-        name = _hf_to_meta_name(key)
-        if name is None:
-            if key.endswith("rotary_emb.inv_freq"):
-                continue
-            raise CheckpointError(f"{ckpt_dir}: unexpected tensor {key} in Hugging Face checkpoint")
-        if name.endswith("attention.wq.weight"):
-            tensor = unpermute_rotary(tensor, args.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            tensor = unpermute_rotary(tensor, args.n_kv_heads)
-        state_dict[name] = tensor
-    return state_dict
+    converted = (hf_to_meta(ckpt_dir, key, tensor, args.n_heads, args.n_kv_heads) for key, tensor in raw.items())
+    return dict(item for item in converted if item is not None)
+
+
+def hf_to_meta(ckpt_dir: Path, key: str, tensor: torch.Tensor, n_heads: int, n_kv_heads: int):
+    """(Meta name, tensor) for a Hugging Face tensor, with HF's rotary permutation of q and k undone over
+    the heads the tensor holds; None for tensors Meta's layout has no place for (rotary inv_freq)."""
+    name = _hf_to_meta_name(key)
+    if name is None:
+        if key.endswith("rotary_emb.inv_freq"):
+            return None
+        raise CheckpointError(f"{ckpt_dir}: unexpected tensor {key} in Hugging Face checkpoint")
+    if name.endswith("attention.wq.weight"):
+        tensor = unpermute_rotary(tensor, n_heads)
+    elif name.endswith("attention.wk.weight"):
+        tensor = unpermute_rotary(tensor, n_kv_heads)
+    return name, tensor
 
 
 def hf_weight_files(ckpt_dir: Path) -> list[Path]:

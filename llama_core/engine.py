@@ -12,7 +12,6 @@ import math
 import collections
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 

@@ -32,9 +32,9 @@ from .checkpoint import (
     _torch_load,
     check_state_dict,
     checkpoint_layout,
+    hf_to_meta,
     hf_weight_files,
     meta_shard_paths,
-    unpermute_rotary,
 )
 from .config import ModelArgs
 from .errors import CheckpointError, InvalidRequestError
@@ -229,15 +229,11 @@ def _hf_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int) -> 
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
         for key, tensor in loaded:
-            name = _hf_to_meta_name(key)
-            if name is None:
-                if key.endswith("rotary_emb.inv_freq"):
-                    continue
-                raise CheckpointError(f"{ckpt_dir}: unexpected tensor {key} in Hugging Face checkpoint")
-            if name.endswith("attention.wq.weight"):
-                tensor = unpermute_rotary(tensor, args.n_heads // world_size)  # HF permutes within each head
-            elif name.endswith("attention.wk.weight"):
-                tensor = unpermute_rotary(tensor, args.n_kv_heads // world_size)
+            # HF permutes within each head, so a rank's slice is unpermuted over its own heads.
+            item = hf_to_meta(ckpt_dir, key, tensor, args.n_heads // world_size, args.n_kv_heads // world_size)
+            if item is None:
+                continue
+            name, tensor = item
             yield name, tensor
             if tied and name == "tok_embeddings.weight":
                 yield "output.weight", tensor

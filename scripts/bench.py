@@ -14,7 +14,6 @@ writes the figures as JSON (--json).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import resource
@@ -197,9 +196,7 @@ def copy_bandwidth(device: torch.device) -> Optional[float]:
         return None
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = best_time(lambda: dst.copy_(src), 5, device)
-    del src, dst
-    return 2 * (1 << 30) / seconds
+    return 2 * (1 << 30) / best_time(lambda: dst.copy_(src), 5, device)
 
 
 def max_logprob_deviation(reference: Transformer, quantized: Transformer, vocab: int, device) -> float:

@@ -1,0 +1,53 @@
+"""Smoke tests of the benchmark scripts on tiny settings, so they keep running (figures are not checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *arguments: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *arguments], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("extra", [[], ["--quantize", "int8"]], ids=["float32", "int8"])
+def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
+    report_path = tmp_path / "report.json"
+    result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
+                  "--n-kv-heads", "2", "--vocab-size", "256", "--prompt-lengths", "8,16", "--batch-sizes", "2",
+                  "--decode-tokens", "4", "--repeats", "1", "--threads", "1", "--json", str(report_path), *extra)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    assert set(report["results"]) == {"llama_core", "hf_eager"}
+    for figures in report["results"].values():
+        assert figures["decode_tokens_per_s"] > 0
+        assert set(figures["ttft_s"]) == {"8", "16"} and all(t > 0 for t in figures["ttft_s"].values())
+        assert set(figures["aggregate_tokens_per_s"]) == {"2"}
+    assert report["peak_memory_bytes"] > 0 and report["parameters"] > 0
+    assert report["args"]["n_kv_heads"] == 2
+    if extra:
+        assert 0 < report["int8_max_logprob_deviation"] < 1.0
+        assert report["weight_bytes_int8"] < report["weight_bytes"]
+    assert "decode speed-up vs HF eager" in result.stdout
+
+
+def test_serving_bench_reports_serial_and_batched(tmp_path):
+    report_path = tmp_path / "serving.json"
+    result = _run("bench_serving.py", "--engine-only", "--clients", "2", "--slots", "2", "--requests", "1",
+                  "--max-new-tokens", "4", "--json", str(report_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    for name in ("serial", "batched"):
+        figures = report[name]
+        assert figures["requests"] == 2 and not figures["errors"]
+        assert figures["aggregate_tokens_per_s"] > 0 and figures["ttft_p50_s"] > 0
+    assert report["batched_over_serial"] > 0

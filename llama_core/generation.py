@@ -151,7 +151,7 @@ class Llama:
         for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
-        ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_CKPT_DIR
+        ckpt_dir = Path(ckpt_dir).expanduser() if ckpt_dir is not None else DEFAULT_CKPT_DIR
         if not ckpt_dir.is_dir():
             hint = " (the embedded default model; see models/README.md)" if ckpt_dir == DEFAULT_CKPT_DIR else ""
             raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}{hint}")
@@ -428,7 +428,7 @@ class Llama:
 
 def _find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path]) -> Path:
     if tokenizer_path is not None:
-        path = Path(tokenizer_path)
+        path = Path(tokenizer_path).expanduser()
         if not path.is_file():
             raise CheckpointNotFoundError(f"tokenizer model not found: {path}")
         return path

@@ -128,3 +128,9 @@ def test_bfloat16_load_generates_close_to_float32(meta_ckpt_dir, llama, tokenize
     # bfloat16 keeps ~3 significant digits: prompt log-probabilities stay near the float32 ones.
     n = len(prompt)
     torch.testing.assert_close(torch.tensor(logprobs[0][:n]), torch.tensor(ref_logprobs[0][:n]), atol=0.15, rtol=0.05)
+
+
+def test_checkpoint_paths_may_start_with_a_tilde(meta_ckpt_dir, monkeypatch):
+    monkeypatch.setenv("HOME", str(meta_ckpt_dir.parent))
+    llama = build_llama(f"~/{meta_ckpt_dir.name}", tokenizer_path=f"~/{meta_ckpt_dir.name}/tokenizer.model")
+    assert llama.ckpt_dir == meta_ckpt_dir

@@ -204,39 +204,57 @@ class Engine:
                 self._free(slot, "cancelled")
 
     def _admit(self) -> None:
+        """Moves waiting requests into free slots and prefills them together (one padded forward)."""
         free_slots = [slot for slot, r in enumerate(self._slots) if r is None]
+        admitted = []
         while free_slots:
             with self._wakeup:
                 request = self._waiting.popleft() if self._waiting else None
             if request is None:
-                return
+                break
             if request.cancelled.is_set():
                 self._finish(request, "cancelled")
                 continue
             request.slot = free_slots.pop(0)
             self._slots[request.slot] = request
+            admitted.append(request)
+        together = [r for r in admitted if not r.want_prompt_logprobs]
+        groups = [[r] for r in admitted if r.want_prompt_logprobs] + ([together] if together else [])
+        for group in groups:
             try:
-                self._prefill(request)
+                self._prefill(group)
             except Exception as exc:  # one request's failure (e.g. out of memory) must not stop the engine
-                self._free(request.slot, "error", _failure_message(exc))
+                if len(group) == 1:
+                    self._free(group[0].slot, "error", _failure_message(exc))
+                    continue
+                for request in group:  # find the request that fails; the others go on
+                    try:
+                        self._prefill([request])
+                    except Exception as exc:
+                        self._free(request.slot, "error", _failure_message(exc))
 
     @torch.inference_mode()
-    def _prefill(self, request: _Request) -> None:
+    def _prefill(self, group: list[_Request]) -> None:
+        """Prefills each request's prompt into its slot (right-padded: a row never attends past its own
+        prompt, and decoding overwrites the padding's cache entries before any read) and samples its first token."""
         device = self.llama.device
-        tokens = torch.tensor([request.prompt_tokens], dtype=torch.long, device=device)
-        length = tokens.shape[1]
-        positions = torch.arange(length, device=device)[None]
-        rows = torch.tensor([request.slot], device=device)
-        if request.want_prompt_logprobs:
-            all_logits = self.model(tokens, positions, cache_rows=rows, kv_len=length)
-            prompt_lps = token_logprobs(all_logits[0, :-1], tokens[0, 1:]).tolist()
-            request.events.put((_PROMPT_LOGPROBS, prompt_lps))
+        lengths = torch.tensor([len(r.prompt_tokens) for r in group], device=device)
+        longest = int(lengths.max())
+        tokens = torch.full((len(group), longest), self.eos_id, dtype=torch.long, device=device)
+        for row, request in enumerate(group):
+            tokens[row, : len(request.prompt_tokens)] = torch.tensor(request.prompt_tokens, dtype=torch.long)
+        positions = torch.arange(longest, device=device).expand(len(group), longest)
+        rows = torch.tensor([r.slot for r in group], device=device)
+        if group[0].want_prompt_logprobs:  # such a request is prefilled alone
+            all_logits = self.model(tokens, positions, cache_rows=rows, kv_len=longest)
+            group[0].events.put((_PROMPT_LOGPROBS, token_logprobs(all_logits[0, :-1], tokens[0, 1:]).tolist()))
             logits = all_logits[:, -1]
         else:
-            last = torch.tensor([length - 1], device=device)
-            logits = self.model(tokens, positions, cache_rows=rows, kv_len=length, logit_index=last)[:, 0]
-        next_token = sample(logits, request.temperature, request.top_p, self.llama.generator)
-        self._deliver([request], next_token, token_logprobs(logits, next_token))
+            logits = self.model(tokens, positions, cache_rows=rows, kv_len=longest, logit_index=lengths - 1)[:, 0]
+        temperature = torch.tensor([r.temperature for r in group], device=device)
+        top_p = torch.tensor([r.top_p for r in group], device=device)
+        next_tokens = sample(logits, temperature, top_p, self.llama.generator)
+        self._deliver(group, next_tokens, token_logprobs(logits, next_tokens))
 
     @torch.inference_mode()
     def _decode_step(self) -> None:

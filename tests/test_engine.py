@@ -176,3 +176,20 @@ def test_prompt_logprobs_match_generate_echo(llama, prompts):
         generated = [chunk.logprob for chunk in stream]
     assert stream.prompt_logprobs == pytest.approx(expected[1 : len(prompts[5])], abs=1e-4)
     assert generated == pytest.approx(expected[len(prompts[5]) :], abs=1e-4)
+
+
+def test_requests_admitted_together_are_prefilled_together_and_fail_alone(llama, prompts, solo):
+    engine = Engine(llama)
+    failing = _FailOnLength(llama.model, length=97)
+    engine.model = failing
+    calls = []
+    failing.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
+    with engine:
+        with engine._wakeup:  # the loop can't admit until all three are queued
+            good = [engine.submit(prompts[i], 40, temperature=0) for i in (5, 6)]
+            doomed = engine.submit(list(prompts[0][:1]) * 97, 10)
+        assert [_collect(s) for s in good] == [solo[5], solo[6]]
+        with pytest.raises(RequestFailedError, match="memory"):
+            _collect(doomed)
+    assert calls[0] == (3, 97)  # one padded prefill for all three, then each alone to find the failing one
+    assert sorted(calls[1:4]) == sorted([(1, len(prompts[5])), (1, len(prompts[6])), (1, 97)])

@@ -9,7 +9,7 @@ which is free (a request admitted to it later prefills from position 0).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -43,3 +43,16 @@ class DecodeStep:
 
     def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(tokens[:, None], positions[:, None])[:, 0]
+
+
+def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):
+    """Prompts as one prefill batch: tokens [B, longest] padded on the right, positions [B, longest]
+    (0, 1, ... in every row) and lengths [B]. A row never attends to the padding after its own prompt,
+    and decoding overwrites the padding's cache entries before they are ever read."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    longest = int(lengths.max())
+    tokens = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    positions = torch.arange(longest, device=device).expand(len(prompts), longest)
+    return tokens.to(device), positions, lengths

@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import torch
 
 from .errors import InvalidRequestError, LlamaError, ServerBusyError
+from .decode import right_padded
 from .generation import Llama, StreamChunk
 from .sampling import sample, token_logprobs, validate_sampling
 
@@ -235,15 +236,10 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(self, group: list[_Request]) -> None:
-        """Prefills each request's prompt into its slot (right-padded: a row never attends past its own
-        prompt, and decoding overwrites the padding's cache entries before any read) and samples its first token."""
+        """Prefills each request's prompt into its slot, right-padded, and samples its first token."""
         device = self.llama.device
-        lengths = torch.tensor([len(r.prompt_tokens) for r in group], device=device)
-        longest = int(lengths.max())
-        tokens = torch.full((len(group), longest), self.eos_id, dtype=torch.long, device=device)
-        for row, request in enumerate(group):
-            tokens[row, : len(request.prompt_tokens)] = torch.tensor(request.prompt_tokens, dtype=torch.long)
-        positions = torch.arange(longest, device=device).expand(len(group), longest)
+        tokens, positions, lengths = right_padded([r.prompt_tokens for r in group], self.eos_id, device)
+        longest = tokens.shape[1]
         rows = torch.tensor([r.slot for r in group], device=device)
         if group[0].want_prompt_logprobs:  # such a request is prefilled alone
             all_logits = self.model(tokens, positions, cache_rows=rows, kv_len=longest)

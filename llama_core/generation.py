@@ -15,7 +15,7 @@ import torch
 from . import dialog as chat_format
 from .checkpoint import load_model, read_model_args
 from .config import ModelArgs
-from .decode import DecodeStep
+from .decode import DecodeStep, right_padded
 from .errors import CheckpointError, CheckpointNotFoundError, ContextLengthError, InvalidRequestError, LlamaError
 from .model import Transformer, execution_device
 from .sampling import sample, token_logprobs, validate_sampling
@@ -393,12 +393,8 @@ class Llama:
         if self._cache_owner is not None:
             raise LlamaError("this Llama is being served by an Engine, which owns its KV cache: submit to the engine")
         device, batch = self.device, len(prompt_tokens)
-        lengths = torch.tensor([len(p) for p in prompt_tokens], device=device)
-        longest = int(lengths.max())
-        tokens = torch.full((batch, longest), self.tokenizer.eos_id, dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompt_tokens):
-            tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        positions = torch.arange(longest, device=device).expand(batch, longest)
+        tokens, positions, lengths = right_padded(prompt_tokens, self.tokenizer.eos_id, device)
+        longest = tokens.shape[1]
         if prompt_logprobs is None:
             logits = self.model(tokens, positions, kv_len=longest, logit_index=lengths - 1)[:, 0]
         else:

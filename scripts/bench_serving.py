@@ -74,17 +74,19 @@ def start_app(slots: int, ckpt_dir) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("app did not start within 180 s")
 
 
-def app_request(url: str) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
-    """One /complete request through gradio_client: (time of the first text, tokens generated)."""
+def app_request(url: str, clients: int) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
+    """One /complete request through gradio_client: (time of the first text, tokens generated). The clients
+    are connected before any timing starts (each fetches and parses the app's API description)."""
     from gradio_client import Client
 
-    clients = threading.local()
+    pool = [Client(url, verbose=False) for _ in range(clients)]
+    assigned = threading.local()
 
     def request(prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
-        if not hasattr(clients, "client"):
-            clients.client = Client(url, verbose=False)
+        if not hasattr(assigned, "client"):
+            assigned.client = pool.pop()
         first = None
-        job = clients.client.submit(prompt, a.temperature, 0.95, a.max_new_tokens, False, False, api_name="/complete")
+        job = assigned.client.submit(prompt, a.temperature, 0.95, a.max_new_tokens, False, False, api_name="/complete")
         for text, _, _ in job:
             if first is None and text:
                 first = time.perf_counter()
@@ -172,8 +174,8 @@ def main() -> None:
             continue
         process, url = start_app(slots, a.ckpt_dir)
         try:
-            run_clients(app_request(url), warm_up)
-            report[name] = {"slots": slots, **run_clients(app_request(url), a)}
+            run_clients(app_request(url, 1), warm_up)
+            report[name] = {"slots": slots, **run_clients(app_request(url, a.clients), a)}
         finally:
             process.terminate()
             process.wait(timeout=30)

@@ -33,11 +33,13 @@ from typing import Any, Iterator, Optional
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version checks
 import gradio as gr  # noqa: E402
+import torch  # noqa: E402
 
 from llama_core import DEFAULT_CKPT_DIR, UNSAFE_ERROR, Llama, LlamaError, StreamDecoder  # noqa: E402
 from llama_core import parallel  # noqa: E402
 from llama_core.checkpoint import read_model_args  # noqa: E402
 from llama_core.device_map import parse_max_memory  # noqa: E402
+from llama_core.generation import resolve_device  # noqa: E402
 from llama_core.engine import Engine  # noqa: E402
 from llama_core.prompt_library import PromptLibrary, load_prompts  # noqa: E402
 from llama_core.serving import TextStream, stream_chat, stream_completion  # noqa: E402
@@ -386,6 +388,13 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _threads_for(device: str, device_map: Optional[str]) -> Optional[int]:
+    """On CPU, torch's threads and the web server's share the cores: measured on 2 cores, one torch thread
+    served 8 clients 24 % faster than two (docs/benchmarks.md)."""
+    on_cpu = device_map is None and resolve_device(device).type == "cpu"
+    return max(1, (os.cpu_count() or 2) - 1) if on_cpu else None
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Serve a Llama-2 model in a web app: chat, completion, and an API.")
     p.add_argument("--ckpt-dir", type=Path, help="checkpoint directory, Meta or Hugging Face layout "
@@ -405,6 +414,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-memory", help="with --device-map: the most each device may hold, e.g. 0=20GiB,1=20GiB,cpu=64GiB")
     p.add_argument("--compile", action="store_true", help="decode with static shapes under torch.compile (CUDA "
                    "graphs on GPU): faster steps after a slow first request while it compiles")
+    p.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default on CPU: one fewer than "
+                   "the cores, leaving one to the web server; elsewhere torch's own choice)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=7860, help="port to listen on (default: 7860)")
     p.add_argument("--share", action="store_true", help="also ask Gradio for a public share link (needs internet; "
@@ -421,6 +432,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.max_seq_len is None and ckpt_dir.is_dir():  # a missing directory is reported by Llama.build
             max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(ckpt_dir).max_seq_len)
         max_memory = parse_max_memory(args.max_memory) if args.max_memory else None
+        threads = args.threads or _threads_for(args.device, args.device_map)
+        if threads:
+            torch.set_num_threads(threads)
         # Under `torchrun --nproc_per_node N app.py`, ranks > 0 serve rank 0's steps inside build and exit.
         llama = Llama.build(args.ckpt_dir, args.tokenizer, max_seq_len, args.max_batch_size, args.device, args.dtype,
                             device_map=args.device_map, max_memory=max_memory,

@@ -285,3 +285,11 @@ def test_share_link_failure_warns_once_and_keeps_serving_locally(monkeypatch, ca
         assert httpx.get(demo.local_url, timeout=10).status_code == 200
     finally:
         demo.close(verbose=False)
+
+
+def test_on_cpu_torch_leaves_a_core_to_the_web_server(monkeypatch):
+    monkeypatch.setattr(app.os, "cpu_count", lambda: 8)
+    assert app._threads_for("cpu", None) == 7
+    monkeypatch.setattr(app.os, "cpu_count", lambda: 1)
+    assert app._threads_for("cpu", None) == 1
+    assert app._threads_for("auto", "auto") is None  # a device map places the model on GPUs

@@ -28,10 +28,20 @@ class DecodeStep:
                 self._all_rows, mode="reduce-overhead" if on_cuda else None, fullgraph=True, dynamic=False
             )
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits [B, vocab] for tokens [B] at positions [B] in cache rows [B] (None: rows 0..B-1)."""
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rows: Optional[torch.Tensor] = None,
+        kv_len: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Logits [B, vocab] for tokens [B] at positions [B] in cache rows [B] (None: rows 0..B-1).
+
+        kv_len: a bound the caller knows on the host (> every position; extra positions are masked), so
+        the dynamic step needs no device-to-host read; None reads it from positions."""
         if not self.static:
-            kv_len = int(positions.max()) + 1
+            if kv_len is None:
+                kv_len = int(positions.max()) + 1
             return self.model(tokens[:, None], positions[:, None], cache_rows=rows, kv_len=kv_len)[:, 0]
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)

@@ -258,9 +258,10 @@ class Engine:
         device = self.llama.device
         try:
             tokens = torch.tensor([r.last_token for r in active], dtype=torch.long, device=device)
-            positions = torch.tensor([r.next_pos for r in active], device=device)
+            next_positions = [r.next_pos for r in active]
+            positions = torch.tensor(next_positions, device=device)
             rows = torch.tensor([r.slot for r in active], device=device)
-            logits = self.llama.decode_step(tokens, positions, rows)
+            logits = self.llama.decode_step(tokens, positions, rows, kv_len=max(next_positions) + 1)
             temperature = torch.tensor([r.temperature for r in active], device=device)
             top_p = torch.tensor([r.top_p for r in active], device=device)
             next_tokens = sample(logits, temperature, top_p, self.llama.generator)

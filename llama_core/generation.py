@@ -419,7 +419,8 @@ class Llama:
                 if bool(done.all()):
                     return
             positions = torch.clamp(lengths + generated - 1, max=self.max_seq_len - 1)
-            logits = self.decode_step(next_tokens, positions)
+            # Every row's position is at most longest + step - 1: a bound known without asking the device.
+            logits = self.decode_step(next_tokens, positions, kv_len=min(longest + step, self.max_seq_len))
 
 
 def _find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path]) -> Path:

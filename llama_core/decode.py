@@ -32,10 +32,11 @@ class DecodeStep:
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
-        rows: Optional[torch.Tensor] = None,
+        rows: Optional[torch.Tensor | slice] = None,
         kv_len: Optional[int] = None,
     ) -> torch.Tensor:
-        """Logits [B, vocab] for tokens [B] at positions [B] in cache rows [B] (None: rows 0..B-1).
+        """Logits [B, vocab] for tokens [B] at positions [B] in cache rows [B] (a slice: consecutive rows;
+        None: rows 0..B-1).
 
         kv_len: a bound the caller knows on the host (> every position; extra positions are masked), so
         the dynamic step needs no device-to-host read; None reads it from positions."""

@@ -240,7 +240,7 @@ class Engine:
         device = self.llama.device
         tokens, positions, lengths = right_padded([r.prompt_tokens for r in group], self.eos_id, device)
         longest = tokens.shape[1]
-        rows = torch.tensor([r.slot for r in group], device=device)
+        rows = _cache_rows([r.slot for r in group], device)
         if group[0].want_prompt_logprobs:  # such a request is prefilled alone
             all_logits = self.model(tokens, positions, cache_rows=rows, kv_len=longest)
             group[0].events.put((_PROMPT_LOGPROBS, token_logprobs(all_logits[0, :-1], tokens[0, 1:]).tolist()))
@@ -260,7 +260,7 @@ class Engine:
             tokens = torch.tensor([r.last_token for r in active], dtype=torch.long, device=device)
             next_positions = [r.next_pos for r in active]
             positions = torch.tensor(next_positions, device=device)
-            rows = torch.tensor([r.slot for r in active], device=device)
+            rows = _cache_rows([r.slot for r in active], device)
             logits = self.llama.decode_step(tokens, positions, rows, kv_len=max(next_positions) + 1)
             temperature = torch.tensor([r.temperature for r in active], device=device)
             top_p = torch.tensor([r.top_p for r in active], device=device)
@@ -299,6 +299,14 @@ class Engine:
     @staticmethod
     def _finish(request: _Request, reason: str, message: str = "") -> None:
         request.events.put((_DONE, reason, message))
+
+
+def _cache_rows(slots: list[int], device: torch.device) -> torch.Tensor | slice:
+    """The KV-cache rows of these slots: a slice when they are consecutive (the cache is then read through
+    views, not gathered), else an index tensor."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, device=device)
 
 
 def _failure_message(exc: Exception) -> str:

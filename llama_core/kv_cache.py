@@ -47,7 +47,7 @@ class KVCache(nn.Module):
         input_pos: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        cache_rows: Optional[torch.Tensor] = None,
+        cache_rows: Optional[torch.Tensor | slice] = None,
         kv_len: Optional[int] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes k, v at their positions and returns the cached keys and values to attend over.
@@ -55,18 +55,24 @@ class KVCache(nn.Module):
         Args:
             input_pos: [B, S] position of each new token in its own sequence.
             k, v: [B, n_kv_heads, S, head_dim] new keys and values.
-            cache_rows: [B] cache row of each batch row; None means rows 0..B-1.
+            cache_rows: [B] cache row of each batch row, or a slice of B consecutive rows; None means
+                rows 0..B-1.
             kv_len: how many leading positions to return; None returns all max_seq_len.
 
         Returns:
             Keys and values, each [B, n_kv_heads, kv_len, head_dim].
         """
         batch = k.shape[0]
-        rows = cache_rows if cache_rows is not None else torch.arange(batch, device=k.device)
-        # Advanced indices separated by a slice put their broadcast shape [B, S] first.
-        self.k_cache[rows[:, None], :, input_pos] = k.transpose(1, 2)
-        self.v_cache[rows[:, None], :, input_pos] = v.transpose(1, 2)
-        length = self.max_seq_len if kv_len is None else kv_len
         if cache_rows is None:
-            return self.k_cache[:batch, :, :length], self.v_cache[:batch, :, :length]
+            cache_rows = slice(0, batch)
+        length = self.max_seq_len if kv_len is None else kv_len
+        if isinstance(cache_rows, slice):  # consecutive rows: write into and attend over views, no gather
+            k_rows, v_rows = self.k_cache[cache_rows], self.v_cache[cache_rows]
+            batch_rows = torch.arange(batch, device=k.device)[:, None]
+            k_rows[batch_rows, :, input_pos] = k.transpose(1, 2)
+            v_rows[batch_rows, :, input_pos] = v.transpose(1, 2)
+            return k_rows[:, :, :length], v_rows[:, :, :length]
+        # Advanced indices separated by a slice put their broadcast shape [B, S] first.
+        self.k_cache[cache_rows[:, None], :, input_pos] = k.transpose(1, 2)
+        self.v_cache[cache_rows[:, None], :, input_pos] = v.transpose(1, 2)
         return self.k_cache[cache_rows, :, :length], self.v_cache[cache_rows, :, :length]

@@ -71,7 +71,7 @@ class Attention(nn.Module):
         rotation: torch.Tensor,
         input_pos: torch.Tensor,
         mask: Optional[torch.Tensor],
-        cache_rows: Optional[torch.Tensor],
+        cache_rows: Optional[torch.Tensor | slice],
         kv_len: Optional[int],
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
@@ -166,7 +166,7 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         input_pos: Optional[torch.Tensor] = None,
-        cache_rows: Optional[torch.Tensor] = None,
+        cache_rows: Optional[torch.Tensor | slice] = None,
         kv_len: Optional[int] = None,
         logit_index: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
@@ -176,7 +176,8 @@ class Transformer(nn.Module):
             tokens: [B, S] token ids.
             input_pos: [B, S] position of each token in its own sequence; None means 0..S-1.
                 With caches enabled each token attends to its row's cached positions <= its own.
-            cache_rows: [B] KV-cache row of each batch row; None means rows 0..B-1.
+            cache_rows: [B] KV-cache row of each batch row, or a slice of B consecutive rows (no gather);
+                None means rows 0..B-1.
             kv_len: attend over cache positions [0, kv_len); must exceed every position in input_pos.
             logit_index: [B] one position per row to return logits for; None returns all positions.
 
@@ -196,7 +197,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             if inputs[0].device != h.device:  # layers placed on several devices
-                inputs = tuple(None if t is None else t.to(h.device) for t in inputs)
+                inputs = tuple(t.to(h.device) if isinstance(t, torch.Tensor) else t for t in inputs)
             h = layer(h, *inputs, kv_len)
         if logit_index is not None:
             h = h[torch.arange(batch, device=h.device), logit_index.to(h.device)][:, None]

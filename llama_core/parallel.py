@@ -291,6 +291,9 @@ def _broadcast_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
     call = dict(zip(("tokens", "input_pos", "cache_rows", "kv_len", "logit_index"), args), **kwargs)
     tokens = call["tokens"]
     batch, seq_len = tokens.shape
+    if isinstance(call.get("cache_rows"), slice):
+        rows = call["cache_rows"]
+        call["cache_rows"] = torch.arange(rows.start, rows.stop)
     if call.get("input_pos") is not None:
         call["input_pos"] = call["input_pos"].expand(batch, seq_len)
     present = [call.get(name) is not None for name in _OPTIONAL_INPUTS]

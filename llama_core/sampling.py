@@ -20,6 +20,10 @@ def validate_sampling(temperature: float, top_p: float) -> None:
         raise InvalidRequestError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
+# Most nuclei are a few dozen tokens: on CPU a top-k of this many finds them without sorting the vocabulary.
+NUCLEUS_GUESS = 64
+
+
 def top_p_filter(probs: torch.Tensor, top_p: Param) -> torch.Tensor:
     """Keeps the smallest set of most likely tokens whose mass reaches top_p, renormalised.
 
@@ -27,26 +31,37 @@ def top_p_filter(probs: torch.Tensor, top_p: Param) -> torch.Tensor:
         probs: [B, V] probabilities.
         top_p: a float, or [B] per row.
     """
-    top_p = _column(top_p, probs)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1)
-    mass_before = torch.cat((torch.zeros_like(mass_before[:, :1]), mass_before[:, :-1]), dim=-1)
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    kept = _nucleus(sorted_probs, _column(top_p, probs))
+    return torch.zeros_like(probs).scatter_(-1, order, kept / kept.sum(dim=-1, keepdim=True))
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: Param, top_p: Param) -> torch.Tensor:
     """Softmax of logits / temperature, filtered to top_p. Rows with temperature 0 are left to the caller."""
-    temperature = _column(temperature, logits).clamp_min(1e-5)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return top_p_filter(probs, top_p)
+    return top_p_filter(_softmax(logits, temperature), top_p)
 
 
 def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """One token per row of probs [B, V], drawn without a host synchronisation (exponential race)."""
+    """One token per row of probs [B, V] (any non-negative weights), drawn without a host synchronisation
+    (exponential race: argmax of p / Exp(1) picks index i with probability p_i / sum(p))."""
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     return torch.argmax(probs / race, dim=-1)
+
+
+def draw_top_p(probs: torch.Tensor, top_p: Param, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row of probs [B, V] from its top-p nucleus: draw(top_p_filter(probs, top_p)), computed
+    over the nucleus alone. On CPU rows whose nucleus lies in their NUCLEUS_GUESS most likely tokens skip
+    the full sort (the host check is free there); elsewhere every row is sorted, with no host sync."""
+    top_p = _column(top_p, probs).expand(probs.shape[0], 1)
+    if probs.device.type != "cpu" or probs.shape[-1] <= NUCLEUS_GUESS:
+        return _draw_sorted(*probs.sort(dim=-1, descending=True), top_p, generator)
+    values, order = probs.topk(NUCLEUS_GUESS, dim=-1)
+    tokens = _draw_sorted(values, order, top_p, generator)
+    wide = values.sum(dim=-1) < top_p[:, 0]  # the nucleus reaches past the top NUCLEUS_GUESS tokens
+    if bool(wide.any()):
+        rows = wide.nonzero()[:, 0]
+        tokens[rows] = _draw_sorted(*probs[rows].sort(dim=-1, descending=True), top_p[rows], generator)
+    return tokens
 
 
 def sample(
@@ -59,7 +74,7 @@ def sample(
     greedy = torch.argmax(logits, dim=-1)
     if isinstance(temperature, (int, float)) and temperature == 0:
         return greedy
-    drawn = draw(logits_to_probs(logits, temperature, top_p), generator)
+    drawn = draw_top_p(_softmax(logits, temperature), top_p, generator)
     if isinstance(temperature, (int, float)):
         return drawn
     return torch.where(temperature.to(logits.device) == 0, greedy, drawn)
@@ -68,6 +83,21 @@ def sample(
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Natural-log probability of tokens [...] under logits [..., V] (the model's own distribution)."""
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def _softmax(logits: torch.Tensor, temperature: Param) -> torch.Tensor:
+    return torch.softmax(logits.float() / _column(temperature, logits).clamp_min(1e-5), dim=-1)
+
+
+def _nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities sorted in descending order [B, K] with those past the top_p nucleus zeroed."""
+    mass = sorted_probs.cumsum(dim=-1)
+    mass_before = torch.cat((torch.zeros_like(mass[:, :1]), mass[:, :-1]), dim=-1)
+    return sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+
+
+def _draw_sorted(sorted_probs, order, top_p, generator) -> torch.Tensor:
+    return order.gather(-1, draw(_nucleus(sorted_probs, top_p), generator)[:, None])[:, 0]
 
 
 def _column(value: Param, like: torch.Tensor) -> torch.Tensor:

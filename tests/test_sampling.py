@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import build_llama
-from llama_core.sampling import draw, logits_to_probs, sample, token_logprobs, top_p_filter
+from llama_core.sampling import NUCLEUS_GUESS, draw, draw_top_p, logits_to_probs, sample, token_logprobs, top_p_filter
 
 PROBS = [0.4, 0.3, 0.2, 0.05, 0.03, 0.02]
 NUCLEUS = [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0.0, 0.0, 0.0]  # top_p 0.9: the three tokens whose mass reaches 0.9
@@ -39,6 +39,28 @@ def test_draws_stay_in_the_nucleus_with_its_frequencies():
     counts = torch.bincount(tokens, minlength=len(PROBS)).float() / n
     assert counts[3:].sum() == 0, f"tokens outside the top-p nucleus were drawn: {counts.tolist()}"
     torch.testing.assert_close(counts[:3], torch.tensor(NUCLEUS[:3]), atol=0.02, rtol=0)
+
+
+def test_top_p_draws_over_a_large_vocabulary_follow_the_filtered_distribution():
+    # Rows whose nucleus fits in the first NUCLEUS_GUESS tokens and rows that need the full sort, mixed.
+    vocab, n = 500, 6000
+    gen = torch.Generator().manual_seed(11)
+    peaky = torch.softmax(torch.randn(vocab, generator=gen) * 4, -1)
+    flat = torch.softmax(torch.randn(vocab, generator=gen) * 0.3, -1)
+    probs = torch.stack([peaky, flat, peaky, flat])
+    top_p = torch.tensor([0.9, 0.9, 0.5, 1.0])
+    nucleus_sizes = [(top_p_filter(probs[i : i + 1], float(top_p[i])) > 0).sum() for i in range(4)]
+    assert nucleus_sizes[0] < NUCLEUS_GUESS < nucleus_sizes[1]  # both paths are exercised
+    expected = top_p_filter(probs, top_p)
+    tokens = draw_top_p(probs.repeat(n, 1), top_p.repeat(n), gen).view(n, 4)
+    for row in range(4):
+        counts = torch.bincount(tokens[:, row], minlength=vocab).float() / n
+        assert counts[expected[row] == 0].sum() == 0, f"row {row} drew tokens outside its nucleus"
+        # Compare the mass drawn in rank buckets: the most likely tokens, the rest of the first
+        # NUCLEUS_GUESS, and the ranks past it.
+        ranked = probs[row].argsort(descending=True)
+        for bucket in (ranked[:4], ranked[4:NUCLEUS_GUESS], ranked[NUCLEUS_GUESS:]):
+            assert abs(float(counts[bucket].sum() - expected[row, bucket].sum())) < 0.03, f"row {row}"
 
 
 def test_draw_follows_the_given_probabilities():

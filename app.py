@@ -27,7 +27,6 @@ import itertools
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -48,8 +47,10 @@ MAX_INPUT_CHARS = 100_000  # longest message, system prompt or completion prompt
 MAX_HISTORY_CHARS = 400_000  # longest chat history accepted, all messages together
 DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when the model allows it and --max-seq-len is not given
 THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local fonts only: works offline
-UI_UPDATE_SECONDS = 0.1  # least time between two streamed updates of the page
-API_UPDATE_SECONDS = 0.05  # and of an API stream: each update costs the server about as much as a decode step
+# Least time between two updates of a streamed reply, on the page and through the API: each update costs the
+# server about as much as a decode step, and the thread streaming a reply sleeps in between instead of waking
+# for each token.
+STREAM_UPDATE_SECONDS = 0.1
 CSS = "#completion-tokens .text { font-family: var(--font-mono); }"
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
@@ -138,19 +139,20 @@ def start_chat(engine: Engine, message: Any, history: Any, system_prompt: Any, t
         return stream_chat(engine, dialog, temperature, top_p, _count(max_new_tokens))
 
 
-def replies(stream: TextStream) -> Iterator[str]:
-    """The reply so far after each piece (the refusal for a refused chat), then once more at the end."""
+def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[str]:
+    """The reply so far, at most every `seconds` (the refusal for a refused chat), then once more at the end."""
     reply = stream.refusal or ""
     with _streaming(stream):
-        for chunk in stream:
-            reply += chunk.text
+        for chunks in stream.batches(seconds):
+            reply += "".join(chunk.text for chunk in chunks)
             yield reply
     yield reply
 
 
 def complete(engine: Engine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
-             show_probabilities: Any) -> Iterator[tuple[str, list[dict], dict]]:
-    """Streams a completion as (text, tokens, stats), as /complete does; the last one is repeated at the end."""
+             show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[tuple[str, list[dict], dict]]:
+    """Streams a completion as (text, tokens, stats) at most every `seconds`, as /complete does; the last
+    one is repeated at the end."""
     prompt = _text(prompt, "prompt")
     echo, show_probabilities = _flag(echo, "echo"), _flag(show_probabilities, "show_probabilities")
     with _user_errors():
@@ -158,8 +160,8 @@ def complete(engine: Engine, prompt: Any, temperature: Any, top_p: Any, max_new_
                                    prompt_logprobs=echo and show_probabilities)
     text, generated, prompt_tokens = "", [], []
     with _streaming(stream):
-        for chunk in itertools.chain(stream, [None]):  # None: one more update once the stream has ended
-            if chunk is not None:
+        for chunks in itertools.chain(stream.batches(seconds), [[]]):  # []: one more update at the end
+            for chunk in chunks:
                 text += chunk.text
                 if show_probabilities and chunk.token != -1:
                     generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True})
@@ -202,20 +204,6 @@ def stats_line(stats: dict) -> str:
 
 
 # -- the interface ---------------------------------------------------------------------------------------
-def _throttled(updates: Iterator[Any], seconds: float = UI_UPDATE_SECONDS) -> Iterator[Any]:
-    """The first update, then at most one per `seconds`, and always the last: a page redraws slower than
-    tokens arrive, and each streamed update costs the server about as much as a decode step."""
-    with contextlib.closing(updates):
-        sent_at, held = 0.0, None
-        for update in updates:
-            held = update
-            if time.monotonic() - sent_at >= seconds:
-                sent_at, held = time.monotonic(), None
-                yield update
-        if held is not None:
-            yield held
-
-
 def _highlights(tokens: list[dict]) -> list[tuple[str, str]]:
     """(text, probability label) pairs; a newline shows as ↵ so that its token keeps a visible chip."""
     return [(t["token"].replace("\n", "↵\n"), PROBABILITY_LABELS[round(100 * t["probability"])])
@@ -256,13 +244,12 @@ def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
              max_new_tokens: int) -> Iterator[str]:
         """Streams the assistant's reply to message after history: yields the reply so far."""
         stream = start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens)
-        yield from _throttled(replies(stream), API_UPDATE_SECONDS)
+        yield from replies(stream)
 
     def complete_api(prompt: str, temperature: float, top_p: float, max_new_tokens: int, echo: bool,
                      show_probabilities: bool) -> Iterator[tuple[str, list[dict], dict]]:
         """Streams a completion of prompt: yields (text, tokens with probabilities, stats)."""
-        updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
-        yield from _throttled(updates, API_UPDATE_SECONDS)
+        yield from complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
 
     def add_message(message: str, history: list[dict]):
         if not message.strip():
@@ -275,7 +262,7 @@ def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
             return
         stream = start_chat(engine, history[-1]["content"], history[:-1], system_prompt, temperature, top_p,
                             max_new_tokens)
-        for reply in _throttled(replies(stream)):
+        for reply in replies(stream):
             yield history + [{"role": "assistant", "content": reply}], gr.skip()
         yield gr.skip(), stats_line(request_stats(stream))
 
@@ -290,7 +277,7 @@ def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
 
     def complete_ui(prompt, temperature, top_p, max_new_tokens, echo, show_probabilities):
         updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
-        for text, tokens, stats in _throttled(updates):
+        for text, tokens, stats in updates:
             yield text, _highlights(tokens), gr.skip()
         yield gr.skip(), gr.skip(), stats_line(stats)
 

@@ -12,6 +12,7 @@ import math
 import collections
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -59,23 +60,42 @@ class TokenStream:
         self.prompt_len = len(request.prompt_tokens)
         self.finish_reason: Optional[str] = None  # "eos", "length", "cancelled" or "error"
         self.prompt_logprobs: Optional[list[float]] = None  # with prompt_logprobs=True: tokens 1..n-1
+        self.finished_at: Optional[float] = None  # time.perf_counter() when the engine ended the request
 
     def cancel(self) -> None:
         self._request.cancelled.set()
 
     def __iter__(self) -> Iterator[StreamChunk]:
+        for chunks in self.batches():
+            yield from chunks
+
+    def batches(self, seconds: float = 0.0) -> Iterator[list[StreamChunk]]:
+        """The chunks in lists: whatever has arrived, waiting for at least one, and at most one list per
+        `seconds` (the first at once). A reader that shows text a few times a second then wakes up that
+        often, not once per token."""
+        events, next_at = self._request.events, 0.0
         try:
             while True:
-                item = self._request.events.get()
-                if isinstance(item, StreamChunk):
-                    yield item
-                elif item[0] is _PROMPT_LOGPROBS:
-                    self.prompt_logprobs = item[1]
-                else:
-                    self.finish_reason = item[1]
-                    if item[1] == "error":
-                        raise RequestFailedError(item[2])
-                    return
+                pause = next_at - time.monotonic()
+                if pause > 0:
+                    time.sleep(pause)
+                items = [events.get()]
+                while not events.empty():
+                    items.append(events.get_nowait())
+                next_at = time.monotonic() + seconds
+                chunks = [item for item in items if isinstance(item, StreamChunk)]
+                ends = [item for item in items if not isinstance(item, StreamChunk)]
+                for item in ends:
+                    if item[0] is _PROMPT_LOGPROBS:
+                        self.prompt_logprobs = item[1]
+                if chunks:
+                    yield chunks
+                for item in ends:
+                    if item[0] is _DONE:
+                        self.finish_reason, self.finished_at = item[1], item[3]
+                        if item[1] == "error":
+                            raise RequestFailedError(item[2])
+                        return
         finally:
             if self.finish_reason is None:
                 self.cancel()
@@ -298,7 +318,7 @@ class Engine:
 
     @staticmethod
     def _finish(request: _Request, reason: str, message: str = "") -> None:
-        request.events.put((_DONE, reason, message))
+        request.events.put((_DONE, reason, message, time.perf_counter()))
 
 
 def _cache_rows(slots: list[int], device: torch.device) -> torch.Tensor | slice:

@@ -67,19 +67,25 @@ class TextStream:
             self._tokens.cancel()
 
     def __iter__(self) -> Iterator[StreamChunk]:
+        for chunks in self.batches():
+            yield from chunks
+
+    def batches(self, seconds: float = 0.0) -> Iterator[list[StreamChunk]]:
+        """The chunks in lists, at most one list per `seconds` (see TokenStream.batches): for a reader that
+        updates a display periodically and need not wake up for every token."""
         if self._tokens is None:
             return
         try:
-            for chunk in self._tokens:
+            for batch in self._tokens.batches(seconds):
                 if self._first_token_at is None:
                     self._first_token_at = time.perf_counter()
-                self.generated_tokens += 1
-                yield StreamChunk(chunk.token, chunk.logprob, self._decoder.push(chunk.token))
+                self.generated_tokens += len(batch)
+                yield [StreamChunk(c.token, c.logprob, self._decoder.push(c.token)) for c in batch]
             tail = self._decoder.flush()
             if tail:
-                yield StreamChunk(-1, 0.0, tail)
+                yield [StreamChunk(-1, 0.0, tail)]
         finally:
-            self._finished_at = time.perf_counter()
+            self._finished_at = self._tokens.finished_at or time.perf_counter()
             if self._tokens.finish_reason is None:
                 self.cancel()
 

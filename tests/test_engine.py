@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,28 @@ def test_concurrent_greedy_requests_equal_their_solo_outputs(llama, prompts, sol
     assert results == solo
     # 16 requests of up to 40 tokens over 8 slots: batching shares steps between requests.
     assert steps < sum(len(s) for s in solo) / 2
+
+
+def test_batches_hold_every_token_in_order_and_wake_the_reader_less(llama, prompts, solo):
+    with Engine(llama) as engine:
+        stream = engine.submit(prompts[3], 40, temperature=0)
+        began = time.monotonic()
+        batches = list(stream.batches(0.05))
+        took = time.monotonic() - began
+    assert [c.token for batch in batches for c in batch] == solo[3]
+    assert all(batches)
+    assert len(batches) <= 2 + took / 0.05  # at most one list per 0.05 s, the first at once
+    assert stream.finish_reason in ("eos", "length") and stream.finished_at is not None
+
+
+def test_text_stream_batches_join_to_the_same_text(llama, prompts):
+    with Engine(llama) as engine:
+        text = "".join(c.text for c in stream_completion(engine, "the king said", temperature=0, max_new_tokens=30))
+        batched = stream_completion(engine, "the king said", temperature=0, max_new_tokens=30)
+        pieces = ["".join(c.text for c in batch) for batch in batched.batches(0.02)]
+    assert "".join(pieces) == text and len(text) > 0
+    assert batched.generated_tokens == 30 or batched.finish_reason == "eos"
+    assert batched.tokens_per_second > 0
 
 
 def test_cancelling_a_request_frees_its_slot_for_a_waiting_one(prompts):

@@ -105,6 +105,8 @@ class Llama:
         self._cache_holder: Optional[int] = None  # thread running a generation
         if model.layers[0].attention.wqkv is None:
             model.fuse_projections()
+        if self.device.type == "cpu":
+            model.use_column_major_weights()
         model.setup_caches(max_batch_size, max_seq_len)
         self.decode_step = DecodeStep(model, max_batch_size, compile)
 

@@ -154,6 +154,22 @@ class Transformer(nn.Module):
             layer.attention.fuse_projections()
             layer.feed_forward.fuse_projections()
 
+    def use_column_major_weights(self) -> None:
+        """Stores each projection's weight [out, in] column-major, i.e. its transpose contiguous. Shapes,
+        values and names stay; only strides change. On CPU, BLAS multiplies one or a few rows by that layout
+        much faster: decoding the 15m shape's 32000 x 288 output layer takes 1.3 ms instead of 4.0 on one
+        core (MKL, AVX2), all of the embedded model's projections 1.03 ms instead of 1.34 per token, and
+        prefill-sized products take about as long as before."""
+        from .quantize import Int8Linear
+
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, Int8Linear)) and module.weight.device.type != "meta":
+                column_major = module.weight.detach().t().contiguous().t()
+                if isinstance(module, nn.Linear):
+                    module.weight = nn.Parameter(column_major, requires_grad=False)
+                else:
+                    module.weight = column_major
+
     def caches_are_enabled(self) -> bool:
         return self.layers[0].attention.kv_cache is not None
 

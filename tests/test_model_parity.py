@@ -73,3 +73,18 @@ def test_greedy_continuation_matches_hf(layout_llama, hf_model, tokenizer, promp
     expected_lps = [float(reference[start + i, t]) for i, t in enumerate(expected)]
     torch.testing.assert_close(torch.tensor(logprobs[0]), torch.tensor(expected_lps), atol=1e-4, rtol=0)
 
+
+
+def test_cpu_weights_are_column_major_and_compute_the_same(meta_ckpt_dir, tokenizer):
+    # The parity tests above run on this layout; here: it is in effect, and changes nothing but rounding.
+    llama = build_llama(meta_ckpt_dir)
+    projections = [m.weight for m in llama.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert projections and all(w.stride() == (1, w.shape[0]) for w in projections)
+    prompt = torch.tensor([prompts(tokenizer)[-1]])
+    with torch.inference_mode():
+        column_major = llama.model(prompt, kv_len=prompt.shape[1])
+        for module in llama.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight = torch.nn.Parameter(module.weight.contiguous(), requires_grad=False)
+        row_major = llama.model(prompt, kv_len=prompt.shape[1])
+    torch.testing.assert_close(column_major, row_major, atol=1e-5, rtol=1e-5)

@@ -51,3 +51,13 @@ def test_serving_bench_reports_serial_and_batched(tmp_path):
         assert figures["requests"] == 2 and not figures["errors"]
         assert figures["aggregate_tokens_per_s"] > 0 and figures["ttft_p50_s"] > 0
     assert report["batched_over_serial"] > 0
+
+
+def test_gemm_bench_prints_a_time_for_every_layout_and_row_count():
+    result = _run("bench_gemm.py", "--shape", "tiny", "--rows", "1,4", "--repeats", "1", "--threads", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert "fused, column" in lines[1] and "separate, row" in lines[1]
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["1", "4"]
+    assert all(len(r) == 5 and all(float(t) > 0 for t in r[1:]) for r in rows)

@@ -1,0 +1,68 @@
+"""Micro-benchmark of one forward's projection products at a model shape, in the four weight layouts
+llama_core could use: q/k/v and gate/up fused or separate, weights row-major ([out, in] contiguous, as
+checkpoints store them) or column-major (the transpose contiguous, what `Llama` uses on CPU).
+
+    python scripts/bench_gemm.py --shape 110m --rows 1,8,32,128
+
+Each layer gets its own random weights, so the products read memory as a real forward does rather than
+a cached matrix. The layouts take turns, --repeats times; the median is printed, in ms per forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"tiny": (192, 512, 6), "15m": (288, 768, 6), "110m": (768, 2048, 12)}  # dim, hidden, layers
+
+
+def layer_weights(dim: int, hidden: int, fused: bool, column_major: bool) -> list[torch.Tensor]:
+    if fused:
+        shapes = [(3 * dim, dim), (dim, dim), (2 * hidden, dim), (dim, hidden)]
+    else:
+        shapes = [(dim, dim)] * 4 + [(hidden, dim)] * 2 + [(dim, hidden)]
+    weights = [torch.randn(shape) for shape in shapes]
+    return [w.t().contiguous().t() if column_major else w for w in weights]
+
+
+def forward_products(layers: list[list[torch.Tensor]], x: torch.Tensor, h: torch.Tensor) -> None:
+    for weights in layers:
+        for w in weights:
+            F.linear(h if w.shape[1] == h.shape[1] else x, w)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="110m")
+    p.add_argument("--rows", default="1,8,32,128", help="rows per product (decode batch, or prompt tokens)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dim, hidden, n_layers = SHAPES[a.shape]
+    torch.manual_seed(0)
+    layouts = {
+        (fused, column_major): [layer_weights(dim, hidden, fused, column_major) for _ in range(n_layers)]
+        for fused in (False, True)
+        for column_major in (False, True)
+    }
+    print(f"{a.shape}: dim {dim}, hidden {hidden}, {n_layers} layers, {torch.get_num_threads()} threads; ms per forward")
+    print(f"{'rows':>6}" + "".join(f"{('fused' if f else 'separate') + ', ' + ('column' if c else 'row'):>20}" for f, c in layouts))
+    for rows in (int(r) for r in a.rows.split(",")):
+        x, h = torch.randn(rows, dim), torch.randn(rows, hidden)
+        times = {key: [] for key in layouts}
+        for _ in range(a.repeats):
+            for key, layers in layouts.items():
+                start = time.perf_counter()
+                forward_products(layers, x, h)
+                times[key].append((time.perf_counter() - start) * 1e3)
+        print(f"{rows:>6}" + "".join(f"{statistics.median(t):>20.2f}" for t in times.values()))
+
+
+if __name__ == "__main__":
+    main()

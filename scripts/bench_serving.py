@@ -1,14 +1,16 @@
 """Serving benchmark: N concurrent clients stream completions from the running app through
-gradio_client (or, with --engine-only, straight from llama_core's Engine in-process), once with one engine slot (requests served one after another) and once with
---slots slots (continuous batching). Reports aggregate tokens/s, time to first token and
-per-token latency (p50/p95) for both, and the batched/serial ratio.
+gradio_client (or, with --engine-only, straight from llama_core's Engine in-process), once with one
+engine slot (requests served one after another) and once with --slots slots (continuous batching).
+Reports aggregate tokens/s, time to first token and per-token latency (p50/p95) for both, and the
+batched/serial ratio; with --runs N the two take turns N times and the median ratio is reported.
 
-    python scripts/bench_serving.py --clients 8 --slots 8 --requests 2 --max-new-tokens 64
+    python scripts/bench_serving.py --clients 8 --slots 8 --requests 2 --max-new-tokens 64 --runs 5
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -44,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="model to serve (default: the embedded model)")
     p.add_argument("--engine-only", action="store_true",
                    help="drive llama_core's Engine in-process with the same workload (no HTTP, no Gradio)")
+    p.add_argument("--runs", type=int, default=1,
+                   help="serial and batched runs, taking turns; the ratio reported is their median")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args()
 
@@ -161,37 +165,50 @@ def _percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    process.wait(timeout=30)
+
+
 def main() -> None:
     a = parse_args()
     report = {"clients": a.clients, "requests_per_client": a.requests, "max_new_tokens": a.max_new_tokens}
     report["through"] = "engine" if a.engine_only else "app"
     warm_up = argparse.Namespace(**{**vars(a), "clients": 1, "requests": 1})
-    for name, slots in (("serial", 1), ("batched", a.slots)):
-        if a.engine_only:
-            sys.path.insert(0, str(ROOT))
-            from llama_core import Llama
-            from llama_core.engine import Engine
+    configurations = (("serial", 1), ("batched", a.slots))
+    with contextlib.ExitStack() as stack:
+        requests = {}
+        for name, slots in configurations:  # both servers up at once, so their runs can take turns
+            if a.engine_only:
+                sys.path.insert(0, str(ROOT))
+                from llama_core import Llama
+                from llama_core.engine import Engine
 
-            llama = Llama.build(a.ckpt_dir, max_seq_len=512, max_batch_size=slots, seed=0)
-            with Engine(llama) as engine:
-                run_clients(engine_request(engine), warm_up)
-                report[name] = {"slots": slots, **run_clients(engine_request(engine), a)}
-            continue
-        process, url = start_app(slots, a.ckpt_dir)
-        try:
-            run_clients(app_request(url, 1), warm_up)
-            report[name] = {"slots": slots, **run_clients(app_request(url, a.clients), a)}
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
-    for name in ("serial", "batched"):
+                engine = stack.enter_context(Engine(Llama.build(a.ckpt_dir, max_seq_len=512, max_batch_size=slots, seed=0)))
+                requests[name] = lambda engine=engine: engine_request(engine)
+            else:
+                process, url = start_app(slots, a.ckpt_dir)
+                stack.callback(_stop, process)
+                requests[name] = lambda url=url: app_request(url, a.clients)
+                run_clients(app_request(url, 1), warm_up)
+        if a.engine_only:
+            for name in requests:
+                run_clients(requests[name](), warm_up)
+        runs = []
+        for _ in range(a.runs):
+            runs.append({name: {"slots": slots, **run_clients(requests[name](), a)} for name, slots in configurations})
+    ratios = [run["batched"]["aggregate_tokens_per_s"] / run["serial"]["aggregate_tokens_per_s"] for run in runs]
+    for name, _ in configurations:  # the figures of the run whose ratio is the median
+        report[name] = runs[ratios.index(statistics.median_low(ratios))][name]
         r, slots = report[name], report[name]["slots"]
         print(f"{report['through']} {name:>8} ({slots} slot{'s' if slots > 1 else ''}): {r['aggregate_tokens_per_s']:.1f} tok/s aggregate, "
               f"TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms / p95 {r['ttft_p95_s'] * 1000:.0f} ms, "
               f"per token p50 {r['per_token_p50_s'] * 1000:.1f} ms / p95 {r['per_token_p95_s'] * 1000:.1f} ms, "
               f"{r['requests']} requests, {len(r['errors'])} errors", flush=True)
-    report["batched_over_serial"] = report["batched"]["aggregate_tokens_per_s"] / report["serial"]["aggregate_tokens_per_s"]
-    print(f"aggregate throughput, batched / serial: {report['batched_over_serial']:.2f}x")
+    report["runs"], report["ratios"] = runs, ratios
+    report["batched_over_serial"] = statistics.median(ratios)
+    print(f"aggregate throughput, batched / serial: {report['batched_over_serial']:.2f}x"
+          + (f" (median of {len(ratios)} runs taking turns: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""))
     if a.json:
         a.json.write_text(json.dumps(report, indent=2) + "\n")
 

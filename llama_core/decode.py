@@ -50,7 +50,9 @@ class DecodeStep:
         all_positions = torch.zeros(self.max_batch_size, dtype=positions.dtype, device=positions.device)
         all_tokens[rows] = tokens
         all_positions[rows] = positions
-        return self._step(all_tokens, all_positions)[rows]  # indexing copies out of the graph's output
+        logits = self._step(all_tokens, all_positions)[rows]
+        # Copy out of the step's output, which the next CUDA graph replay overwrites (a slice is a view).
+        return logits.clone() if isinstance(rows, slice) else logits
 
     def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(tokens[:, None], positions[:, None])[:, 0]

@@ -2,7 +2,9 @@
 
 One background loop admits waiting requests into free cache slots (prefill), then runs a single
 batched decode step for every active slot at its own position, samples each with its own
-parameters, and retires finished or cancelled requests at once, freeing their slots.
+parameters, and retires finished or cancelled requests at once, freeing their slots. Prompts admitted
+together are prefilled in one padded forward; a prompt longer than `prefill_chunk` is prefilled a chunk
+per loop turn, between decode steps, so the other streams keep flowing.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import atexit
 import math
 import collections
+import itertools
 import queue
 import threading
 import time
@@ -41,9 +44,17 @@ class _Request:
     want_logprobs: bool = True
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    arrival: int = 0  # order of submission
     slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the KV cache
     generated: int = 0
     last_token: int = 0
+    prompt_lps: list[float] = field(default_factory=list)  # chunked prefill with prompt_logprobs
+    carried_logits: Optional[torch.Tensor] = None  # the previous chunk's last logits, scoring the next token
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt_tokens)
 
     @property
     def next_pos(self) -> int:
@@ -108,7 +119,14 @@ class Engine:
     raises until `shutdown()`.
     """
 
-    def __init__(self, llama: Llama, max_waiting: int = 64) -> None:
+    def __init__(self, llama: Llama, max_waiting: int = 64, prefill_chunk: int = 512) -> None:
+        """max_waiting: requests queued beyond the busy slots before submit answers busy.
+        prefill_chunk: a prompt longer than this is prefilled this many tokens at a time, a decode step of
+        the other requests after each chunk, so one long prompt does not stall everyone's stream."""
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise InvalidRequestError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        self._arrivals = itertools.count()
         self.llama = llama
         self.model = llama.model
         self.max_waiting = max_waiting
@@ -172,6 +190,7 @@ class Engine:
         self.check_parameters(max_new_tokens, temperature, top_p)
         self.llama.check_request([prompt_tokens], max_new_tokens, temperature, top_p)
         request = _Request(list(prompt_tokens), max_new_tokens, float(temperature), float(top_p), prompt_logprobs, logprobs)
+        request.arrival = next(self._arrivals)
         with self._wakeup:
             if not self._running:
                 raise LlamaError("the engine is not running; call start() first")
@@ -212,7 +231,8 @@ class Engine:
             try:
                 self._retire_cancelled()
                 self._admit()
-                if any(self._slots):
+                self._prefill_next_chunk()
+                if any(r is not None and not r.prefilling for r in self._slots):
                     self._decode_step()
             except Exception as exc:  # a bug must fail the requests in flight, not hang them
                 for slot, request in enumerate(self._slots):
@@ -239,8 +259,9 @@ class Engine:
             request.slot = free_slots.pop(0)
             self._slots[request.slot] = request
             admitted.append(request)
-        together = [r for r in admitted if not r.want_prompt_logprobs]
-        groups = [[r] for r in admitted if r.want_prompt_logprobs] + ([together] if together else [])
+        short = [r for r in admitted if len(r.prompt_tokens) <= self.prefill_chunk]  # longer: chunk by chunk
+        together = [r for r in short if not r.want_prompt_logprobs]
+        groups = [[r] for r in short if r.want_prompt_logprobs] + ([together] if together else [])
         for group in groups:
             try:
                 self._prefill(group)
@@ -267,14 +288,57 @@ class Engine:
             logits = all_logits[:, -1]
         else:
             logits = self.model(tokens, positions, cache_rows=rows, kv_len=longest, logit_index=lengths - 1)[:, 0]
+        for request in group:
+            request.prefilled = len(request.prompt_tokens)
+        self._sample_first_tokens(group, logits)
+
+    def _sample_first_tokens(self, group: list[_Request], logits: torch.Tensor) -> None:
+        device = self.llama.device
         temperature = torch.tensor([r.temperature for r in group], device=device)
         top_p = torch.tensor([r.top_p for r in group], device=device)
         next_tokens = sample(logits, temperature, top_p, self.llama.generator)
         self._deliver(group, next_tokens, token_logprobs(logits, next_tokens))
 
     @torch.inference_mode()
+    def _prefill_next_chunk(self) -> None:
+        """Prefills the next prefill_chunk tokens of the longest-waiting long prompt; after its last chunk,
+        samples its first token."""
+        pending = [r for r in self._slots if r is not None and r.prefilling]
+        if not pending:
+            return
+        request = min(pending, key=lambda r: r.arrival)
+        start = request.prefilled
+        chunk = request.prompt_tokens[start : start + self.prefill_chunk]
+        end, last = start + len(chunk), start + len(chunk) == len(request.prompt_tokens)
+        device = self.llama.device
+        try:
+            tokens = torch.tensor([chunk], device=device)
+            positions = torch.arange(start, end, device=device)[None]
+            rows = slice(request.slot, request.slot + 1)
+            if request.want_prompt_logprobs:
+                logits = self.model(tokens, positions, cache_rows=rows, kv_len=end)[0]
+                if request.carried_logits is not None:
+                    request.prompt_lps.append(float(token_logprobs(request.carried_logits, tokens[0, 0])))
+                request.prompt_lps += token_logprobs(logits[:-1], tokens[0, 1:]).tolist()
+                request.carried_logits = logits[-1]
+                logits = logits[-1:]
+            elif last:
+                last_index = torch.tensor([len(chunk) - 1], device=device)
+                logits = self.model(tokens, positions, cache_rows=rows, kv_len=end, logit_index=last_index)[:, 0]
+            else:  # only the cache matters; one row of logits is the least output to ask for
+                self.model(tokens, positions, cache_rows=rows, kv_len=end, logit_index=torch.tensor([0], device=device))
+            request.prefilled = end
+            if last:
+                if request.want_prompt_logprobs:
+                    request.events.put((_PROMPT_LOGPROBS, request.prompt_lps))
+                    request.carried_logits = None
+                self._sample_first_tokens([request], logits)
+        except Exception as exc:  # e.g. out of memory: this request fails, the others go on
+            self._free(request.slot, "error", _failure_message(exc))
+
+    @torch.inference_mode()
     def _decode_step(self) -> None:
-        active = [r for r in self._slots if r is not None]
+        active = [r for r in self._slots if r is not None and not r.prefilling]
         device = self.llama.device
         try:
             tokens = torch.tensor([r.last_token for r in active], dtype=torch.long, device=device)

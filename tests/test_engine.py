@@ -216,3 +216,59 @@ def test_requests_admitted_together_are_prefilled_together_and_fail_alone(llama,
             _collect(doomed)
     assert calls[0] == (3, 97)  # one padded prefill for all three, then each alone to find the failing one
     assert sorted(calls[1:4]) == sorted([(1, len(prompts[5])), (1, len(prompts[6])), (1, 97)])
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_long_prompts_prefilled_in_chunks_equal_solo(llama, prompts, solo, chunk):
+    expected = llama.generate([prompts[5]], 4, temperature=0, logprobs=True, echo=True)[1][0]
+    results: list = [None] * len(prompts)
+    with Engine(llama, prefill_chunk=chunk) as engine:
+        def run(i: int) -> None:
+            results[i] = _collect(engine.submit(prompts[i], 40, temperature=0))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        stream = engine.submit(prompts[5], 4, temperature=0, prompt_logprobs=True)
+        generated = [chunk.logprob for chunk in stream]
+    assert any(len(p) > chunk for p in prompts) and any(len(p) <= chunk for p in prompts)
+    assert results == solo
+    # Prompt log-probabilities are stitched across chunk boundaries.
+    assert len(prompts[5]) > chunk
+    assert stream.prompt_logprobs == pytest.approx(expected[1 : len(prompts[5])], abs=1e-4)
+    assert generated == pytest.approx(expected[len(prompts[5]) :], abs=1e-4)
+
+
+def test_other_streams_keep_decoding_while_a_long_prompt_is_prefilled(llama, prompts):
+    long_prompt = prompts[0][:1] + [t for p in prompts for t in p[1:]][:200]
+    with Engine(llama, prefill_chunk=8) as engine:
+        running = engine.submit(prompts[1], 150, temperature=0)  # greedy, it runs all 150 tokens
+        tokens = iter(running)
+        next(tokens)  # decoding has begun
+        steps_before = engine.steps
+        first = next(iter(engine.submit(long_prompt, 1, temperature=0)))
+        steps_during = engine.steps - steps_before
+        running.cancel()
+    assert first.token >= 0 and running.finish_reason != "eos"
+    # 200 prompt tokens in chunks of 8: a decode step of the running request after each of ~25 chunks.
+    assert steps_during >= 20, f"only {steps_during} decode steps while the long prompt was prefilled"
+
+
+def test_prefill_chunk_must_be_a_positive_integer(llama):
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(InvalidRequestError, match="prefill_chunk"):
+            Engine(llama, prefill_chunk=bad)
+
+
+def test_a_chunk_that_fails_fails_its_request_alone(llama, prompts, solo):
+    engine = Engine(llama, prefill_chunk=40)
+    engine.model = _FailOnLength(llama.model, length=17)  # the last chunk of a 97-token prompt
+    with engine:
+        running = engine.submit(prompts[4], 40, temperature=0)
+        doomed = engine.submit(list(prompts[0][:1]) * 97, 10)
+        with pytest.raises(RequestFailedError, match="memory"):
+            _collect(doomed)
+        assert _collect(running) == solo[4]
+        assert _collect(engine.submit(prompts[6], 40, temperature=0)) == solo[6]

@@ -3,8 +3,9 @@
 Dynamic (the default): only the given rows, attending over the longest row's positions: the least work,
 which is what a CPU wants. Static (`compile=True`): always every row of the cache over all max_seq_len
 positions, so shapes never change and torch.compile can capture the step once (on CUDA as a CUDA graph,
-mode "reduce-overhead"); rows not asked for compute a throw-away token at position 0 of their own row,
-which is free (a request admitted to it later prefills from position 0).
+mode "reduce-overhead"); rows not asked for compute a throw-away token at the last position of their own
+row, which no prompt reaches (a prompt is at most max_seq_len - 1 tokens, so a row being prefilled in
+chunks keeps what it wrote) and which a row's own decoding writes before it ever attends to it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class DecodeStep:
     def __init__(self, model: Transformer, max_batch_size: int, compile: bool = False, static: bool = False) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
+        self.max_seq_len = model.layers[0].attention.kv_cache.max_seq_len
         self.static = static or compile
         self._step = self._all_rows
         if compile:
@@ -47,7 +49,7 @@ class DecodeStep:
         if rows is None:
             rows = torch.arange(tokens.shape[0], device=tokens.device)
         all_tokens = torch.zeros(self.max_batch_size, dtype=tokens.dtype, device=tokens.device)
-        all_positions = torch.zeros(self.max_batch_size, dtype=positions.dtype, device=positions.device)
+        all_positions = torch.full((self.max_batch_size,), self.max_seq_len - 1, dtype=positions.dtype, device=positions.device)
         all_tokens[rows] = tokens
         all_positions[rows] = positions
         logits = self._step(all_tokens, all_positions)[rows]

@@ -33,6 +33,16 @@ def test_static_decode_equals_dynamic_decode(meta_ckpt_dir, tokenizer, compile):
     with Engine(static) as engine:
         streams = [engine.submit(p, 12, temperature=0) for p in prompts]
         assert [[c.token for c in s] for s in streams] == expected_tokens
+    # And with prompts prefilled in chunks while another row decodes: the static step also runs the rows
+    # being prefilled, which must not disturb what their chunks already wrote.
+    with Engine(static, prefill_chunk=2) as engine:
+        first = engine.submit(prompts[0], 12, temperature=0)
+        tokens = iter(first)
+        head = [next(tokens).token]
+        others = [engine.submit(p, 12, temperature=0) for p in prompts[1:]]
+        assert head + [c.token for c in tokens] == expected_tokens[0]
+        assert [[c.token for c in s] for s in others] == expected_tokens[1:]
+        assert max(len(p) for p in prompts) > 2
 
 
 def test_checking_completion_every_few_steps_changes_nothing(meta_ckpt_dir, tokenizer):

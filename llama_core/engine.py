@@ -44,6 +44,7 @@ class _Request:
     want_logprobs: bool = True
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)  # set with the final event
     arrival: int = 0  # order of submission
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the KV cache
@@ -89,7 +90,7 @@ class TokenStream:
             while True:
                 pause = next_at - time.monotonic()
                 if pause > 0:
-                    time.sleep(pause)
+                    self._request.finished.wait(pause)  # tokens don't wake the reader; the end does
                 items = [events.get()]
                 while not events.empty():
                     items.append(events.get_nowait())
@@ -383,6 +384,7 @@ class Engine:
     @staticmethod
     def _finish(request: _Request, reason: str, message: str = "") -> None:
         request.events.put((_DONE, reason, message, time.perf_counter()))
+        request.finished.set()
 
 
 def _cache_rows(slots: list[int], device: torch.device) -> torch.Tensor | slice:

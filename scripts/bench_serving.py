@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+STREAM_UPDATE_SECONDS = 0.1  # as app.py streams
 PROMPTS = [
     "ROMEO:\nBut soft, what light through yonder",
     "First Citizen:\nBefore we proceed any further,",
@@ -105,14 +106,15 @@ def app_request(url: str, clients: int) -> Callable[[str, argparse.Namespace], t
 
 
 def engine_request(engine) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
-    """The same request straight to llama_core's Engine."""
+    """The same request straight to llama_core's Engine, read as app.py reads it: in batches, at most one
+    every STREAM_UPDATE_SECONDS."""
     from llama_core.serving import stream_completion
 
     def request(prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
         first = None
         stream = stream_completion(engine, prompt, a.temperature, 0.95, a.max_new_tokens)
-        for chunk in stream:
-            if first is None and chunk.text:
+        for chunks in stream.batches(STREAM_UPDATE_SECONDS):
+            if first is None and any(chunk.text for chunk in chunks):
                 first = time.perf_counter()
         return first, stream.generated_tokens
 

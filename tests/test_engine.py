@@ -79,6 +79,16 @@ def test_batches_hold_every_token_in_order_and_wake_the_reader_less(llama, promp
     assert stream.finish_reason in ("eos", "length") and stream.finished_at is not None
 
 
+def test_a_reader_waiting_between_batches_wakes_when_the_request_ends(llama, prompts, solo):
+    with Engine(llama) as engine:
+        stream = engine.submit(prompts[3], 5, temperature=0)
+        began = time.monotonic()
+        tokens = [c.token for batch in stream.batches(30.0) for c in batch]
+        took = time.monotonic() - began
+    assert tokens == solo[3][:5]
+    assert took < 10, f"the reader slept through the end of the request ({took:.1f} s)"
+
+
 def test_text_stream_batches_join_to_the_same_text(llama, prompts):
     with Engine(llama) as engine:
         text = "".join(c.text for c in stream_completion(engine, "the king said", temperature=0, max_new_tokens=30))

@@ -40,6 +40,7 @@ from llama_core.checkpoint import read_model_args  # noqa: E402
 from llama_core.device_map import parse_max_memory  # noqa: E402
 from llama_core.generation import resolve_device  # noqa: E402
 from llama_core.engine import Engine  # noqa: E402
+from llama_core.engine_process import EngineProcess  # noqa: E402
 from llama_core.prompt_library import PromptLibrary, load_prompts  # noqa: E402
 from llama_core.serving import TextStream, stream_chat, stream_completion  # noqa: E402
 
@@ -403,6 +404,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "graphs on GPU): faster steps after a slow first request while it compiles")
     p.add_argument("--threads", type=_positive_int, help="CPU threads for torch (default on CPU: one fewer than "
                    "the cores, leaving one to the web server; elsewhere torch's own choice)")
+    p.add_argument("--single-process", action="store_true", help="run the model in the web server's process "
+                   "(default: a process of its own, so the web server's Python never holds up a decode step; "
+                   "under torchrun the model always runs in rank 0's process)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for all (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=7860, help="port to listen on (default: 7860)")
     p.add_argument("--share", action="store_true", help="also ask Gradio for a public share link (needs internet; "
@@ -422,10 +426,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         threads = args.threads or _threads_for(args.device, args.device_map)
         if threads:
             torch.set_num_threads(threads)
-        # Under `torchrun --nproc_per_node N app.py`, ranks > 0 serve rank 0's steps inside build and exit.
-        llama = Llama.build(args.ckpt_dir, args.tokenizer, max_seq_len, args.max_batch_size, args.device, args.dtype,
-                            device_map=args.device_map, max_memory=max_memory,
-                            tensor_parallel=parallel.launched_by_torchrun(), compile=args.compile)
+        build = dict(ckpt_dir=args.ckpt_dir, tokenizer_path=args.tokenizer, max_seq_len=max_seq_len,
+                     max_batch_size=args.max_batch_size, device=args.device, dtype=args.dtype,
+                     device_map=args.device_map, max_memory=max_memory, compile=args.compile)
+        if args.single_process or parallel.launched_by_torchrun():
+            # Under `torchrun --nproc_per_node N app.py`, ranks > 0 serve rank 0's steps inside build and exit.
+            llama = Llama.build(**build, tensor_parallel=parallel.launched_by_torchrun())
+            engine = Engine(llama).start()
+        else:
+            engine = EngineProcess(build, threads=threads).start()
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -435,7 +444,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: the model does not fit on {where} with max_seq_len {max_seq_len} and "
               f"max_batch_size {args.max_batch_size}: {reason}", file=sys.stderr)
         return 2
-    engine = Engine(llama).start()
     try:
         demo = build_demo(engine, prompts)
         try:

@@ -191,6 +191,11 @@ class Engine:
         self.check_parameters(max_new_tokens, temperature, top_p)
         self.llama.check_request([prompt_tokens], max_new_tokens, temperature, top_p)
         request = _Request(list(prompt_tokens), max_new_tokens, float(temperature), float(top_p), prompt_logprobs, logprobs)
+        self._enqueue(request)
+        return TokenStream(request)
+
+    def _enqueue(self, request: _Request) -> None:
+        """Queues a checked request, or raises LlamaError (not running) or ServerBusyError."""
         request.arrival = next(self._arrivals)
         with self._wakeup:
             if not self._running:
@@ -201,17 +206,10 @@ class Engine:
                 )
             self._waiting.append(request)
             self._wakeup.notify()
-        return TokenStream(request)
 
     def check_parameters(self, max_new_tokens: int, temperature: float, top_p: float) -> None:
         """Raises InvalidRequestError for sampling parameters or a max_new_tokens this engine can't serve."""
-        validate_sampling(temperature, top_p)
-        limit = self.llama.max_seq_len - 1
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= limit:
-            raise InvalidRequestError(
-                f"max_new_tokens must be an integer from 1 to {limit} (the context is "
-                f"{self.llama.max_seq_len} tokens), got {max_new_tokens!r}"
-            )
+        check_parameters(self.llama.max_seq_len, max_new_tokens, temperature, top_p)
 
     @property
     def active_count(self) -> int:
@@ -385,6 +383,17 @@ class Engine:
     def _finish(request: _Request, reason: str, message: str = "") -> None:
         request.events.put((_DONE, reason, message, time.perf_counter()))
         request.finished.set()
+
+
+def check_parameters(max_seq_len: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """Raises InvalidRequestError for sampling parameters or a max_new_tokens a max_seq_len context can't serve."""
+    validate_sampling(temperature, top_p)
+    limit = max_seq_len - 1
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= limit:
+        raise InvalidRequestError(
+            f"max_new_tokens must be an integer from 1 to {limit} (the context is {max_seq_len} tokens), "
+            f"got {max_new_tokens!r}"
+        )
 
 
 def _cache_rows(slots: list[int], device: torch.device) -> torch.Tensor | slice:

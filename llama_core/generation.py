@@ -319,9 +319,7 @@ class Llama:
     def prepare_chat(self, dialog: chat_format.Dialog, max_gen_len: int) -> chat_format.FittedDialog:
         """Validates and encodes a dialog, dropping its oldest turns until it fits with room for the reply:
         max_gen_len tokens, but at most half the context (a longer reply still runs until the context is full)."""
-        chat_format.validate_dialog(dialog)
-        room = max(1, min(max_gen_len, self.max_seq_len // 2))
-        return chat_format.fit_dialog(self.tokenizer, dialog, self.max_seq_len - room)
+        return prepare_chat(self.tokenizer, self.max_seq_len, dialog, max_gen_len)
 
     # -- checks and helpers --------------------------------------------------------------------
     def check_request(self, prompt_tokens: Sequence[Sequence[int]], max_gen_len: int, temperature: float, top_p: float) -> None:
@@ -423,6 +421,13 @@ class Llama:
             positions = torch.clamp(lengths + generated - 1, max=self.max_seq_len - 1)
             # Every row's position is at most longest + step - 1: a bound known without asking the device.
             logits = self.decode_step(next_tokens, positions, kv_len=min(longest + step, self.max_seq_len))
+
+
+def prepare_chat(tokenizer: Tokenizer, max_seq_len: int, dialog: chat_format.Dialog, max_gen_len: int) -> chat_format.FittedDialog:
+    """Llama.prepare_chat for a model with this tokenizer and context length."""
+    chat_format.validate_dialog(dialog)
+    room = max(1, min(max_gen_len, max_seq_len // 2))
+    return chat_format.fit_dialog(tokenizer, dialog, max_seq_len - room)
 
 
 def _find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path]) -> Path:

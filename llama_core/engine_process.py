@@ -1,0 +1,305 @@
+"""The serving engine in a process of its own, so that its loop never waits for the web server's Python.
+
+A Python process runs one thread at a time (the interpreter lock): an Engine inside a web server takes
+turns with the server's event loop and request threads, and every decode step waits for them. An
+`EngineProcess` loads the model and runs the Engine in a child process; requests and their tokens travel
+over a pipe. It has the Engine's `submit` and `check_parameters`, and `llama` describes the model
+(tokenizer, args, context...) without holding its weights.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import multiprocessing
+import signal
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from . import dialog as chat_format
+from . import errors
+from .config import ModelArgs
+from .engine import _DONE, _PROMPT_LOGPROBS, Engine, TokenStream, _Request, check_parameters
+from .errors import LlamaError
+from .generation import Llama, StreamChunk, prepare_chat
+from .tokenizer import Tokenizer
+
+_STARTUP_SECONDS = 3600  # loading a large checkpoint from a slow disk can take long; a crash ends it at once
+
+
+@dataclass
+class ModelFacts:
+    """What a front end needs to know of the model an EngineProcess serves."""
+
+    tokenizer: Tokenizer
+    args: ModelArgs
+    max_seq_len: int
+    max_batch_size: int
+    ckpt_dir: Optional[Path]
+    load_seconds: float
+    parameter_count: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def prepare_chat(self, dialog: chat_format.Dialog, max_gen_len: int) -> chat_format.FittedDialog:
+        return prepare_chat(self.tokenizer, self.max_seq_len, dialog, max_gen_len)
+
+
+class EngineProcess:
+    """An Engine serving a Llama that a child process builds with `Llama.build(**build)`.
+
+    Use as a context manager, or start() and shutdown(). start() raises what Llama.build raised.
+    """
+
+    def __init__(self, build: dict[str, Any], max_waiting: int = 64, prefill_chunk: int = 512,
+                 threads: Optional[int] = None) -> None:
+        self._build = dict(build)
+        self._engine_options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk)
+        self._threads = threads
+        self.llama: Optional[ModelFacts] = None
+        self._process: Optional[multiprocessing.process.BaseProcess] = None
+        self._conn = None
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._requests: dict[int, _Request] = {}
+        self._replies: dict[int, list] = {}  # request id -> [threading.Event, reply]
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "EngineProcess":
+        if self._process is not None:
+            return self
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: safe with CUDA and threads
+        self._conn, child_end = context.Pipe()
+        self._process = context.Process(
+            target=_serve, args=(child_end, self._build, self._engine_options, self._threads), name="llama-engine",
+            daemon=True,
+        )
+        with _without_main_module():
+            self._process.start()
+        child_end.close()
+        try:
+            if not self._conn.poll(_STARTUP_SECONDS):
+                raise LlamaError(f"the engine process did not load the model within {_STARTUP_SECONDS} s")
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            message = ("failed", "LlamaError", f"the engine process exited (code {self._process.exitcode}) while loading the model")
+        if message[0] == "failed":
+            self._process.join(timeout=30)
+            self._process = None
+            raise _exception(message[1], message[2])
+        facts = message[1]
+        self.llama = ModelFacts(tokenizer=Tokenizer(facts.pop("tokenizer_path")), **facts)
+        threading.Thread(target=self._read, name="llama-engine-reader", daemon=True).start()
+        atexit.register(self.shutdown)
+        return self
+
+    def shutdown(self) -> None:
+        if self._process is None:
+            return
+        try:
+            self._send(("stop",))
+        except (OSError, ValueError, LlamaError):
+            pass
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout=10)
+        self._process = None
+        self._conn.close()
+        atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> "EngineProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- submitting ---------------------------------------------------------------------------
+    def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
+               prompt_logprobs: bool = False, logprobs: bool = True) -> TokenStream:
+        """As Engine.submit: the child checks and queues the request; its errors are raised here."""
+        if self._process is None or self._stopped:
+            raise LlamaError("the engine process is not running")
+        rid = next(self._ids)
+        request = _Request(list(prompt_tokens) if isinstance(prompt_tokens, (list, tuple)) else [],
+                           max_new_tokens, temperature, top_p, prompt_logprobs, logprobs)
+        request.cancelled = _Cancel(lambda: self._send(("cancel", rid)))
+        reply = [threading.Event(), None]
+        with self._lock:
+            self._requests[rid] = request
+            self._replies[rid] = reply
+        self._send(("submit", rid, prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs))
+        reply[0].wait()
+        with self._lock:
+            self._replies.pop(rid, None)
+        if reply[1][0] != "accepted":
+            with self._lock:
+                self._requests.pop(rid, None)
+            raise _exception(reply[1][1], reply[1][2])
+        return TokenStream(request)
+
+    def check_parameters(self, max_new_tokens: int, temperature: float, top_p: float) -> None:
+        check_parameters(self.llama.max_seq_len, max_new_tokens, temperature, top_p)
+
+    # -- the pipe -----------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as exc:
+            raise LlamaError("the engine process is not running") from exc
+
+    def _read(self) -> None:
+        """Routes the child's messages to their requests until the pipe closes."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind, rid = message[0], message[1]
+            with self._lock:
+                request, reply = self._requests.get(rid), self._replies.get(rid)
+            if kind in ("accepted", "rejected") and reply is not None:
+                reply[1] = message if kind == "accepted" else (kind, message[2], message[3])
+                reply[0].set()
+            elif request is None:
+                continue
+            elif kind == "chunk":
+                request.events.put(StreamChunk(message[2], message[3], ""))
+            elif kind == "prompt_logprobs":
+                request.events.put((_PROMPT_LOGPROBS, message[2]))
+            elif kind == "done":
+                self._finish(rid, message[2], message[3])
+        self._stopped = True
+        with self._lock:
+            pending, replies = list(self._requests), list(self._replies.values())
+        for reply in replies:
+            reply[1] = ("rejected", "LlamaError", "the engine process stopped")
+            reply[0].set()
+        for rid in pending:
+            self._finish(rid, "error", "the engine process stopped")
+
+    def _finish(self, rid: int, reason: str, message: str) -> None:
+        with self._lock:
+            request = self._requests.pop(rid, None)
+        if request is not None:
+            request.events.put((_DONE, reason, message, time.perf_counter()))
+            request.finished.set()
+
+
+class _Cancel(threading.Event):
+    """A request's cancelled flag that also tells the child process."""
+
+    def __init__(self, notify) -> None:
+        super().__init__()
+        self._notify = notify
+
+    def set(self) -> None:
+        if not self.is_set():
+            super().set()
+            try:
+                self._notify()
+            except LlamaError:
+                pass  # the child is gone: nothing left to cancel
+
+
+class _Forward:
+    """A child-side request's event queue: each event goes to the parent over the pipe."""
+
+    def __init__(self, rid: int, send) -> None:
+        self.rid, self._send = rid, send
+
+    def put(self, item) -> None:
+        if isinstance(item, StreamChunk):
+            self._send(("chunk", self.rid, item.token, item.logprob))
+        elif item[0] is _PROMPT_LOGPROBS:
+            self._send(("prompt_logprobs", self.rid, item[1]))
+        elif item[0] is _DONE:
+            self._send(("done", self.rid, item[1], item[2]))
+
+
+def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> None:
+    """The child process: builds the Llama, runs an Engine, and serves the parent's commands."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches both; the parent stops the child
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        llama = Llama.build(**build)
+        engine = Engine(llama, **engine_options).start()
+    except BaseException as exc:  # reported to the parent, which raises it from start()
+        conn.send(("failed", type(exc).__name__, str(exc)))
+        return
+    conn.send(("ready", dict(
+        tokenizer_path=llama.tokenizer.model_path, args=llama.args, max_seq_len=llama.max_seq_len,
+        max_batch_size=llama.max_batch_size, ckpt_dir=llama.ckpt_dir, load_seconds=llama.load_seconds,
+        parameter_count=llama.parameter_count, dtype=llama.dtype, device=llama.device,
+    )))
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    requests: dict[int, _Request] = {}
+    try:
+        while True:
+            try:
+                command = conn.recv()
+            except (EOFError, OSError):
+                break  # the parent is gone
+            if command[0] == "stop":
+                break
+            if command[0] == "cancel":
+                request = requests.get(command[1])
+                if request is not None:
+                    request.cancelled.set()
+                continue
+            _, rid, prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs = command
+            try:
+                engine.check_parameters(max_new_tokens, temperature, top_p)
+                llama.check_request([prompt_tokens], max_new_tokens, temperature, top_p)
+                request = _Request(list(prompt_tokens), max_new_tokens, float(temperature), float(top_p),
+                                   bool(prompt_logprobs), bool(logprobs), events=_Forward(rid, send))
+                engine._enqueue(request)
+            except LlamaError as exc:
+                send(("rejected", rid, type(exc).__name__, str(exc)))
+                continue
+            requests[rid] = request
+            send(("accepted", rid))
+            for done in [r for r, req in requests.items() if req.finished.is_set()]:
+                del requests[done]
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def _without_main_module():
+    """Starts a spawned child without re-importing the parent's main script (a web app importing its UI
+    toolkit, say): the child needs llama_core only, and finds _serve there."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def _exception(type_name: str, message: str) -> Exception:
+    """The parent-side exception for one the child raised: llama_core's own by name, else a RuntimeError
+    (a MemoryError stays one), so that callers catch what they would catch in-process."""
+    cls = getattr(errors, type_name, None)
+    if isinstance(cls, type) and issubclass(cls, LlamaError):
+        return cls(message)
+    if type_name == "MemoryError":
+        return MemoryError(message)
+    return RuntimeError(f"{type_name}: {message}")

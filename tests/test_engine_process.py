@@ -1,0 +1,106 @@
+"""The engine in a process of its own: the same answers as in-process, its errors raised in the parent,
+cancellation reaching the child, and requests failing cleanly if the child dies."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from llama_core import CheckpointNotFoundError, InvalidRequestError, Llama, LlamaError
+from llama_core.engine import RequestFailedError
+from llama_core.engine_process import EngineProcess
+from llama_core.serving import stream_completion
+
+from test_engine import _collect, _model_dir, prompts, solo  # noqa: F401 - fixtures
+
+BUILD = dict(max_seq_len=256, seed=0, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def llama() -> Llama:
+    return Llama.build(_model_dir(), max_batch_size=8, **BUILD)
+
+
+@pytest.fixture(scope="module")
+def served():
+    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=8, **BUILD), threads=1) as process:
+        yield process
+
+
+def test_facts_describe_the_model_without_its_weights(served, llama):
+    facts = served.llama
+    assert facts.parameter_count == llama.parameter_count
+    assert facts.args == llama.args and facts.max_seq_len == 256 and facts.max_batch_size == 8
+    assert facts.tokenizer.n_words == llama.tokenizer.n_words
+    assert str(facts.device) == "cpu" and facts.load_seconds > 0
+
+
+def test_concurrent_greedy_requests_equal_their_solo_outputs(served, prompts, solo):  # noqa: F811
+    results: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        results[i] = _collect(served.submit(prompts[i], 40, temperature=0))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == solo
+
+
+def test_prompt_logprobs_and_text_equal_in_process(served, llama, prompts):  # noqa: F811
+    expected = llama.generate([prompts[5]], 4, temperature=0, logprobs=True, echo=True)[1][0]
+    stream = served.submit(prompts[5], 4, temperature=0, prompt_logprobs=True)
+    generated = [chunk.logprob for chunk in stream]
+    assert stream.prompt_logprobs == pytest.approx(expected[1 : len(prompts[5])], abs=1e-4)
+    assert generated == pytest.approx(expected[len(prompts[5]) :], abs=1e-4)
+    text = "".join(c.text for c in stream_completion(served, "the king said", temperature=0, max_new_tokens=20))
+    tokens = llama.tokenizer.encode("the king said", bos=True, eos=False)
+    assert text == "".join(c.text for c in llama.stream(tokens, 20, temperature=0)) and text.strip()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer from 1 to 255"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(top_p=1.5), "top_p must be a number in"),
+    (dict(prompt_tokens=[1, 10**6]), "token ids outside"),
+    (dict(prompt_tokens=[]), "prompt 0 is empty"),
+])
+def test_bad_requests_raise_in_the_parent_and_serving_goes_on(served, prompts, solo, kwargs, message):  # noqa: F811
+    request = dict(prompt_tokens=prompts[0], max_new_tokens=5, temperature=0.6, top_p=0.9) | kwargs
+    with pytest.raises(InvalidRequestError, match=message):
+        served.submit(**request)
+    assert _collect(served.submit(prompts[2], 40, temperature=0)) == solo[2]
+
+
+def test_cancelling_reaches_the_child_and_frees_the_slot(prompts):  # noqa: F811
+    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=1, **BUILD), threads=1) as process:
+        first = process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
+        chunks = iter(first)
+        next(chunks)  # the first request holds the only slot
+        waiting = process.submit(prompts[1], 5, temperature=0)
+        first.cancel()
+        assert 1 <= len(_collect(waiting)) <= 5
+        assert list(chunks) == [] or first.finish_reason == "cancelled"
+
+
+def test_a_dead_child_fails_its_requests_and_refuses_new_ones(prompts):  # noqa: F811
+    process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1).start()
+    try:
+        stream = process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
+        chunks = iter(stream)
+        next(chunks)
+        process._process.kill()
+        with pytest.raises(RequestFailedError, match="engine process stopped"):
+            list(chunks)
+        with pytest.raises(LlamaError, match="not running"):
+            process.submit(prompts[1], 5)
+    finally:
+        process.shutdown()
+
+
+def test_a_model_that_does_not_load_raises_from_start(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="checkpoint directory not found"):
+        EngineProcess(dict(ckpt_dir=tmp_path / "missing", **BUILD)).start()

@@ -14,6 +14,7 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
+import app_server
 from app_server import MAX_SEQ_LEN, REPO_ROOT, free_port, serve_app
 
 import app
@@ -293,3 +294,41 @@ def test_on_cpu_torch_leaves_a_core_to_the_web_server(monkeypatch):
     monkeypatch.setattr(app.os, "cpu_count", lambda: 1)
     assert app._threads_for("cpu", None) == 1
     assert app._threads_for("auto", "auto") is None  # a device map places the model on GPUs
+
+
+def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_ctrl_c(client):
+    """`python app.py` as a user runs it: the model in a process of its own, the same replies as the
+    in-process app, and Ctrl-C (SIGINT to the process group) stopping both processes."""
+    import os
+    import signal
+
+    if app_server.model_dir() is not None:
+        pytest.skip("the command line serves the embedded default model, which is not present")
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--max-seq-len", str(MAX_SEQ_LEN),
+                                "--threads", "1"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        time.sleep(2)  # let launch() finish before the interrupt
+        expected = client.predict(**complete_args(), api_name="/complete")[0]
+        assert Client(url, verbose=False).predict(**complete_args(), api_name="/complete")[0] == expected
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, output
+    assert "Traceback" not in output
+    with pytest.raises(ProcessLookupError):  # no process of the group is left: the engine process ended too
+        for _ in range(20):
+            os.killpg(process.pid, 0)
+            time.sleep(0.5)

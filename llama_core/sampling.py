@@ -20,8 +20,10 @@ def validate_sampling(temperature: float, top_p: float) -> None:
         raise InvalidRequestError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
-# Most nuclei are a few dozen tokens: on CPU a top-k of this many finds them without sorting the vocabulary.
-NUCLEUS_GUESS = 64
+# Most nuclei are a few dozen to a few hundred tokens: on CPU a top-k of this many finds them without sorting
+# the vocabulary. Sampling 8 rows of the embedded model's recorded logits (temperature 0.8, top-p 0.95) took
+# 1.03 ms per step with 64, 0.70 with 256, 0.67 with 512.
+NUCLEUS_GUESS = 256
 
 
 def top_p_filter(probs: torch.Tensor, top_p: Param) -> torch.Tensor:

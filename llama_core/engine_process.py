@@ -151,6 +151,32 @@ class EngineProcess:
     def check_parameters(self, max_new_tokens: int, temperature: float, top_p: float) -> None:
         check_parameters(self.llama.max_seq_len, max_new_tokens, temperature, top_p)
 
+    @property
+    def active_count(self) -> int:
+        return self._stats()["active"]
+
+    @property
+    def waiting_count(self) -> int:
+        return self._stats()["waiting"]
+
+    @property
+    def steps(self) -> int:
+        """Decode steps the engine has run."""
+        return self._stats()["steps"]
+
+    def _stats(self) -> dict:
+        rid = next(self._ids)
+        reply = [threading.Event(), None]
+        with self._lock:
+            self._replies[rid] = reply
+        self._send(("stats", rid))
+        reply[0].wait()
+        with self._lock:
+            self._replies.pop(rid, None)
+        if reply[1][0] != "stats":
+            raise _exception(reply[1][1], reply[1][2])
+        return reply[1][2]
+
     # -- the pipe -----------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
         try:
@@ -169,8 +195,8 @@ class EngineProcess:
             kind, rid = message[0], message[1]
             with self._lock:
                 request, reply = self._requests.get(rid), self._replies.get(rid)
-            if kind in ("accepted", "rejected") and reply is not None:
-                reply[1] = message if kind == "accepted" else (kind, message[2], message[3])
+            if kind in ("accepted", "rejected", "stats") and reply is not None:
+                reply[1] = (kind, message[2], message[3]) if kind == "rejected" else message
                 reply[0].set()
             elif request is None:
                 continue
@@ -263,6 +289,10 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
                 request = requests.get(command[1])
                 if request is not None:
                     request.cancelled.set()
+                continue
+            if command[0] == "stats":
+                stats = dict(active=engine.active_count, waiting=engine.waiting_count, steps=engine.steps)
+                send(("stats", command[1], stats))
                 continue
             _, rid, prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs = command
             try:

@@ -22,6 +22,7 @@ import app  # noqa: E402
 from llama_core import DEFAULT_CKPT_DIR, Llama  # noqa: E402
 from llama_core.checkpoint import read_model_args  # noqa: E402
 from llama_core.engine import Engine  # noqa: E402
+from llama_core.engine_process import EngineProcess  # noqa: E402
 from llama_core.prompt_library import load_prompts  # noqa: E402
 
 STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260K"
@@ -44,18 +45,22 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8) -> Iterator[tuple[Engine, str]]:
+def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8,
+              engine_process: bool = True) -> Iterator[tuple[Engine | EngineProcess, str]]:
     """Yields (engine, local URL) of the app serving the test model (its context at most max_seq_len);
-    closes both afterwards."""
+    closes both afterwards. The engine runs in a process of its own, as `python app.py` runs it, unless
+    engine_process is False (`--single-process`)."""
     ckpt_dir = model_dir()
     args_max = read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len
-    llama = Llama.build(ckpt_dir, max_seq_len=min(max_seq_len, args_max), max_batch_size=max_batch_size,
-                        device="cpu", dtype="float32", seed=0)
-    engine = Engine(llama).start()
-    demo = app.build_demo(engine, load_prompts())
+    build = dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, args_max), max_batch_size=max_batch_size,
+                 device="cpu", dtype="float32", seed=0)
+    engine = EngineProcess(build, threads=1).start() if engine_process else Engine(Llama.build(**build)).start()
     try:
-        app.launch(demo, port=free_port())
-        yield engine, demo.local_url
+        demo = app.build_demo(engine, load_prompts())
+        try:
+            app.launch(demo, port=free_port())
+            yield engine, demo.local_url
+        finally:
+            demo.close(verbose=False)
     finally:
-        demo.close(verbose=False)
         engine.shutdown()

@@ -1,4 +1,5 @@
-"""The web app through its API: app.py served in-process once per module, called with gradio_client."""
+"""The web app through its API: app.py's interface served once per module (its engine in a process of its
+own, as `python app.py` runs it), called with gradio_client."""
 
 from __future__ import annotations
 
@@ -294,6 +295,18 @@ def test_on_cpu_torch_leaves_a_core_to_the_web_server(monkeypatch):
     monkeypatch.setattr(app.os, "cpu_count", lambda: 1)
     assert app._threads_for("cpu", None) == 1
     assert app._threads_for("auto", "auto") is None  # a device map places the model on GPUs
+
+
+def test_single_process_app_gives_the_same_replies(client):
+    with serve_app(engine_process=False) as (_, url):
+        single = Client(url, verbose=False)
+        assert single.predict(**chat_args(), api_name="/chat") == client.predict(**chat_args(), api_name="/chat")
+        text, tokens, stats = single.predict(**complete_args(), api_name="/complete")
+        expected_text, expected_tokens, expected_stats = client.predict(**complete_args(), api_name="/complete")
+        assert (text, tokens) == (expected_text, expected_tokens) and text
+        for figures in (stats, expected_stats):
+            del figures["tokens_per_second"]  # timing differs run to run
+        assert stats == expected_stats
 
 
 def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_ctrl_c(client):

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llama_core.checkpoint import permute_rotary  # noqa: E402
 from llama_core.config import ModelArgs  # noqa: E402
+from llama_core.errors import LlamaError  # noqa: E402
 from llama_core.generation import Llama  # noqa: E402
 from llama_core.model import Transformer  # noqa: E402
 from llama_core.quantize import quantize_int8  # noqa: E402
@@ -304,4 +305,8 @@ def print_table(report: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except LlamaError as exc:  # a bad option (no CUDA, bad shape): one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

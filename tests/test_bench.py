@@ -61,3 +61,12 @@ def test_gemm_bench_prints_a_time_for_every_layout_and_row_count():
     rows = [line.split() for line in lines[2:]]
     assert [r[0] for r in rows] == ["1", "4"]
     assert all(len(r) == 5 and all(float(t) > 0 for t in r[1:]) for r in rows)
+
+
+def test_bench_answers_a_bad_device_with_one_line():
+    result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "1", "--n-heads", "4",
+                  "--device", "tpu:0", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu:0'"
+    ]

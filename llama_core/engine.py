@@ -188,11 +188,16 @@ class Engine:
             InvalidRequestError / ContextLengthError: bad prompt or parameters.
             ServerBusyError: every slot is busy and the waiting queue is full.
         """
-        self.check_parameters(max_new_tokens, temperature, top_p)
-        self.llama.check_request([prompt_tokens], max_new_tokens, temperature, top_p)
-        request = _Request(list(prompt_tokens), max_new_tokens, float(temperature), float(top_p), prompt_logprobs, logprobs)
+        request = self._checked_request(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs)
         self._enqueue(request)
         return TokenStream(request)
+
+    def _checked_request(self, prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs) -> _Request:
+        """The request submit() queues, or InvalidRequestError / ContextLengthError for a bad one."""
+        self.check_parameters(max_new_tokens, temperature, top_p)
+        self.llama.check_request([prompt_tokens], max_new_tokens, temperature, top_p)
+        return _Request(list(prompt_tokens), max_new_tokens, float(temperature), float(top_p),
+                        bool(prompt_logprobs), bool(logprobs))
 
     def _enqueue(self, request: _Request) -> None:
         """Queues a checked request, or raises LlamaError (not running) or ServerBusyError."""

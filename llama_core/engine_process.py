@@ -134,18 +134,14 @@ class EngineProcess:
         request = _Request(list(prompt_tokens) if isinstance(prompt_tokens, (list, tuple)) else [],
                            max_new_tokens, temperature, top_p, prompt_logprobs, logprobs)
         request.cancelled = _Cancel(lambda: self._send(("cancel", rid)))
-        reply = [threading.Event(), None]
         with self._lock:
-            self._requests[rid] = request
-            self._replies[rid] = reply
-        self._send(("submit", rid, prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs))
-        reply[0].wait()
-        with self._lock:
-            self._replies.pop(rid, None)
-        if reply[1][0] != "accepted":
+            self._requests[rid] = request  # before asking: its tokens may arrive before the answer
+        try:
+            self._ask(("submit", rid, prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs))
+        except Exception:
             with self._lock:
                 self._requests.pop(rid, None)
-            raise _exception(reply[1][1], reply[1][2])
+            raise
         return TokenStream(request)
 
     def check_parameters(self, max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -165,17 +161,23 @@ class EngineProcess:
         return self._stats()["steps"]
 
     def _stats(self) -> dict:
-        rid = next(self._ids)
-        reply = [threading.Event(), None]
+        return self._ask(("stats", next(self._ids)))[2]
+
+    def _ask(self, message: tuple) -> tuple:
+        """Sends message (its second item a fresh id) and waits for the child's answer to it; an answer of
+        "rejected" is raised as the exception the child raised."""
+        rid, reply = message[1], [threading.Event(), None]
         with self._lock:
             self._replies[rid] = reply
-        self._send(("stats", rid))
-        reply[0].wait()
-        with self._lock:
-            self._replies.pop(rid, None)
-        if reply[1][0] != "stats":
+        try:
+            self._send(message)
+            reply[0].wait()
+        finally:
+            with self._lock:
+                self._replies.pop(rid, None)
+        if reply[1][0] == "rejected":
             raise _exception(reply[1][1], reply[1][2])
-        return reply[1][2]
+        return reply[1]
 
     # -- the pipe -----------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
@@ -294,12 +296,10 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
                 stats = dict(active=engine.active_count, waiting=engine.waiting_count, steps=engine.steps)
                 send(("stats", command[1], stats))
                 continue
-            _, rid, prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs = command
+            _, rid, *arguments = command
             try:
-                engine.check_parameters(max_new_tokens, temperature, top_p)
-                llama.check_request([prompt_tokens], max_new_tokens, temperature, top_p)
-                request = _Request(list(prompt_tokens), max_new_tokens, float(temperature), float(top_p),
-                                   bool(prompt_logprobs), bool(logprobs), events=_Forward(rid, send))
+                request = engine._checked_request(*arguments)
+                request.events = _Forward(rid, send)
                 engine._enqueue(request)
             except LlamaError as exc:
                 send(("rejected", rid, type(exc).__name__, str(exc)))

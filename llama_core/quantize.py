@@ -14,7 +14,9 @@ class Int8Linear(nn.Module):
         super().__init__()
         w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
-        self.register_buffer("weight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        # Row-major whatever the float weight's layout: compiled, the product is an int8 kernel needing it.
+        quantized = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.register_buffer("weight", quantized)
         self.register_buffer("scales", scales.to(weight.dtype))
 
     @classmethod

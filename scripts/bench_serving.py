@@ -192,10 +192,8 @@ def main() -> None:
                 process, url = start_app(slots, a.ckpt_dir)
                 stack.callback(_stop, process)
                 requests[name] = lambda url=url: app_request(url, a.clients)
-                run_clients(app_request(url, 1), warm_up)
-        if a.engine_only:
-            for name in requests:
-                run_clients(requests[name](), warm_up)
+        for name in requests:
+            run_clients(requests[name](), warm_up)
         runs = []
         for _ in range(a.runs):
             runs.append({name: {"slots": slots, **run_clients(requests[name](), a)} for name, slots in configurations})

@@ -279,6 +279,23 @@ def llama(meta_ckpt_dir) -> Llama:
     return build_llama(meta_ckpt_dir)
 
 
+def greedy_concurrently(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Submits each prompt to engine (greedy) from a thread of its own, all at once; each one's tokens."""
+    import threading
+
+    results: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        results[i] = [chunk.token for chunk in engine.submit(prompts[i], max_new_tokens, temperature=0)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
 # -- helpers over the reference model -------------------------------------------------------------
 @torch.inference_mode()
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:

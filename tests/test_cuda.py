@@ -3,8 +3,6 @@ the compiled decode step (CUDA graphs) equal to the eager one, through generate 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from llama_core.decode import DecodeStep
 from llama_core.engine import Engine
 from llama_core.quantize import Int8Linear, quantize_int8
 
-from conftest import build_llama, hf_greedy, hf_logits
+from conftest import build_llama, greedy_concurrently, hf_greedy, hf_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -104,17 +102,8 @@ def test_engine_on_cuda_concurrent_equals_solo(meta_ckpt_dir, tokenizer):
     llama = build_llama(meta_ckpt_dir, device="cuda", dtype="float32", max_batch_size=4)
     prompts = _prompts(tokenizer) * 2
     solo = [llama.generate([p], 16, temperature=0)[0][0] for p in prompts]
-    results: list = [None] * len(prompts)
     with Engine(llama) as engine:
-        def run(i: int) -> None:
-            results[i] = [c.token for c in engine.submit(prompts[i], 16, temperature=0)]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-    assert results == solo
+        assert greedy_concurrently(engine, prompts, 16) == solo
 
 
 def test_sampling_on_cuda_is_seeded_and_respects_top_p(meta_ckpt_dir, tokenizer):

@@ -8,6 +8,7 @@ import pytest
 
 from llama_core.decode import DecodeStep
 from llama_core.engine import Engine
+from llama_core.quantize import Int8Linear, quantize_int8
 
 from conftest import build_llama
 
@@ -53,3 +54,17 @@ def test_checking_completion_every_few_steps_changes_nothing(meta_ckpt_dir, toke
     assert len(steps) % 8 == 0 or len(steps) == 20  # ran on past the end until a check
     emitted = [[int(t[row]) for t, _, e in steps if bool(e[row])] for row in range(len(prompts))]
     assert emitted == expected
+
+
+def test_int8_weights_quantized_from_a_cpu_llama_compile(meta_ckpt_dir, tokenizer):
+    # A CPU Llama holds column-major float weights; quantizing them must still give row-major int8, which
+    # the compiled int8 product needs.
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    llama = build_llama(meta_ckpt_dir, max_batch_size=4)
+    quantize_int8(llama.model)
+    assert all(m.weight.is_contiguous() for m in llama.model.modules() if isinstance(m, Int8Linear))
+    prompts = _prompts(tokenizer)
+    eager, _ = llama.generate(prompts, 12, temperature=0)
+    llama.decode_step = DecodeStep(llama.model, 4, compile=True)
+    assert llama.generate(prompts, 12, temperature=0)[0] == eager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -14,6 +13,8 @@ from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama, LlamaError,
 from llama_core.engine import Engine, RequestFailedError
 from llama_core.errors import ContextLengthError
 from llama_core.serving import stream_chat, stream_completion
+
+from conftest import greedy_concurrently
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
@@ -51,16 +52,8 @@ def _collect(stream) -> list[int]:
 
 
 def test_concurrent_greedy_requests_equal_their_solo_outputs(llama, prompts, solo):
-    results: list = [None] * len(prompts)
     with Engine(llama) as engine:
-        def run(i: int) -> None:
-            results[i] = _collect(engine.submit(prompts[i], 40, temperature=0))
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        results = greedy_concurrently(engine, prompts, 40)
         steps = engine.steps
     assert results == solo
     # 16 requests of up to 40 tokens over 8 slots: batching shares steps between requests.
@@ -231,16 +224,8 @@ def test_requests_admitted_together_are_prefilled_together_and_fail_alone(llama,
 @pytest.mark.parametrize("chunk", [5, 16])
 def test_long_prompts_prefilled_in_chunks_equal_solo(llama, prompts, solo, chunk):
     expected = llama.generate([prompts[5]], 4, temperature=0, logprobs=True, echo=True)[1][0]
-    results: list = [None] * len(prompts)
     with Engine(llama, prefill_chunk=chunk) as engine:
-        def run(i: int) -> None:
-            results[i] = _collect(engine.submit(prompts[i], 40, temperature=0))
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        results = greedy_concurrently(engine, prompts, 40)
         stream = engine.submit(prompts[5], 4, temperature=0, prompt_logprobs=True)
         generated = [chunk.logprob for chunk in stream]
     assert any(len(p) > chunk for p in prompts) and any(len(p) <= chunk for p in prompts)

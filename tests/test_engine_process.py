@@ -3,8 +3,6 @@ cancellation reaching the child, and requests failing cleanly if the child dies.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from llama_core import CheckpointNotFoundError, InvalidRequestError, Llama, LlamaError
@@ -12,6 +10,7 @@ from llama_core.engine import RequestFailedError
 from llama_core.engine_process import EngineProcess
 from llama_core.serving import stream_completion
 
+from conftest import greedy_concurrently
 from test_engine import _collect, _model_dir, prompts, solo  # noqa: F401 - fixtures
 
 BUILD = dict(max_seq_len=256, seed=0, device="cpu", dtype="float32")
@@ -37,17 +36,7 @@ def test_facts_describe_the_model_without_its_weights(served, llama):
 
 
 def test_concurrent_greedy_requests_equal_their_solo_outputs(served, prompts, solo):  # noqa: F811
-    results: list = [None] * len(prompts)
-
-    def run(i: int) -> None:
-        results[i] = _collect(served.submit(prompts[i], 40, temperature=0))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert results == solo
+    assert greedy_concurrently(served, prompts, 40) == solo
 
 
 def test_prompt_logprobs_and_text_equal_in_process(served, llama, prompts):  # noqa: F811

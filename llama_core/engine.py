@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -120,10 +120,14 @@ class Engine:
     raises until `shutdown()`.
     """
 
-    def __init__(self, llama: Llama, max_waiting: int = 64, prefill_chunk: int = 512) -> None:
+    def __init__(self, llama: Llama, max_waiting: int = 64, prefill_chunk: int = 512,
+                 after_turn: Optional[Callable[[], None]] = None) -> None:
         """max_waiting: requests queued beyond the busy slots before submit answers busy.
         prefill_chunk: a prompt longer than this is prefilled this many tokens at a time, a decode step of
-        the other requests after each chunk, so one long prompt does not stall everyone's stream."""
+        the other requests after each chunk, so one long prompt does not stall everyone's stream.
+        after_turn: called by the loop after each turn (admissions, prefill, one decode step), once that
+        turn's events are in their requests' queues, and once more at shutdown: a caller whose queues
+        forward events elsewhere can send each turn's events together."""
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise InvalidRequestError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
@@ -137,6 +141,7 @@ class Engine:
         self._wakeup = threading.Condition()
         self._running = False
         self._thread: Optional[threading.Thread] = None
+        self._after_turn = after_turn or (lambda: None)
         self.steps = 0  # decode steps run, for tests and stats
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -162,6 +167,7 @@ class Engine:
             self._finish(request, "cancelled")
         self._waiting.clear()
         self._slots = [None] * len(self._slots)
+        self._after_turn()
         self.llama.release_cache(self)
         atexit.unregister(self.shutdown)
 
@@ -242,6 +248,7 @@ class Engine:
                 for slot, request in enumerate(self._slots):
                     if request is not None:
                         self._free(slot, "error", _failure_message(exc))
+            self._after_turn()
 
     def _retire_cancelled(self) -> None:
         for slot, request in enumerate(self._slots):

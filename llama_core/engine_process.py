@@ -194,20 +194,11 @@ class EngineProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind, rid = message[0], message[1]
-            with self._lock:
-                request, reply = self._requests.get(rid), self._replies.get(rid)
-            if kind in ("accepted", "rejected", "stats") and reply is not None:
-                reply[1] = (kind, message[2], message[3]) if kind == "rejected" else message
-                reply[0].set()
-            elif request is None:
-                continue
-            elif kind == "chunk":
-                request.events.put(StreamChunk(message[2], message[3], ""))
-            elif kind == "prompt_logprobs":
-                request.events.put((_PROMPT_LOGPROBS, message[2]))
-            elif kind == "done":
-                self._finish(rid, message[2], message[3])
+            if message[0] == "events":  # one engine turn's events
+                for event in message[1]:
+                    self._route(event)
+            else:
+                self._route(message)
         self._stopped = True
         with self._lock:
             pending, replies = list(self._requests), list(self._replies.values())
@@ -216,6 +207,22 @@ class EngineProcess:
             reply[0].set()
         for rid in pending:
             self._finish(rid, "error", "the engine process stopped")
+
+    def _route(self, message: tuple) -> None:
+        kind, rid = message[0], message[1]
+        with self._lock:
+            request, reply = self._requests.get(rid), self._replies.get(rid)
+        if kind in ("accepted", "rejected", "stats") and reply is not None:
+            reply[1] = (kind, message[2], message[3]) if kind == "rejected" else message
+            reply[0].set()
+        elif request is None:
+            return
+        elif kind == "chunk":
+            request.events.put(StreamChunk(message[2], message[3], ""))
+        elif kind == "prompt_logprobs":
+            request.events.put((_PROMPT_LOGPROBS, message[2]))
+        elif kind == "done":
+            self._finish(rid, message[2], message[3])
 
     def _finish(self, rid: int, reason: str, message: str) -> None:
         with self._lock:
@@ -241,19 +248,43 @@ class _Cancel(threading.Event):
                 pass  # the child is gone: nothing left to cancel
 
 
-class _Forward:
-    """A child-side request's event queue: each event goes to the parent over the pipe."""
+class _Outbox:
+    """The child's side of its requests' event queues: events wait here and go to the parent together, one
+    pipe message per engine turn (Engine's after_turn), rather than one per token."""
 
-    def __init__(self, rid: int, send) -> None:
-        self.rid, self._send = rid, send
+    def __init__(self, send) -> None:
+        self._send, self._events, self._lock = send, [], threading.Lock()
+
+    def queue_for(self, rid: int) -> "_Forward":
+        return _Forward(rid, self)
+
+    def add(self, event: tuple) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    def flush(self) -> None:
+        with self._lock:
+            events, self._events = self._events, []
+        if events:
+            try:
+                self._send(("events", events))
+            except (OSError, ValueError):
+                pass  # the parent is gone; the child's main loop sees the closed pipe and stops
+
+
+class _Forward:
+    """A child-side request's event queue: each event goes to the parent through the outbox."""
+
+    def __init__(self, rid: int, outbox: _Outbox) -> None:
+        self.rid, self._outbox = rid, outbox
 
     def put(self, item) -> None:
         if isinstance(item, StreamChunk):
-            self._send(("chunk", self.rid, item.token, item.logprob))
+            self._outbox.add(("chunk", self.rid, item.token, item.logprob))
         elif item[0] is _PROMPT_LOGPROBS:
-            self._send(("prompt_logprobs", self.rid, item[1]))
+            self._outbox.add(("prompt_logprobs", self.rid, item[1]))
         elif item[0] is _DONE:
-            self._send(("done", self.rid, item[1], item[2]))
+            self._outbox.add(("done", self.rid, item[1], item[2]))
 
 
 def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> None:
@@ -261,23 +292,24 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches both; the parent stops the child
     if threads:
         torch.set_num_threads(threads)
-    try:
-        llama = Llama.build(**build)
-        engine = Engine(llama, **engine_options).start()
-    except BaseException as exc:  # reported to the parent, which raises it from start()
-        conn.send(("failed", type(exc).__name__, str(exc)))
-        return
-    conn.send(("ready", dict(
-        tokenizer_path=llama.tokenizer.model_path, args=llama.args, max_seq_len=llama.max_seq_len,
-        max_batch_size=llama.max_batch_size, ckpt_dir=llama.ckpt_dir, load_seconds=llama.load_seconds,
-        parameter_count=llama.parameter_count, dtype=llama.dtype, device=llama.device,
-    )))
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:
         with send_lock:
             conn.send(message)
 
+    outbox = _Outbox(send)
+    try:
+        llama = Llama.build(**build)
+        engine = Engine(llama, **engine_options, after_turn=outbox.flush).start()
+    except BaseException as exc:  # reported to the parent, which raises it from start()
+        conn.send(("failed", type(exc).__name__, str(exc)))
+        return
+    send(("ready", dict(
+        tokenizer_path=llama.tokenizer.model_path, args=llama.args, max_seq_len=llama.max_seq_len,
+        max_batch_size=llama.max_batch_size, ckpt_dir=llama.ckpt_dir, load_seconds=llama.load_seconds,
+        parameter_count=llama.parameter_count, dtype=llama.dtype, device=llama.device,
+    )))
     requests: dict[int, _Request] = {}
     try:
         while True:
@@ -299,7 +331,7 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
             _, rid, *arguments = command
             try:
                 request = engine._checked_request(*arguments)
-                request.events = _Forward(rid, send)
+                request.events = outbox.queue_for(rid)
                 engine._enqueue(request)
             except LlamaError as exc:
                 send(("rejected", rid, type(exc).__name__, str(exc)))

@@ -47,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="model to serve (default: the embedded model)")
     p.add_argument("--engine-only", action="store_true",
                    help="drive llama_core's Engine in-process with the same workload (no HTTP, no Gradio)")
+    p.add_argument("--client", choices=("http", "gradio_client"), default="http",
+                   help="how the app is called: its HTTP API with server-sent events (as curl and the browser do), "
+                        "or gradio_client")
     p.add_argument("--runs", type=int, default=1,
                    help="serial and batched runs, taking turns; the ratio reported is their median")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -80,9 +83,45 @@ def start_app(slots: int, ckpt_dir) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("app did not start within 180 s")
 
 
-def app_request(url: str, clients: int) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
+def http_request(url: str, clients: int) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
+    """One /complete request through the app's HTTP API, as curl or a browser streams it: POST
+    /gradio_api/call/complete, then read the server-sent events of its GET: (time of the first text, tokens
+    generated). Each client thread keeps one HTTP connection open."""
+    import httpx
+
+    endpoint = url + "gradio_api/call/complete"
+    tls = ssl.create_default_context()  # one for all: httpx would build one per client (see below)
+    pool = [httpx.Client(timeout=120, verify=tls) for _ in range(clients)]
+    assigned = threading.local()
+
+    def request(prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
+        if not hasattr(assigned, "http"):
+            assigned.http = pool.pop()
+        call = assigned.http.post(endpoint, json={"data": [prompt, a.temperature, 0.95, a.max_new_tokens, False, False]})
+        call.raise_for_status()
+        first, event = None, None
+        with assigned.http.stream("GET", f"{endpoint}/{call.json()['event_id']}") as events:
+            for line in events.iter_lines():
+                if line.startswith("event:"):
+                    event = line.removeprefix("event:").strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line.removeprefix("data:"))
+                    if event == "error":
+                        raise RuntimeError(f"the app answered an error: {data}")
+                    text, _, stats = data[0]
+                    if first is None and text:
+                        first = time.perf_counter()
+                    if event == "complete":
+                        return first, stats["generated_tokens"]
+        raise RuntimeError("the event stream ended without a complete event")
+
+    return request
+
+
+def gradio_client_request(url: str, clients: int) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
     """One /complete request through gradio_client: (time of the first text, tokens generated). The clients
-    are connected before any timing starts (each fetches and parses the app's API description)."""
+    are connected before any timing starts (each fetches and parses the app's API description). gradio_client
+    checks for new messages every 50 ms, which a closed-loop client adds to each request."""
     from gradio_client import Client
 
     # gradio_client opens a new httpx connection per call, and httpx builds an SSL context (loading the CA
@@ -175,7 +214,7 @@ def _stop(process: subprocess.Popen) -> None:
 def main() -> None:
     a = parse_args()
     report = {"clients": a.clients, "requests_per_client": a.requests, "max_new_tokens": a.max_new_tokens}
-    report["through"] = "engine" if a.engine_only else "app"
+    report["through"] = "engine" if a.engine_only else f"app ({a.client})"
     warm_up = argparse.Namespace(**{**vars(a), "clients": 1, "requests": 1})
     configurations = (("serial", 1), ("batched", a.slots))
     with contextlib.ExitStack() as stack:
@@ -191,7 +230,8 @@ def main() -> None:
             else:
                 process, url = start_app(slots, a.ckpt_dir)
                 stack.callback(_stop, process)
-                requests[name] = lambda url=url: app_request(url, a.clients)
+                client = http_request if a.client == "http" else gradio_client_request
+                requests[name] = lambda url=url, client=client: client(url, a.clients)
         for name in requests:
             run_clients(requests[name](), warm_up)
         runs = []

@@ -267,3 +267,22 @@ def test_a_chunk_that_fails_fails_its_request_alone(llama, prompts, solo):
             _collect(doomed)
         assert _collect(running) == solo[4]
         assert _collect(engine.submit(prompts[6], 40, temperature=0)) == solo[6]
+
+
+def test_after_turn_is_called_each_turn_with_that_turns_tokens_queued(llama, prompts, solo):
+    queued_at_turn_end = []
+    streams = []
+
+    def after_turn():
+        queued_at_turn_end.append(sum(s._request.events.qsize() for s in streams))
+
+    with Engine(llama, after_turn=after_turn) as engine:
+        streams.append(engine.submit(prompts[0], 40, temperature=0))
+        while not streams[0]._request.finished.is_set():
+            time.sleep(0.01)
+        time.sleep(0.05)
+        steps, loop_calls = engine.steps, list(queued_at_turn_end)
+    # Nobody reads the stream meanwhile: the loop's last call sees every token and the end queued.
+    assert loop_calls[-1] == len(solo[0]) + 1
+    assert len(loop_calls) >= steps and len(queued_at_turn_end) == len(loop_calls) + 1  # and once at shutdown
+    assert _collect(streams[0]) == solo[0]

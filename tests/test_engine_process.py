@@ -93,3 +93,19 @@ def test_a_dead_child_fails_its_requests_and_refuses_new_ones(prompts):  # noqa:
 def test_a_model_that_does_not_load_raises_from_start(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="checkpoint directory not found"):
         EngineProcess(dict(ckpt_dir=tmp_path / "missing", **BUILD)).start()
+
+
+def test_the_child_sends_a_turns_events_in_one_message():
+    from llama_core.engine_process import _Outbox
+    from llama_core.generation import StreamChunk
+    from llama_core.engine import _DONE
+
+    sent = []
+    outbox = _Outbox(sent.append)
+    first, second = outbox.queue_for(1), outbox.queue_for(2)
+    first.put(StreamChunk(5, -0.5, ""))
+    second.put(StreamChunk(7, -0.25, ""))
+    first.put((_DONE, "length", "", 0.0))
+    outbox.flush()
+    outbox.flush()  # nothing new: nothing sent
+    assert sent == [("events", [("chunk", 1, 5, -0.5), ("chunk", 2, 7, -0.25), ("done", 1, "length", "")])]

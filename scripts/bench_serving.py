@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -86,18 +87,20 @@ def start_app(slots: int, ckpt_dir) -> tuple[subprocess.Popen, str]:
 def http_request(url: str, clients: int) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
     """One /complete request through the app's HTTP API, as curl or a browser streams it: POST
     /gradio_api/call/complete, then read the server-sent events of its GET: (time of the first text, tokens
-    generated). Each client thread keeps one HTTP connection open."""
+    generated). Each client thread keeps one HTTP connection open and one session, as a browser tab does
+    (without a session, Gradio builds a new session state, a copy of every component's config, per call)."""
     import httpx
 
     endpoint = url + "gradio_api/call/complete"
     tls = ssl.create_default_context()  # one for all: httpx would build one per client (see below)
-    pool = [httpx.Client(timeout=120, verify=tls) for _ in range(clients)]
+    pool = [(httpx.Client(timeout=120, verify=tls), uuid.uuid4().hex) for _ in range(clients)]
     assigned = threading.local()
 
     def request(prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
         if not hasattr(assigned, "http"):
-            assigned.http = pool.pop()
-        call = assigned.http.post(endpoint, json={"data": [prompt, a.temperature, 0.95, a.max_new_tokens, False, False]})
+            assigned.http, assigned.session = pool.pop()
+        arguments = [prompt, a.temperature, 0.95, a.max_new_tokens, False, False]
+        call = assigned.http.post(endpoint, json={"data": arguments, "session_hash": assigned.session})
         call.raise_for_status()
         first, event = None, None
         with assigned.http.stream("GET", f"{endpoint}/{call.json()['event_id']}") as events:

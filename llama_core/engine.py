@@ -24,6 +24,7 @@ import torch
 from .errors import InvalidRequestError, LlamaError, ServerBusyError
 from .decode import right_padded
 from .generation import Llama, StreamChunk
+from .model import Span
 from .sampling import sample, token_logprobs, validate_sampling
 
 _DONE = object()
@@ -142,6 +143,9 @@ class Engine:
         self._running = False
         self._thread: Optional[threading.Thread] = None
         self._after_turn = after_turn or (lambda: None)
+        # Prompts admitted while others decode are prefilled in the decode step's forward, where the model
+        # runs eagerly on one device of its own (not a compiled static step, offloaded or tensor-parallel).
+        self._mixes = not llama.decode_step.static and not llama.model._forward_pre_hooks and _on_one_device(llama.model)
         self.steps = 0  # decode steps run, for tests and stats
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -240,10 +244,13 @@ class Engine:
                     return
             try:
                 self._retire_cancelled()
-                self._admit()
-                self._prefill_next_chunk()
-                if any(r is not None and not r.prefilling for r in self._slots):
-                    self._decode_step()
+                riders = self._admit()
+                self._prefill_next_chunk(riders)
+                decoding = [r for r in self._slots if r is not None and not r.prefilling and r not in riders]
+                if decoding:
+                    self._decode_step(decoding, riders)
+                elif riders:
+                    self._prefill_groups([riders])
             except Exception as exc:  # a bug must fail the requests in flight, not hang them
                 for slot, request in enumerate(self._slots):
                     if request is not None:
@@ -255,8 +262,10 @@ class Engine:
             if request is not None and request.cancelled.is_set():
                 self._free(slot, "cancelled")
 
-    def _admit(self) -> None:
-        """Moves waiting requests into free slots and prefills them together (one padded forward)."""
+    def _admit(self) -> list[_Request]:
+        """Moves waiting requests into free slots and prefills them together (one padded forward), or, where
+        the model allows and other requests are decoding, leaves them to ride along in this turn's decode
+        step (one forward for both): returns those riders."""
         free_slots = [slot for slot, r in enumerate(self._slots) if r is None]
         admitted = []
         while free_slots:
@@ -272,7 +281,15 @@ class Engine:
             admitted.append(request)
         short = [r for r in admitted if len(r.prompt_tokens) <= self.prefill_chunk]  # longer: chunk by chunk
         together = [r for r in short if not r.want_prompt_logprobs]
-        groups = [[r] for r in short if r.want_prompt_logprobs] + ([together] if together else [])
+        riders = []
+        if together and self._mixes and any(r is not None and r not in admitted and not r.prefilling for r in self._slots):
+            riders, together = together, []
+        self._prefill_groups([[r] for r in short if r.want_prompt_logprobs] + ([together] if together else []))
+        return riders
+
+    def _prefill_groups(self, groups: list[list[_Request]]) -> None:
+        """Prefills each group in one forward; a failing group is retried a request at a time, so that only
+        the failing request fails."""
         for group in groups:
             try:
                 self._prefill(group)
@@ -311,10 +328,10 @@ class Engine:
         self._deliver(group, next_tokens, token_logprobs(logits, next_tokens))
 
     @torch.inference_mode()
-    def _prefill_next_chunk(self) -> None:
+    def _prefill_next_chunk(self, riders: list[_Request]) -> None:
         """Prefills the next prefill_chunk tokens of the longest-waiting long prompt; after its last chunk,
         samples its first token."""
-        pending = [r for r in self._slots if r is not None and r.prefilling]
+        pending = [r for r in self._slots if r is not None and r.prefilling and r not in riders]
         if not pending:
             return
         request = min(pending, key=lambda r: r.arrival)
@@ -348,28 +365,46 @@ class Engine:
             self._free(request.slot, "error", _failure_message(exc))
 
     @torch.inference_mode()
-    def _decode_step(self) -> None:
-        active = [r for r in self._slots if r is not None and not r.prefilling]
+    def _decode_step(self, active: list[_Request], riders: list[_Request]) -> None:
+        """One new token for each active request; riders (just admitted) are prefilled in the same forward
+        and get their first token. If that forward fails, the riders are prefilled on their own and the
+        step is retried without them."""
         device = self.llama.device
         try:
             tokens = torch.tensor([r.last_token for r in active], dtype=torch.long, device=device)
             next_positions = [r.next_pos for r in active]
             positions = torch.tensor(next_positions, device=device)
             rows = _cache_rows([r.slot for r in active], device)
-            logits = self.llama.decode_step(tokens, positions, rows, kv_len=max(next_positions) + 1)
-            temperature = torch.tensor([r.temperature for r in active], device=device)
-            top_p = torch.tensor([r.top_p for r in active], device=device)
+            kv_len = max(next_positions) + 1
+            if riders:
+                prompt_tokens, prompt_positions, lengths = right_padded([r.prompt_tokens for r in riders], self.eos_id, device)
+                logits = torch.cat(self.model.forward_spans([
+                    Span(tokens[:, None], positions[:, None], rows, kv_len, torch.zeros_like(positions)),
+                    Span(prompt_tokens, prompt_positions, _cache_rows([r.slot for r in riders], device),
+                         prompt_tokens.shape[1], lengths - 1),
+                ]))
+            else:
+                logits = self.llama.decode_step(tokens, positions, rows, kv_len=kv_len)
+            requests = active + riders
+            temperature = torch.tensor([r.temperature for r in requests], device=device)
+            top_p = torch.tensor([r.top_p for r in requests], device=device)
             next_tokens = sample(logits, temperature, top_p, self.llama.generator)
-            if any(r.want_logprobs for r in active):
+            if any(r.want_logprobs for r in requests):
                 logprobs = token_logprobs(logits, next_tokens)
             else:
                 logprobs = torch.full_like(logits[:, 0], math.nan)
         except Exception as exc:
+            if riders:
+                self._prefill_groups([riders])
+                self._decode_step(active, [])
+                return
             for r in active:
                 self._free(r.slot, "error", _failure_message(exc))
             return
         self.steps += 1
-        self._deliver(active, next_tokens, logprobs)
+        for request in riders:
+            request.prefilled = len(request.prompt_tokens)
+        self._deliver(requests, next_tokens, logprobs)
 
     def _deliver(self, requests: list[_Request], next_tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         for request, token, logprob in zip(requests, next_tokens.tolist(), logprobs.tolist()):
@@ -414,6 +449,11 @@ def _cache_rows(slots: list[int], device: torch.device) -> torch.Tensor | slice:
     if slots == list(range(slots[0], slots[0] + len(slots))):
         return slice(slots[0], slots[0] + len(slots))
     return torch.tensor(slots, device=device)
+
+
+def _on_one_device(model: torch.nn.Module) -> bool:
+    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
+    return len(devices) == 1 and next(iter(devices)).type != "meta"
 
 
 def _failure_message(exc: Exception) -> str:

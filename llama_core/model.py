@@ -7,6 +7,7 @@ Parameter names follow Meta's checkpoints so their state dicts load without rena
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -73,7 +74,10 @@ class Attention(nn.Module):
         mask: Optional[torch.Tensor],
         cache_rows: Optional[torch.Tensor | slice],
         kv_len: Optional[int],
+        spans: Optional[list["Span"]] = None,
     ) -> torch.Tensor:
+        """spans: x is one row holding several batches' tokens one after another (Transformer.forward_spans);
+        input_pos, mask, cache_rows and kv_len are then each span's own."""
         batch, seq_len, _ = x.shape
         if self.wqkv is not None:
             kv_size = self.n_kv_heads * self.head_dim
@@ -84,6 +88,19 @@ class Attention(nn.Module):
         k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim)
         v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, rotation), apply_rotary(k, rotation)
+        if spans is None:
+            return self.wo(self._attend(q, k, v, input_pos, mask, cache_rows, kv_len))
+        outputs, start = [], 0  # one row of all spans' tokens: each span attends over its own cache rows
+        for span in spans:
+            count = span.batch * span.seq_len
+            pieces = (t[0, start : start + count].view(span.batch, span.seq_len, *t.shape[2:]) for t in (q, k, v))
+            outputs.append(self._attend(*pieces, span.input_pos, span.mask, span.cache_rows, span.kv_len).view(1, count, -1))
+            start += count
+        return self.wo(torch.cat(outputs, dim=1))
+
+    def _attend(self, q, k, v, input_pos, mask, cache_rows, kv_len) -> torch.Tensor:
+        """q [B, S, heads, head_dim], k and v [B, S, kv_heads, head_dim] -> [B, S, heads * head_dim]."""
+        batch, seq_len = q.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, head_dim]
         gqa = self.n_kv_heads != self.n_heads
         if self.kv_cache is None:
@@ -91,7 +108,7 @@ class Attention(nn.Module):
         else:
             k, v = self.kv_cache.update(input_pos, k, v, cache_rows, kv_len)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        return out.transpose(1, 2).reshape(batch, seq_len, -1)
 
 
 class FeedForward(nn.Module):
@@ -123,8 +140,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, rotation, input_pos, mask, cache_rows, kv_len) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rotation, input_pos, mask, cache_rows, kv_len)
+    def forward(self, x, rotation, input_pos, mask, cache_rows, kv_len, spans=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rotation, input_pos, mask, cache_rows, kv_len, spans)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -202,8 +219,7 @@ class Transformer(nn.Module):
         mask = None
         if self.caches_are_enabled():
             length = kv_len if kv_len is not None else self.layers[0].attention.kv_cache.max_seq_len
-            key_pos = torch.arange(length, device=tokens.device)
-            mask = (key_pos <= input_pos[..., None])[:, None]  # [B, 1, S, kv_len]
+            mask = _causal_mask(input_pos, length)
         rotation = rotary_angles(input_pos, self.args.head_dim, self.args.rope_theta)
         inputs = (rotation, input_pos, mask, cache_rows)
         h = self.tok_embeddings(tokens)
@@ -214,6 +230,56 @@ class Transformer(nn.Module):
         if logit_index is not None:
             h = h[torch.arange(batch, device=h.device), logit_index.to(h.device)][:, None]
         return self.output(self.norm(h)).float()
+
+
+    @torch.inference_mode()
+    def forward_spans(self, spans: list["Span"]) -> list[torch.Tensor]:
+        """Several cached batches in one forward, e.g. the rows being decoded and prompts being prefilled:
+        every projection runs once over all their tokens, attention runs per span over its own cache rows.
+        Returns each span's float32 logits [B, vocab] at its logit_index. Caches must be enabled, and the
+        model on one device (no layer offloading, no tensor parallelism)."""
+        h = torch.cat([self.tok_embeddings(span.tokens).flatten(0, 1) for span in spans])[None]  # [1, T, dim]
+        positions = torch.cat([span.input_pos.reshape(-1) for span in spans])[None]
+        rotation = rotary_angles(positions, self.args.head_dim, self.args.rope_theta)
+        for span in spans:
+            span.mask = _causal_mask(span.input_pos, span.kv_len)
+        for layer in self.layers:
+            h = layer(h, rotation, positions, None, None, None, spans)
+        picks, start = [], 0
+        for span in spans:
+            rows = torch.arange(span.batch, device=h.device)
+            picks.append(start + rows * span.seq_len + span.logit_index.to(h.device))
+            start += span.batch * span.seq_len
+        logits = self.output(self.norm(h[0, torch.cat(picks)])).float()
+        return list(logits.split([span.batch for span in spans]))
+
+
+@dataclass
+class Span:
+    """One batch of `Transformer.forward_spans`: tokens [B, S] at positions input_pos [B, S] in KV-cache
+    rows cache_rows ([B] or a slice), attending over cache positions [0, kv_len); logits are returned
+    at logit_index [B]."""
+
+    tokens: torch.Tensor
+    input_pos: torch.Tensor
+    cache_rows: torch.Tensor | slice
+    kv_len: int
+    logit_index: torch.Tensor
+    mask: Optional[torch.Tensor] = None  # set by forward_spans
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+
+def _causal_mask(input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[B, 1, S, kv_len]: True where a token at input_pos [B, S] may attend to a cache position."""
+    key_pos = torch.arange(kv_len, device=input_pos.device)
+    return (key_pos <= input_pos[..., None])[:, None]
 
 
 def execution_device(module: nn.Module) -> torch.device:

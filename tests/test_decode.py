@@ -68,3 +68,34 @@ def test_int8_weights_quantized_from_a_cpu_llama_compile(meta_ckpt_dir, tokenize
     eager, _ = llama.generate(prompts, 12, temperature=0)
     llama.decode_step = DecodeStep(llama.model, 4, compile=True)
     assert llama.generate(prompts, 12, temperature=0)[0] == eager
+
+
+def test_decode_rows_and_prompts_in_one_forward_equal_separate_forwards(meta_ckpt_dir, tokenizer):
+    import torch
+
+    from llama_core.decode import right_padded
+    from llama_core.model import Span
+
+    llama = build_llama(meta_ckpt_dir, max_batch_size=5)
+    model = llama.model
+    prompts = _prompts(tokenizer)
+    decoding, joining = prompts[:2], [prompts[2], prompts[0] + prompts[1][1:]]
+    tokens, positions, lengths = right_padded(decoding, 0, llama.device)
+    join_tokens, join_positions, join_lengths = right_padded(joining, 0, llama.device)
+    join_rows = torch.tensor([4, 2])
+    with torch.inference_mode():
+        model(tokens, positions, cache_rows=slice(0, 2), kv_len=tokens.shape[1])  # rows 0-1 are decoding
+        cache = [(a.kv_cache.k_cache.clone(), a.kv_cache.v_cache.clone()) for a in (l.attention for l in model.layers)]
+        step = torch.tensor([5, 9])
+        expected_step = model(step[:, None], lengths[:, None], cache_rows=slice(0, 2), kv_len=int(lengths.max()) + 1)[:, 0]
+        expected_join = model(join_tokens, join_positions, cache_rows=join_rows, kv_len=join_tokens.shape[1],
+                              logit_index=join_lengths - 1)[:, 0]
+        for layer, (k, v) in zip(model.layers, cache):  # back to before, then both in one forward
+            layer.attention.kv_cache.k_cache.copy_(k)
+            layer.attention.kv_cache.v_cache.copy_(v)
+        got_step, got_join = model.forward_spans([
+            Span(step[:, None], lengths[:, None], slice(0, 2), int(lengths.max()) + 1, torch.zeros(2, dtype=torch.long)),
+            Span(join_tokens, join_positions, join_rows, join_tokens.shape[1], join_lengths - 1),
+        ])
+    assert torch.allclose(got_step, expected_step, atol=1e-4)
+    assert torch.allclose(got_join, expected_join, atol=1e-4)

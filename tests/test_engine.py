@@ -177,6 +177,11 @@ class _FailOnLength(torch.nn.Module):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return self.inner(tokens, *args, **kwargs)
 
+    def forward_spans(self, spans):
+        if any(span.seq_len == self.length for span in spans):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return self.inner.forward_spans(spans)
+
 
 def test_a_failing_request_fails_alone(llama, prompts, solo):
     engine = Engine(llama)
@@ -286,3 +291,46 @@ def test_after_turn_is_called_each_turn_with_that_turns_tokens_queued(llama, pro
     assert loop_calls[-1] == len(solo[0]) + 1
     assert len(loop_calls) >= steps and len(queued_at_turn_end) == len(loop_calls) + 1  # and once at shutdown
     assert _collect(streams[0]) == solo[0]
+
+
+def _spans_recorded(engine: Engine) -> list[list[tuple[int, int]]]:
+    """Records the [B, S] shape of each span of each mixed forward the engine runs."""
+    calls, forward_spans = [], engine.model.forward_spans
+
+    def recording(spans):
+        calls.append([(span.batch, span.seq_len) for span in spans])
+        return forward_spans(spans)
+
+    engine.model.forward_spans = recording
+    return calls
+
+
+def test_prompts_admitted_while_others_decode_are_prefilled_in_the_decode_step(llama, prompts, solo):
+    engine = Engine(llama)
+    engine.model = _FailOnLength(llama.model, length=-1)  # never fails; lets the test watch the forwards
+    calls = _spans_recorded(engine)
+    with engine:
+        running = engine.submit(prompts[1], 40, temperature=0)
+        tokens = iter(running)
+        first = next(tokens)
+        joining = engine.submit(prompts[2], 40, temperature=0)
+        assert [first.token] + [c.token for c in tokens] == solo[1]
+        assert _collect(joining) == solo[2]
+    # The joining prompt was prefilled in one forward with the running request's decode row.
+    assert [(1, 1), (1, len(prompts[2]))] in calls
+
+
+def test_a_prompt_failing_in_the_decode_step_fails_alone(llama, prompts, solo):
+    engine = Engine(llama)
+    engine.model = _FailOnLength(llama.model, length=97)
+    calls = _spans_recorded(engine)
+    with engine:
+        running = engine.submit(prompts[1], 40, temperature=0)
+        tokens = iter(running)
+        first = next(tokens)
+        doomed = engine.submit(list(prompts[0][:1]) * 97, 10)
+        with pytest.raises(RequestFailedError, match="memory"):
+            _collect(doomed)
+        assert [first.token] + [c.token for c in tokens] == solo[1]
+        assert _collect(engine.submit(prompts[6], 40, temperature=0)) == solo[6]
+    assert [(1, 1), (1, 97)] in calls  # it was tried in the decode step, then alone

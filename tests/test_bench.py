@@ -40,9 +40,10 @@ def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
     assert "decode speed-up vs HF eager" in result.stdout
 
 
-def test_serving_bench_reports_serial_and_batched(tmp_path):
+@pytest.mark.parametrize("through", [["--engine-only"], ["--client", "http"]], ids=["engine", "app-http"])
+def test_serving_bench_reports_serial_and_batched(tmp_path, through):
     report_path = tmp_path / "serving.json"
-    result = _run("bench_serving.py", "--engine-only", "--clients", "2", "--slots", "2", "--requests", "1",
+    result = _run("bench_serving.py", *through, "--clients", "2", "--slots", "2", "--requests", "1",
                   "--max-new-tokens", "4", "--json", str(report_path))
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(report_path.read_text())

@@ -8,6 +8,7 @@ Parameter names follow Meta's checkpoints so their state dicts load without rena
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -231,8 +232,6 @@ class Transformer(nn.Module):
             h = h[torch.arange(batch, device=h.device), logit_index.to(h.device)][:, None]
         return self.output(self.norm(h)).float()
 
-
-    @torch.inference_mode()
     def forward_spans(self, spans: list["Span"]) -> list[torch.Tensor]:
         """Several cached batches in one forward, e.g. the rows being decoded and prompts being prefilled:
         every projection runs once over all their tokens, attention runs per span over its own cache rows.
@@ -241,8 +240,6 @@ class Transformer(nn.Module):
         h = torch.cat([self.tok_embeddings(span.tokens).flatten(0, 1) for span in spans])[None]  # [1, T, dim]
         positions = torch.cat([span.input_pos.reshape(-1) for span in spans])[None]
         rotation = rotary_angles(positions, self.args.head_dim, self.args.rope_theta)
-        for span in spans:
-            span.mask = _causal_mask(span.input_pos, span.kv_len)
         for layer in self.layers:
             h = layer(h, rotation, positions, None, None, None, spans)
         picks, start = [], 0
@@ -265,7 +262,10 @@ class Span:
     cache_rows: torch.Tensor | slice
     kv_len: int
     logit_index: torch.Tensor
-    mask: Optional[torch.Tensor] = None  # set by forward_spans
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        return _causal_mask(self.input_pos, self.kv_len)
 
     @property
     def batch(self) -> int:

@@ -220,6 +220,7 @@ def main() -> None:
     report["through"] = "engine" if a.engine_only else f"app ({a.client})"
     warm_up = argparse.Namespace(**{**vars(a), "clients": 1, "requests": 1})
     configurations = (("serial", 1), ("batched", a.slots))
+    client = http_request if a.client == "http" else gradio_client_request
     with contextlib.ExitStack() as stack:
         requests = {}
         for name, slots in configurations:  # both servers up at once, so their runs can take turns
@@ -233,8 +234,7 @@ def main() -> None:
             else:
                 process, url = start_app(slots, a.ckpt_dir)
                 stack.callback(_stop, process)
-                client = http_request if a.client == "http" else gradio_client_request
-                requests[name] = lambda url=url, client=client: client(url, a.clients)
+                requests[name] = lambda url=url: client(url, a.clients)
         for name in requests:
             run_clients(requests[name](), warm_up)
         runs = []

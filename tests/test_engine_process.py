@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from llama_core import CheckpointNotFoundError, InvalidRequestError, Llama, LlamaError
-from llama_core.engine import RequestFailedError
-from llama_core.engine_process import EngineProcess
+from llama_core.engine import _DONE, RequestFailedError
+from llama_core.engine_process import EngineProcess, _Outbox
+from llama_core.generation import StreamChunk
 from llama_core.serving import stream_completion
 
 from conftest import greedy_concurrently
@@ -96,10 +97,6 @@ def test_a_model_that_does_not_load_raises_from_start(tmp_path):
 
 
 def test_the_child_sends_a_turns_events_in_one_message():
-    from llama_core.engine_process import _Outbox
-    from llama_core.generation import StreamChunk
-    from llama_core.engine import _DONE
-
     sent = []
     outbox = _Outbox(sent.append)
     first, second = outbox.queue_for(1), outbox.queue_for(2)

@@ -71,6 +71,27 @@ def test_draw_follows_the_given_probabilities():
     torch.testing.assert_close(counts, torch.tensor([0.1, 0.6, 0.0, 0.3]), atol=0.02, rtol=0)
 
 
+def test_draw_never_picks_a_token_of_zero_weight():
+    # Zero weights first, last and between: the cumulative draw must step over all of them.
+    weights = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 2.0]]).repeat(5000, 1)
+    tokens = draw(weights, torch.Generator().manual_seed(12)).view(5000, 2)
+    assert set(tokens[:, 0].tolist()) == {1, 4}
+    assert tokens[:, 1].eq(5).all()
+
+
+def test_top_p_one_draws_from_the_whole_distribution():
+    # Every row with top_p 1 over a vocabulary larger than NUCLEUS_GUESS: drawn from the unsorted row.
+    vocab, n = 600, 4000
+    gen = torch.Generator().manual_seed(13)
+    probs = torch.softmax(torch.randn(2, vocab, generator=gen) * torch.tensor([[0.3], [3.0]]), -1)
+    tokens = draw_top_p(probs.repeat(n, 1), 1.0, gen).view(n, 2)
+    for row in range(2):
+        counts = torch.bincount(tokens[:, row], minlength=vocab).float() / n
+        ranked = probs[row].argsort(descending=True)
+        for bucket in (ranked[:10], ranked[10:NUCLEUS_GUESS], ranked[NUCLEUS_GUESS:]):
+            assert abs(float(counts[bucket].sum() - probs[row, bucket].sum())) < 0.03, f"row {row}"
+
+
 def test_temperature_scales_logits_before_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     for temperature in (0.5, 1.0, 2.0):

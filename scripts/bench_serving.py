@@ -1,5 +1,5 @@
-"""Serving benchmark: N concurrent clients stream completions from the running app through
-gradio_client (or, with --engine-only, straight from llama_core's Engine in-process), once with one
+"""Serving benchmark: N concurrent clients stream completions from the running app over its HTTP API
+(or gradio_client, or with --engine-only straight from llama_core's Engine in-process), once with one
 engine slot (requests served one after another) and once with --slots slots (continuous batching).
 Reports aggregate tokens/s, time to first token and per-token latency (p50/p95) for both, and the
 batched/serial ratio; with --runs N the two take turns N times and the median ratio is reported.
@@ -41,7 +41,8 @@ PROMPTS = [
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=8, help="concurrent clients")
-    p.add_argument("--requests", type=int, default=2, help="requests per client")
+    p.add_argument("--requests", type=int, default=2,
+                   help="requests per client: clients x requests in all, each client taking the next when its last ends")
     p.add_argument("--slots", type=int, default=8, help="engine slots (--max-batch-size) for the batched run")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -84,26 +85,27 @@ def start_app(slots: int, ckpt_dir) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("app did not start within 180 s")
 
 
-def http_request(url: str, clients: int) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
-    """One /complete request through the app's HTTP API, as curl or a browser streams it: POST
+Request = Callable[[int, str, argparse.Namespace], tuple[Optional[float], int]]
+
+
+def http_request(url: str, clients: int) -> Request:
+    """One /complete request of client i through the app's HTTP API, as curl or a browser streams it: POST
     /gradio_api/call/complete, then read the server-sent events of its GET: (time of the first text, tokens
-    generated). Each client thread keeps one HTTP connection open and one session, as a browser tab does
-    (without a session, Gradio builds a new session state, a copy of every component's config, per call)."""
+    generated). Each client keeps one HTTP connection open and one session through every run, as a browser
+    tab does (Gradio builds a session's state, a copy of every component's config, on its first call)."""
     import httpx
 
     endpoint = url + "gradio_api/call/complete"
     tls = ssl.create_default_context()  # one for all: httpx would build one per client (see below)
     pool = [(httpx.Client(timeout=120, verify=tls), uuid.uuid4().hex) for _ in range(clients)]
-    assigned = threading.local()
 
-    def request(prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
-        if not hasattr(assigned, "http"):
-            assigned.http, assigned.session = pool.pop()
+    def request(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
+        http, session = pool[i]
         arguments = [prompt, a.temperature, 0.95, a.max_new_tokens, False, False]
-        call = assigned.http.post(endpoint, json={"data": arguments, "session_hash": assigned.session})
+        call = http.post(endpoint, json={"data": arguments, "session_hash": session})
         call.raise_for_status()
         first, event = None, None
-        with assigned.http.stream("GET", f"{endpoint}/{call.json()['event_id']}") as events:
+        with http.stream("GET", f"{endpoint}/{call.json()['event_id']}") as events:
             for line in events.iter_lines():
                 if line.startswith("event:"):
                     event = line.removeprefix("event:").strip()
@@ -121,9 +123,9 @@ def http_request(url: str, clients: int) -> Callable[[str, argparse.Namespace], 
     return request
 
 
-def gradio_client_request(url: str, clients: int) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
-    """One /complete request through gradio_client: (time of the first text, tokens generated). The clients
-    are connected before any timing starts (each fetches and parses the app's API description). gradio_client
+def gradio_client_request(url: str, clients: int) -> Request:
+    """One /complete request of client i through gradio_client: (time of the first text, tokens generated).
+    The clients are connected before any timing starts (each fetches and parses the app's API description). gradio_client
     checks for new messages every 50 ms, which a closed-loop client adds to each request."""
     from gradio_client import Client
 
@@ -132,13 +134,10 @@ def gradio_client_request(url: str, clients: int) -> Callable[[str, argparse.Nam
     # server's own cores here, don't take that CPU from it. The URL is plain http; nothing is verified.
     tls = ssl.create_default_context()
     pool = [Client(url, verbose=False, ssl_verify=tls) for _ in range(clients)]
-    assigned = threading.local()
 
-    def request(prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
-        if not hasattr(assigned, "client"):
-            assigned.client = pool.pop()
+    def request(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
         first = None
-        job = assigned.client.submit(prompt, a.temperature, 0.95, a.max_new_tokens, False, False, api_name="/complete")
+        job = pool[i].submit(prompt, a.temperature, 0.95, a.max_new_tokens, False, False, api_name="/complete")
         for text, _, _ in job:
             if first is None and text:
                 first = time.perf_counter()
@@ -147,12 +146,12 @@ def gradio_client_request(url: str, clients: int) -> Callable[[str, argparse.Nam
     return request
 
 
-def engine_request(engine) -> Callable[[str, argparse.Namespace], tuple[Optional[float], int]]:
+def engine_request(engine) -> Request:
     """The same request straight to llama_core's Engine, read as app.py reads it: in batches, at most one
     every STREAM_UPDATE_SECONDS."""
     from llama_core.serving import stream_completion
 
-    def request(prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
+    def request(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
         first = None
         stream = stream_completion(engine, prompt, a.temperature, 0.95, a.max_new_tokens)
         for chunks in stream.batches(STREAM_UPDATE_SECONDS):
@@ -163,14 +162,23 @@ def engine_request(engine) -> Callable[[str, argparse.Namespace], tuple[Optional
     return request
 
 
-def run_clients(request: Callable[[str, argparse.Namespace], tuple[Optional[float], int]], a: argparse.Namespace) -> dict:
+def run_clients(request: Request, a: argparse.Namespace) -> dict:
+    """a.clients clients send a.clients * a.requests requests in all, as `ab -n ... -c ...` does: each takes
+    the next one as soon as its previous one ends, so a client whose replies end early (at end of text)
+    takes more of them, and the run does not end with some clients done while others work through their
+    share."""
     records, errors, lock = [], [], threading.Lock()
+    jobs = iter(range(a.clients * a.requests))
 
     def client_loop(index: int) -> None:
-        for r in range(a.requests):
+        while True:
+            with lock:
+                job = next(jobs, None)
+            if job is None:
+                return
             start = time.perf_counter()
             try:
-                first, tokens = request(PROMPTS[(index + r) % len(PROMPTS)], a)
+                first, tokens = request(index, PROMPTS[job % len(PROMPTS)], a)
             except Exception as exc:  # noqa: BLE001 - reported, not raised: one failure must not end the run
                 with lock:
                     errors.append(str(exc))
@@ -218,7 +226,7 @@ def main() -> None:
     a = parse_args()
     report = {"clients": a.clients, "requests_per_client": a.requests, "max_new_tokens": a.max_new_tokens}
     report["through"] = "engine" if a.engine_only else f"app ({a.client})"
-    warm_up = argparse.Namespace(**{**vars(a), "clients": 1, "requests": 1})
+    warm_up = argparse.Namespace(**{**vars(a), "requests": 1})  # every client once: its connection and session
     configurations = (("serial", 1), ("batched", a.slots))
     client = http_request if a.client == "http" else gradio_client_request
     with contextlib.ExitStack() as stack:
@@ -230,16 +238,16 @@ def main() -> None:
                 from llama_core.engine import Engine
 
                 engine = stack.enter_context(Engine(Llama.build(a.ckpt_dir, max_seq_len=512, max_batch_size=slots, seed=0)))
-                requests[name] = lambda engine=engine: engine_request(engine)
+                requests[name] = engine_request(engine)
             else:
                 process, url = start_app(slots, a.ckpt_dir)
                 stack.callback(_stop, process)
-                requests[name] = lambda url=url: client(url, a.clients)
+                requests[name] = client(url, a.clients)
         for name in requests:
-            run_clients(requests[name](), warm_up)
+            run_clients(requests[name], warm_up)
         runs = []
         for _ in range(a.runs):
-            runs.append({name: {"slots": slots, **run_clients(requests[name](), a)} for name, slots in configurations})
+            runs.append({name: {"slots": slots, **run_clients(requests[name], a)} for name, slots in configurations})
     ratios = [run["batched"]["aggregate_tokens_per_s"] / run["serial"]["aggregate_tokens_per_s"] for run in runs]
     for name, _ in configurations:  # the figures of the run whose ratio is the median
         report[name] = runs[ratios.index(statistics.median_low(ratios))][name]

@@ -149,27 +149,31 @@ def start_chat(engine: Engine, message: Any, history: Any, system_prompt: Any, t
 
 
 def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[str]:
-    """The reply so far, at most every `seconds` (the refusal for a refused chat), then once more at the end."""
-    reply = stream.refusal or ""
+    """The reply so far when it has grown, at most every `seconds`; at least once (the refusal for a refused
+    chat, or an empty reply)."""
+    reply, shown = stream.refusal or "", None
     with _streaming(stream):
         for chunks in stream.batches(seconds):
             reply += "".join(chunk.text for chunk in chunks)
-            yield reply
-    yield reply
+            if reply != shown:
+                yield reply
+                shown = reply
+    if shown is None:
+        yield reply
 
 
 def complete(engine: Engine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
              show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[tuple[str, list[dict], dict]]:
     """Streams a completion as (text, tokens, stats) at most every `seconds`, as /complete does; the last
-    one is repeated at the end."""
+    update has the final stats (one more update follows the text when the end came after it)."""
     prompt = _text(prompt, "prompt")
     echo, show_probabilities = _flag(echo, "echo"), _flag(show_probabilities, "show_probabilities")
     with _user_errors():
         stream = stream_completion(engine, prompt, temperature, top_p, _count(max_new_tokens),
                                    prompt_logprobs=echo and show_probabilities)
-    text, generated, prompt_tokens = "", [], []
+    text, generated, prompt_tokens, shown = "", [], [], None
     with _streaming(stream):
-        for chunks in itertools.chain(stream.batches(seconds), [[]]):  # []: one more update at the end
+        for chunks in itertools.chain(stream.batches(seconds), [[]]):  # []: the final stats, unless shown
             for chunk in chunks:
                 text += chunk.text
                 if show_probabilities and chunk.token != -1:
@@ -178,7 +182,10 @@ def complete(engine: Engine, prompt: Any, temperature: Any, top_p: Any, max_new_
                     generated[-1]["token"] += chunk.text
             if stream.prompt_logprobs and not prompt_tokens:  # echo with probabilities: set with the first token
                 prompt_tokens = _prompt_tokens(engine, prompt, stream.prompt_logprobs)
-            yield (prompt + text if echo else text), prompt_tokens + generated, request_stats(stream)
+            update = (prompt + text if echo else text), prompt_tokens + generated, request_stats(stream)
+            if update != shown:
+                yield update
+                shown = update
 
 
 def _prompt_tokens(engine: Engine, prompt: str, logprobs: list[float]) -> list[dict]:

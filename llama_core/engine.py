@@ -85,7 +85,8 @@ class TokenStream:
     def batches(self, seconds: float = 0.0) -> Iterator[list[StreamChunk]]:
         """The chunks in lists: whatever has arrived, waiting for at least one, and at most one list per
         `seconds` (the first at once). A reader that shows text a few times a second then wakes up that
-        often, not once per token."""
+        often, not once per token. When the request's end arrives with its last chunks, `finish_reason`
+        is set before that last list is yielded."""
         events, next_at = self._request.events, 0.0
         try:
             while True:
@@ -97,18 +98,21 @@ class TokenStream:
                     items.append(events.get_nowait())
                 next_at = time.monotonic() + seconds
                 chunks = [item for item in items if isinstance(item, StreamChunk)]
-                ends = [item for item in items if not isinstance(item, StreamChunk)]
-                for item in ends:
+                done = None
+                for item in items:
+                    if isinstance(item, StreamChunk):
+                        continue
                     if item[0] is _PROMPT_LOGPROBS:
                         self.prompt_logprobs = item[1]
+                    elif item[0] is _DONE:
+                        done = item
+                        self.finish_reason, self.finished_at = item[1], item[3]
                 if chunks:
                     yield chunks
-                for item in ends:
-                    if item[0] is _DONE:
-                        self.finish_reason, self.finished_at = item[1], item[3]
-                        if item[1] == "error":
-                            raise RequestFailedError(item[2])
-                        return
+                if done is not None:
+                    if done[1] == "error":
+                        raise RequestFailedError(done[2])
+                    return
         finally:
             if self.finish_reason is None:
                 self.cancel()

@@ -59,7 +59,7 @@ class TextStream:
         """Decode speed after the first token (the first one's wait is prefill and queueing)."""
         if self._first_token_at is None or self.generated_tokens < 2:
             return 0.0
-        end = self._finished_at or time.perf_counter()
+        end = self._tokens.finished_at or self._finished_at or time.perf_counter()
         return (self.generated_tokens - 1) / max(end - self._first_token_at, 1e-9)
 
     def cancel(self) -> None:
@@ -72,22 +72,32 @@ class TextStream:
 
     def batches(self, seconds: float = 0.0) -> Iterator[list[StreamChunk]]:
         """The chunks in lists, at most one list per `seconds` (see TokenStream.batches): for a reader that
-        updates a display periodically and need not wake up for every token."""
+        updates a display periodically and need not wake up for every token. Text held back for a whole
+        character comes at the end, as a chunk of token -1, in the last list; when the request's end
+        arrives with its last tokens, `finish_reason` is set before that list is yielded."""
         if self._tokens is None:
             return
         try:
+            flushed = False
             for batch in self._tokens.batches(seconds):
                 if self._first_token_at is None:
                     self._first_token_at = time.perf_counter()
                 self.generated_tokens += len(batch)
-                yield [StreamChunk(c.token, c.logprob, self._decoder.push(c.token)) for c in batch]
-            tail = self._decoder.flush()
-            if tail:
-                yield [StreamChunk(-1, 0.0, tail)]
+                chunks = [StreamChunk(c.token, c.logprob, self._decoder.push(c.token)) for c in batch]
+                if self._tokens.finish_reason is not None:
+                    chunks += self._tail()
+                    flushed = True
+                yield chunks
+            if not flushed and (tail := self._tail()):
+                yield tail
         finally:
             self._finished_at = self._tokens.finished_at or time.perf_counter()
             if self._tokens.finish_reason is None:
                 self.cancel()
+
+    def _tail(self) -> list[StreamChunk]:
+        tail = self._decoder.flush()
+        return [StreamChunk(-1, 0.0, tail)] if tail else []
 
 
 def stream_completion(

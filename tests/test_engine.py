@@ -72,6 +72,14 @@ def test_batches_hold_every_token_in_order_and_wake_the_reader_less(llama, promp
     assert stream.finish_reason in ("eos", "length") and stream.finished_at is not None
 
 
+def test_the_last_batch_arrives_with_the_finish_reason_already_set(llama, prompts, solo):
+    with Engine(llama) as engine:
+        stream = engine.submit(prompts[3], 12, temperature=0)
+        reasons = [stream.finish_reason for _ in stream.batches(30.0)]  # sleeps until the end: one batch
+    assert reasons[-1] in ("eos", "length")
+    assert all(reason is None for reason in reasons[:-1])
+
+
 def test_a_reader_waiting_between_batches_wakes_when_the_request_ends(llama, prompts, solo):
     with Engine(llama) as engine:
         stream = engine.submit(prompts[3], 5, temperature=0)

@@ -80,15 +80,14 @@ class Attention(nn.Module):
         """spans: x is one row holding several batches' tokens one after another (Transformer.forward_spans);
         input_pos, mask, cache_rows and kv_len are then each span's own."""
         batch, seq_len, _ = x.shape
-        if self.wqkv is not None:
-            kv_size = self.n_kv_heads * self.head_dim
-            q, k, v = _stacked_projection(self.wqkv, x, [self.n_heads * self.head_dim, kv_size, kv_size])
+        kv_size = self.n_kv_heads * self.head_dim
+        if self.wqkv is not None:  # queries and keys side by side: one rotation for both
+            qk, v = _stacked_projection(self.wqkv, x, [self.n_heads * self.head_dim + kv_size, kv_size])
         else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(batch, seq_len, self.n_heads, self.head_dim)
-        k = k.view(batch, seq_len, self.n_kv_heads, self.head_dim)
+            qk, v = torch.cat([self.wq(x), self.wk(x)], dim=-1), self.wv(x)
+        qk = apply_rotary(qk.view(batch, seq_len, self.n_heads + self.n_kv_heads, self.head_dim), rotation)
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
         v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, rotation), apply_rotary(k, rotation)
         if spans is None:
             return self.wo(self._attend(q, k, v, input_pos, mask, cache_rows, kv_len))
         outputs, start = [], 0  # one row of all spans' tokens: each span attends over its own cache rows

@@ -56,6 +56,20 @@ def test_full_logits_match_hf(layout_llama, hf_model, tokenizer):
     assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
+def test_unfused_projections_match_hf(tiny_args, tiny_state_dict, hf_model, tokenizer):
+    # The model as constructed (separate wq, wk, wv, w1, w3), before Llama fuses them for inference.
+    from llama_core.model import Transformer
+
+    model = Transformer(tiny_args)
+    model.load_state_dict(tiny_state_dict)
+    prompt = prompts(tokenizer)[-1]
+    with torch.inference_mode():
+        ours = model(torch.tensor([prompt]))[0]
+    torch.testing.assert_close(
+        torch.log_softmax(ours, -1), torch.log_softmax(hf_logits(hf_model, prompt), -1), atol=1e-4, rtol=0
+    )
+
+
 @pytest.mark.parametrize("prompt_index", range(4))
 def test_greedy_continuation_matches_hf(layout_llama, hf_model, tokenizer, prompt_index):
     prompt = prompts(tokenizer)[prompt_index]

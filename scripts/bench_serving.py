@@ -4,7 +4,7 @@ engine slot (requests served one after another) and once with --slots slots (con
 Reports aggregate tokens/s, time to first token and per-token latency (p50/p95) for both, and the
 batched/serial ratio; with --runs N the two take turns N times and the median ratio is reported.
 
-    python scripts/bench_serving.py --clients 8 --slots 8 --requests 2 --max-new-tokens 64 --runs 5
+    python scripts/bench_serving.py --clients 8 --slots 8 --requests 4 --max-new-tokens 64 --runs 7
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ PROMPTS = [
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=8, help="concurrent clients")
-    p.add_argument("--requests", type=int, default=2,
+    p.add_argument("--requests", type=int, default=4,
                    help="requests per client: clients x requests in all, each client taking the next when its last ends")
     p.add_argument("--slots", type=int, default=8, help="engine slots (--max-batch-size) for the batched run")
     p.add_argument("--max-new-tokens", type=int, default=64)

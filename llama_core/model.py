@@ -8,7 +8,6 @@ Parameter names follow Meta's checkpoints so their state dicts load without rena
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Optional
 
 import torch
@@ -78,7 +77,7 @@ class Attention(nn.Module):
         spans: Optional[list["Span"]] = None,
     ) -> torch.Tensor:
         """spans: x is one row holding several batches' tokens one after another (Transformer.forward_spans);
-        input_pos, mask, cache_rows and kv_len are then each span's own."""
+        mask is then a list of each span's mask, and each span has its own positions, cache rows and kv_len."""
         batch, seq_len, _ = x.shape
         kv_size = self.n_kv_heads * self.head_dim
         if self.wqkv is not None:  # queries and keys side by side: one rotation for both
@@ -91,10 +90,10 @@ class Attention(nn.Module):
         if spans is None:
             return self.wo(self._attend(q, k, v, input_pos, mask, cache_rows, kv_len))
         outputs, start = [], 0  # one row of all spans' tokens: each span attends over its own cache rows
-        for span in spans:
+        for span, span_mask in zip(spans, mask):
             count = span.batch * span.seq_len
             pieces = (t[0, start : start + count].view(span.batch, span.seq_len, *t.shape[2:]) for t in (q, k, v))
-            outputs.append(self._attend(*pieces, span.input_pos, span.mask, span.cache_rows, span.kv_len).view(1, count, -1))
+            outputs.append(self._attend(*pieces, span.input_pos, span_mask, span.cache_rows, span.kv_len).view(1, count, -1))
             start += count
         return self.wo(torch.cat(outputs, dim=1))
 
@@ -216,13 +215,13 @@ class Transformer(nn.Module):
         batch, seq_len = tokens.shape
         if input_pos is None:
             input_pos = torch.arange(seq_len, device=tokens.device).expand(batch, seq_len)
+        h = self.tok_embeddings(tokens)
         mask = None
         if self.caches_are_enabled():
             length = kv_len if kv_len is not None else self.layers[0].attention.kv_cache.max_seq_len
-            mask = _causal_mask(input_pos, length)
+            mask = _causal_mask(input_pos, length, h.dtype)
         rotation = rotary_angles(input_pos, self.args.head_dim, self.args.rope_theta)
         inputs = (rotation, input_pos, mask, cache_rows)
-        h = self.tok_embeddings(tokens)
         for layer in self.layers:
             if inputs[0].device != h.device:  # layers placed on several devices
                 inputs = tuple(t.to(h.device) if isinstance(t, torch.Tensor) else t for t in inputs)
@@ -239,8 +238,9 @@ class Transformer(nn.Module):
         h = torch.cat([self.tok_embeddings(span.tokens).flatten(0, 1) for span in spans])[None]  # [1, T, dim]
         positions = torch.cat([span.input_pos.reshape(-1) for span in spans])[None]
         rotation = rotary_angles(positions, self.args.head_dim, self.args.rope_theta)
+        masks = [span.mask(h.dtype) for span in spans]
         for layer in self.layers:
-            h = layer(h, rotation, positions, None, None, None, spans)
+            h = layer(h, rotation, positions, masks, None, None, spans)
         picks, start = [], 0
         for span in spans:
             rows = torch.arange(span.batch, device=h.device)
@@ -262,9 +262,8 @@ class Span:
     kv_len: int
     logit_index: torch.Tensor
 
-    @cached_property
-    def mask(self) -> torch.Tensor:
-        return _causal_mask(self.input_pos, self.kv_len)
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        return _causal_mask(self.input_pos, self.kv_len, dtype)
 
     @property
     def batch(self) -> int:
@@ -275,10 +274,13 @@ class Span:
         return self.tokens.shape[1]
 
 
-def _causal_mask(input_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[B, 1, S, kv_len]: True where a token at input_pos [B, S] may attend to a cache position."""
+def _causal_mask(input_pos: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, S, kv_len], added to the attention scores: 0 where a token at input_pos [B, S] may attend to a
+    cache position, -inf where it may not. Made once per forward in the model's dtype: given a boolean
+    mask, SDPA on CPU builds this itself in every layer."""
     key_pos = torch.arange(kv_len, device=input_pos.device)
-    return (key_pos <= input_pos[..., None])[:, None]
+    hidden = (key_pos > input_pos[..., None])[:, None]
+    return torch.zeros(hidden.shape, dtype=dtype, device=input_pos.device).masked_fill_(hidden, float("-inf"))
 
 
 def execution_device(module: nn.Module) -> torch.device:

@@ -151,14 +151,15 @@ def start_chat(engine: Engine, message: Any, history: Any, system_prompt: Any, t
 def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[str]:
     """The reply so far when it has grown, at most every `seconds`; at least once (the refusal for a refused
     chat, or an empty reply)."""
-    reply, shown = stream.refusal or "", None
+    reply, shown = stream.refusal or "", False
     with _streaming(stream):
         for chunks in stream.batches(seconds):
-            reply += "".join(chunk.text for chunk in chunks)
-            if reply != shown:
+            added = "".join(chunk.text for chunk in chunks)
+            if added:
+                reply += added
                 yield reply
-                shown = reply
-    if shown is None:
+                shown = True
+    if not shown:
         yield reply
 
 
@@ -171,9 +172,12 @@ def complete(engine: Engine, prompt: Any, temperature: Any, top_p: Any, max_new_
     with _user_errors():
         stream = stream_completion(engine, prompt, temperature, top_p, _count(max_new_tokens),
                                    prompt_logprobs=echo and show_probabilities)
-    text, generated, prompt_tokens, shown = "", [], [], None
+    text, generated, prompt_tokens, final_shown = "", [], [], False
     with _streaming(stream):
-        for chunks in itertools.chain(stream.batches(seconds), [[]]):  # []: the final stats, unless shown
+        # []: one more update with the final stats, unless the last batch already came with them
+        for chunks in itertools.chain(stream.batches(seconds), [[]]):
+            if not chunks and final_shown:
+                break
             for chunk in chunks:
                 text += chunk.text
                 if show_probabilities and chunk.token != -1:
@@ -182,10 +186,8 @@ def complete(engine: Engine, prompt: Any, temperature: Any, top_p: Any, max_new_
                     generated[-1]["token"] += chunk.text
             if stream.prompt_logprobs and not prompt_tokens:  # echo with probabilities: set with the first token
                 prompt_tokens = _prompt_tokens(engine, prompt, stream.prompt_logprobs)
-            update = (prompt + text if echo else text), prompt_tokens + generated, request_stats(stream)
-            if update != shown:
-                yield update
-                shown = update
+            final_shown = stream.finish_reason is not None
+            yield (prompt + text if echo else text), prompt_tokens + generated, request_stats(stream)
 
 
 def _prompt_tokens(engine: Engine, prompt: str, logprobs: list[float]) -> list[dict]:

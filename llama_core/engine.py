@@ -97,14 +97,13 @@ class TokenStream:
                 while not events.empty():
                     items.append(events.get_nowait())
                 next_at = time.monotonic() + seconds
-                chunks = [item for item in items if isinstance(item, StreamChunk)]
-                done = None
+                chunks, done = [], None
                 for item in items:
                     if isinstance(item, StreamChunk):
-                        continue
-                    if item[0] is _PROMPT_LOGPROBS:
+                        chunks.append(item)
+                    elif item[0] is _PROMPT_LOGPROBS:
                         self.prompt_logprobs = item[1]
-                    elif item[0] is _DONE:
+                    else:
                         done = item
                         self.finish_reason, self.finished_at = item[1], item[3]
                 if chunks:

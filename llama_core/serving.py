@@ -78,7 +78,6 @@ class TextStream:
         if self._tokens is None:
             return
         try:
-            flushed = False
             for batch in self._tokens.batches(seconds):
                 if self._first_token_at is None:
                     self._first_token_at = time.perf_counter()
@@ -86,9 +85,8 @@ class TextStream:
                 chunks = [StreamChunk(c.token, c.logprob, self._decoder.push(c.token)) for c in batch]
                 if self._tokens.finish_reason is not None:
                     chunks += self._tail()
-                    flushed = True
                 yield chunks
-            if not flushed and (tail := self._tail()):
+            if tail := self._tail():  # the end came alone; a flushed decoder has nothing more
                 yield tail
         finally:
             self._finished_at = self._tokens.finished_at or time.perf_counter()

@@ -1,7 +1,7 @@
 """Web app for Llama-2 inference: chat, text completion with token probabilities, and the model's facts.
 
-Interface only: callbacks check what the user sent and call llama_core (stream_chat and
-stream_completion on a running Engine, which batches concurrent requests and cancels abandoned ones).
+Interface only: callbacks pass what the user sent to llama_core, which checks it (llama_core.serving.requests)
+and streams the reply from a running engine that batches concurrent requests and cancels abandoned ones.
 
     python app.py                                          # the embedded default model
     python app.py --ckpt-dir ../shared/models/stories260K --port 7861
@@ -40,21 +40,13 @@ if importlib.util.find_spec("matplotlib") is None:
     # import path again (0.1 ms per update). Record it as missing, so the tries fail at once.
     sys.modules["matplotlib"] = None
 import gradio as gr  # noqa: E402
-import torch  # noqa: E402
 
-from llama_core import DEFAULT_CKPT_DIR, UNSAFE_ERROR, Llama, LlamaError, StreamDecoder  # noqa: E402
-from llama_core import parallel  # noqa: E402
-from llama_core.checkpoint import read_model_args  # noqa: E402
-from llama_core.device_map import parse_max_memory  # noqa: E402
-from llama_core.generation import resolve_device  # noqa: E402
-from llama_core.engine import Engine  # noqa: E402
-from llama_core.engine_process import EngineProcess  # noqa: E402
+from llama_core import DEFAULT_CKPT_DIR, LlamaError, ModelInfo, StreamDecoder, TextStream  # noqa: E402
+from llama_core import stream_chat, stream_completion  # noqa: E402
 from llama_core.prompt_library import PromptLibrary, load_prompts  # noqa: E402
-from llama_core.serving import TextStream, stream_chat, stream_completion  # noqa: E402
-
-MAX_INPUT_CHARS = 100_000  # longest message, system prompt or completion prompt accepted
-MAX_HISTORY_CHARS = 400_000  # longest chat history accepted, all messages together
-DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when the model allows it and --max-seq-len is not given
+from llama_core.serving import requests  # noqa: E402
+from llama_core.serving.launch import DEFAULT_MAX_SEQ_LEN, open_engine  # noqa: E402
+from llama_core.serving.streams import TextEngine  # noqa: E402
 THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local fonts only: works offline
 # Least time between two updates of a streamed reply, on the page and through the API: each update costs the
 # server about as much as a decode step, and the thread streaming a reply sleeps in between instead of waking
@@ -68,7 +60,7 @@ PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
 }
 
 
-# -- input checks: the UI's sliders bound values, the API does not -------------------------------------
+# -- errors: llama_core checks every value (the UI's sliders bound values, the API does not) -------------
 def _error(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
 
@@ -80,48 +72,6 @@ def _user_errors() -> Iterator[None]:
         yield
     except LlamaError as exc:
         raise _error(str(exc)) from exc
-
-
-def _text(value: Any, name: str) -> str:
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
-        value = "".join(str(p.get("text", "")) for p in value)  # Gradio's messages hold lists of text parts
-    if not isinstance(value, str):
-        raise _error(f"{name} must be a string, got {type(value).__name__}")
-    if len(value) > MAX_INPUT_CHARS:
-        raise _error(f"{name} is too long: {len(value):,} characters, at most {MAX_INPUT_CHARS:,} are accepted")
-    return value
-
-
-def _flag(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise _error(f"{name} must be true or false, got {value!r}")
-    return value
-
-
-def _count(value: Any) -> Any:
-    """Integral floats (slider values) as ints; anything else is left for the engine to judge."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def _history(history: Any) -> list[dict]:
-    """Earlier messages as llama_core messages, leaving out exchanges the chat refused."""
-    if not isinstance(history, list):
-        raise _error(f"history must be a list of {{'role', 'content'}} messages, got {type(history).__name__}")
-    messages = []
-    for i, message in enumerate(history):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise _error(f"history[{i}] must be a dict with 'role' and 'content', got {str(message)[:60]!r}")
-        expected = "user" if i % 2 == 0 else "assistant"
-        if message["role"] != expected:
-            raise _error(f"history[{i}] has role {message['role']!r} but {expected!r} was expected: history "
-                         "alternates user and assistant messages (the system prompt is a parameter of its own)")
-        messages.append({"role": expected, "content": _text(message["content"], f"history[{i}] content")})
-    if len(messages) % 2:
-        raise _error("history must end with an assistant reply; the new message is a parameter of its own")
-    if sum(len(m["content"]) for m in messages) > MAX_HISTORY_CHARS:
-        raise _error(f"history is too long: more than {MAX_HISTORY_CHARS:,} characters in all")
-    pairs = [messages[i : i + 2] for i in range(0, len(messages), 2) if messages[i + 1]["content"] != UNSAFE_ERROR]
-    return [m for pair in pairs for m in pair]
 
 
 # -- the two requests, shared by the UI and the API ----------------------------------------------------
@@ -136,16 +86,12 @@ def _streaming(stream: TextStream) -> Iterator[TextStream]:
         stream.cancel()
 
 
-def start_chat(engine: Engine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
+def start_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
                max_new_tokens: Any) -> TextStream:
     """Submits a chat turn; a message or system prompt with reserved tags gives a stream with a `refusal`."""
-    message, system_prompt = _text(message, "message"), _text(system_prompt, "system_prompt")
-    if not message.strip():
-        raise _error("message is empty: type something to say")
-    dialog = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
-    dialog += _history(history) + [{"role": "user", "content": message}]
     with _user_errors():
-        return stream_chat(engine, dialog, temperature, top_p, _count(max_new_tokens))
+        dialog = requests.chat_dialog(message, history, system_prompt)
+        return stream_chat(engine, dialog, temperature, top_p, max_new_tokens)
 
 
 def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[str]:
@@ -163,14 +109,14 @@ def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Itera
         yield reply
 
 
-def complete(engine: Engine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
+def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
              show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[tuple[str, list[dict], dict]]:
     """Streams a completion as (text, tokens, stats) at most every `seconds`, as /complete does; the last
     update has the final stats (one more update follows the text when the end came after it)."""
-    prompt = _text(prompt, "prompt")
-    echo, show_probabilities = _flag(echo, "echo"), _flag(show_probabilities, "show_probabilities")
     with _user_errors():
-        stream = stream_completion(engine, prompt, temperature, top_p, _count(max_new_tokens),
+        prompt = requests.completion_prompt(prompt)
+        echo, show_probabilities = requests.flag(echo, "echo"), requests.flag(show_probabilities, "show_probabilities")
+        stream = stream_completion(engine, prompt, temperature, top_p, max_new_tokens,
                                    prompt_logprobs=echo and show_probabilities)
     text, generated, prompt_tokens, final_shown = "", [], [], False
     with _streaming(stream):
@@ -190,9 +136,9 @@ def complete(engine: Engine, prompt: Any, temperature: Any, top_p: Any, max_new_
             yield (prompt + text if echo else text), prompt_tokens + generated, request_stats(stream)
 
 
-def _prompt_tokens(engine: Engine, prompt: str, logprobs: list[float]) -> list[dict]:
+def _prompt_tokens(engine: TextEngine, prompt: str, logprobs: list[float]) -> list[dict]:
     """The prompt's tokens after BOS as text pieces, each with its probability given the ones before."""
-    tokenizer = engine.llama.tokenizer
+    tokenizer = engine.tokenizer
     decoder = StreamDecoder(tokenizer)
     pieces = [decoder.push(t) for t in tokenizer.encode(prompt, bos=True, eos=False)[1:]]
     if pieces:
@@ -228,17 +174,17 @@ def _highlights(tokens: list[dict]) -> list[tuple[str, str]]:
             for t in tokens if t["token"]]
 
 
-def model_facts(llama: Llama) -> str:
-    args = llama.args
+def model_facts(info: ModelInfo) -> str:
+    args = info.args
     rows = [
-        ("Checkpoint", f"`{llama.ckpt_dir}`"),
-        ("Tokenizer", f"`{llama.tokenizer.model_path}` ({llama.tokenizer.n_words:,} pieces)"),
-        ("Parameters", f"{llama.parameter_count:,}"),
+        ("Checkpoint", f"`{info.ckpt_dir}`"),
+        ("Tokenizer", f"`{info.tokenizer_path}` ({args.vocab_size:,} pieces)"),
+        ("Parameters", f"{info.parameter_count:,}"),
         ("Layers · width · heads (kv)", f"{args.n_layers} · {args.dim} · {args.n_heads} ({args.n_kv_heads})"),
-        ("dtype · device", f"{str(llama.dtype).removeprefix('torch.')} · {llama.device}"),
-        ("Context (max_seq_len)", f"{llama.max_seq_len:,} tokens (trained for {args.max_seq_len:,})"),
-        ("Batch (max_batch_size)", f"{llama.max_batch_size} requests decoded together"),
-        ("Load time", f"{llama.load_seconds:.2f} s"),
+        ("dtype · device", f"{info.dtype} · {info.device}"),
+        ("Context (max_seq_len)", f"{info.max_seq_len:,} tokens (trained for {args.max_seq_len:,})"),
+        ("Batch (max_batch_size)", f"{info.max_batch_size} requests decoded together"),
+        ("Load time", f"{info.load_seconds:.2f} s"),
     ]
     return "| Model | |\n|---|---|\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
 
@@ -252,10 +198,10 @@ def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.Slider]:
     ]
 
 
-def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
+def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     """The app on a running engine: Chat, Completion and Model tabs, and the /chat and /complete API."""
-    llama = engine.llama
-    generating = dict(concurrency_id="generate", concurrency_limit=2 * llama.max_batch_size)  # the engine batches
+    info = engine.info
+    generating = dict(concurrency_id="generate", concurrency_limit=2 * info.max_batch_size)  # the engine batches
     ui = dict(api_visibility="private")
 
     def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
@@ -291,7 +237,10 @@ def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
 
     def undo(history: list[dict]):
         history = without_reply(history)
-        return (history[:-1], _text(history[-1]["content"], "message")) if history else ([], gr.skip())
+        if not history:
+            return [], gr.skip()
+        with _user_errors():
+            return history[:-1], requests.text(history[-1]["content"], "message")
 
     def complete_ui(prompt, temperature, top_p, max_new_tokens, echo, show_probabilities):
         updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
@@ -300,7 +249,7 @@ def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
         yield gr.skip(), gr.skip(), stats_line(stats)
 
     with gr.Blocks(title="Llama-2", analytics_enabled=False) as demo:
-        gr.Markdown(f"## Llama-2 · `{Path(str(llama.ckpt_dir)).name}`")
+        gr.Markdown(f"## Llama-2 · `{info.name}`")
         with gr.Tab("Chat", elem_id="chat-tab"), gr.Row():
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, buttons=["copy", "copy_all"],
@@ -318,7 +267,7 @@ def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
             with gr.Column(scale=1):
                 system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
                                            elem_id="system-prompt")
-                chat_controls = _sampling_controls(llama.max_seq_len, "chat")
+                chat_controls = _sampling_controls(info.max_seq_len, "chat")
         with gr.Tab("Completion", elem_id="completion-tab"), gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
@@ -333,11 +282,11 @@ def build_demo(engine: Engine, prompts: PromptLibrary) -> gr.Blocks:
                 completion_stats = gr.Markdown(elem_id="completion-stats")
                 gr.Examples(prompts.completion_examples, prompt, label="Examples")
             with gr.Column(scale=1):
-                completion_controls = _sampling_controls(llama.max_seq_len, "completion")
+                completion_controls = _sampling_controls(info.max_seq_len, "completion")
                 echo = gr.Checkbox(label="Echo the prompt", elem_id="completion-echo")
                 show_probabilities = gr.Checkbox(label="Show probabilities", elem_id="completion-probabilities")
         with gr.Tab("Model", elem_id="model-tab"):
-            gr.Markdown(model_facts(llama), elem_id="model-facts")
+            gr.Markdown(model_facts(info), elem_id="model-facts")
 
         reply_inputs, reply_outputs = [chatbot, system_prompt, *chat_controls], [chatbot, chat_stats]
         answers = [trigger(add_message, [chat_input, chatbot], [chatbot, chat_input, chat_stats], queue=False, **ui)
@@ -393,13 +342,6 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _threads_for(device: str, device_map: Optional[str]) -> Optional[int]:
-    """On CPU, torch's threads and the web server's share the cores: measured on 2 cores, one torch thread
-    served 8 clients 24 % faster than two (docs/benchmarks.md)."""
-    on_cpu = device_map is None and resolve_device(device).type == "cpu"
-    return max(1, (os.cpu_count() or 2) - 1) if on_cpu else None
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Serve a Llama-2 model in a web app: chat, completion, and an API.")
     p.add_argument("--ckpt-dir", type=Path, help="checkpoint directory, Meta or Hugging Face layout "
@@ -433,32 +375,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    ckpt_dir = args.ckpt_dir or DEFAULT_CKPT_DIR
-    max_seq_len = args.max_seq_len or DEFAULT_MAX_SEQ_LEN
     try:
         prompts = load_prompts()
-        if args.max_seq_len is None and ckpt_dir.is_dir():  # a missing directory is reported by Llama.build
-            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(ckpt_dir).max_seq_len)
-        max_memory = parse_max_memory(args.max_memory) if args.max_memory else None
-        threads = args.threads or _threads_for(args.device, args.device_map)
-        if threads:
-            torch.set_num_threads(threads)
-        build = dict(ckpt_dir=args.ckpt_dir, tokenizer_path=args.tokenizer, max_seq_len=max_seq_len,
-                     max_batch_size=args.max_batch_size, device=args.device, dtype=args.dtype,
-                     device_map=args.device_map, max_memory=max_memory, compile=args.compile)
-        if args.single_process or parallel.launched_by_torchrun():
-            # Under `torchrun --nproc_per_node N app.py`, ranks > 0 serve rank 0's steps inside build and exit.
-            llama = Llama.build(**build, tensor_parallel=parallel.launched_by_torchrun())
-            engine = Engine(llama).start()
-        else:
-            engine = EngineProcess(build, threads=threads).start()
+        engine = open_engine(args.ckpt_dir, args.tokenizer, args.max_seq_len, args.max_batch_size, args.device,
+                             args.dtype, args.device_map, args.max_memory, args.compile, args.threads,
+                             args.single_process)
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         where = f"device map {args.device_map!r}" if args.device_map else f"device {args.device!r}"
-        print(f"error: the model does not fit on {where} with max_seq_len {max_seq_len} and "
+        print(f"error: the model does not fit on {where} with max_seq_len {args.max_seq_len or 'the default'} and "
               f"max_batch_size {args.max_batch_size}: {reason}", file=sys.stderr)
         return 2
     try:

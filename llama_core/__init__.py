@@ -11,25 +11,52 @@ from .errors import (
     LlamaError,
     ServerBusyError,
 )
-from .generation import DEFAULT_CKPT_DIR, Llama, StreamChunk
+from .generation import ChatPrediction, CompletionPrediction, Llama
+from .loader import DEFAULT_CKPT_DIR, LoadedModel, ModelInfo, load
+from .runner import ModelRunner
+from .serving import (
+    Engine,
+    EngineProcess,
+    GenerationRequest,
+    RequestFailedError,
+    StreamChunk,
+    TextStream,
+    TokenStream,
+    stream_chat,
+    stream_completion,
+)
 from .tokenizer import StreamDecoder, Tokenizer
 
 __all__ = [
+    "ChatPrediction",
     "CheckpointError",
+    "CompletionPrediction",
     "CheckpointNotFoundError",
     "ContextLengthError",
     "DEFAULT_CKPT_DIR",
     "Dialog",
     "DialogError",
+    "Engine",
+    "EngineProcess",
+    "GenerationRequest",
     "InvalidRequestError",
     "Llama",
     "LlamaError",
+    "LoadedModel",
     "Message",
     "ModelArgs",
+    "ModelInfo",
+    "ModelRunner",
+    "RequestFailedError",
     "Role",
     "ServerBusyError",
     "StreamChunk",
     "StreamDecoder",
+    "TextStream",
+    "TokenStream",
     "Tokenizer",
     "UNSAFE_ERROR",
+    "load",
+    "stream_chat",
+    "stream_completion",
 ]

@@ -16,7 +16,7 @@ from .errors import CheckpointError, CheckpointNotFoundError
 from .model import Transformer
 
 # Model-parallel split of Meta's shards: dimension to concatenate along, or None (replicated).
-_META_SHARD_DIM = {
+META_SHARD_DIM = {
     "tok_embeddings": 1,
     "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0,
     "wo": 1, "w2": 1,
@@ -74,7 +74,7 @@ def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: tor
 def load_meta_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """Loads consolidated.NN.pth shards, merging model-parallel ones into a single-device state dict."""
     shard_paths = meta_shard_paths(ckpt_dir)
-    shards = [_torch_load(p) for p in tqdm(shard_paths, desc="loading shards", unit="shard", disable=len(shard_paths) < 2)]
+    shards = [load_torch_file(p) for p in tqdm(shard_paths, desc="loading shards", unit="shard", disable=len(shard_paths) < 2)]
     if len(shards) == 1:
         return {name: t for name, t in shards[0].items() if not name.endswith("rope.freqs")}
     return merge_meta_shards(shards, shard_paths)
@@ -105,7 +105,7 @@ def merge_meta_shards(shards: list[dict[str, torch.Tensor]], paths: list[Path]) 
         if name.endswith("rope.freqs"):
             continue
         parts = [shard[name] for shard in shards]
-        dim = _META_SHARD_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
+        dim = META_SHARD_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
         if dim is None:
             merged[name] = parts[0]
             continue
@@ -133,7 +133,7 @@ def load_hf_state_dict(ckpt_dir: Path, args: ModelArgs) -> dict[str, torch.Tenso
                     raw[key] = f.get_tensor(key)
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
-    if "lm_head.weight" not in raw and "model.embed_tokens.weight" in raw and _hf_ties_embeddings(ckpt_dir):
+    if "lm_head.weight" not in raw and "model.embed_tokens.weight" in raw and hf_ties_embeddings(ckpt_dir):
         raw["lm_head.weight"] = raw["model.embed_tokens.weight"]
     converted = (hf_to_meta(ckpt_dir, key, tensor, args.n_heads, args.n_kv_heads) for key, tensor in raw.items())
     return dict(item for item in converted if item is not None)
@@ -142,7 +142,7 @@ def load_hf_state_dict(ckpt_dir: Path, args: ModelArgs) -> dict[str, torch.Tenso
 def hf_to_meta(ckpt_dir: Path, key: str, tensor: torch.Tensor, n_heads: int, n_kv_heads: int):
     """(Meta name, tensor) for a Hugging Face tensor, with HF's rotary permutation of q and k undone over
     the heads the tensor holds; None for tensors Meta's layout has no place for (rotary inv_freq)."""
-    name = _hf_to_meta_name(key)
+    name = hf_to_meta_name(key)
     if name is None:
         if key.endswith("rotary_emb.inv_freq"):
             return None
@@ -200,7 +200,7 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], model: Transformer, ck
             )
 
 
-def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+def load_torch_file(path: Path) -> dict[str, torch.Tensor]:
     try:
         state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, pickle errors, EOFError... for broken files
@@ -210,14 +210,14 @@ def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def _hf_to_meta_name(key: str) -> Optional[str]:
+def hf_to_meta_name(key: str) -> Optional[str]:
     for pattern, replacement in _HF_NAMES:
         if re.fullmatch(pattern, key):
             return re.sub(pattern, replacement, key)
     return None
 
 
-def _hf_ties_embeddings(ckpt_dir: Path) -> bool:
+def hf_ties_embeddings(ckpt_dir: Path) -> bool:
     try:
         return bool(json.loads((ckpt_dir / "config.json").read_text()).get("tie_word_embeddings", False))
     except (OSError, ValueError):

@@ -1,27 +1,27 @@
-"""`Llama`: build a model from a checkpoint and generate from it, with Meta's reference API."""
+"""`Llama`: Meta's reference API (build, generate, text_completion, chat_completion) and streaming, as a thin
+facade over the serving engine: a generation is requests submitted to the Llama's engine and read to
+their end, so the facade and a server share one decode loop."""
 
 from __future__ import annotations
 
-import itertools
-import math
 import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, TypedDict
+from typing import Callable, Iterator, Optional, TypedDict
 
 import torch
 
 from . import dialog as chat_format
-from .checkpoint import load_model, read_model_args
-from .config import ModelArgs
-from .decode import DecodeStep, right_padded
-from .errors import CheckpointError, CheckpointNotFoundError, ContextLengthError, InvalidRequestError, LlamaError
-from .model import Transformer, execution_device
-from .sampling import sample, token_logprobs, validate_sampling
+from .errors import InvalidRequestError, LlamaError
+from .loader import DEFAULT_CKPT_DIR, LoadedModel, load
+from .model import Transformer
+from .runner import ModelRunner
+from .serving.engine import Engine
+from .serving.events import StreamChunk
+from .serving.requests import check_batch, check_prompt_tokens, check_sampling
+from .serving.streams import TextStream, TokenStream
 from .tokenizer import StreamDecoder, Tokenizer
 
-DEFAULT_CKPT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare"
+__all__ = ["DEFAULT_CKPT_DIR", "ChatPrediction", "CompletionPrediction", "Llama", "StreamChunk"]
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -36,79 +36,36 @@ class ChatPrediction(TypedDict, total=False):
     logprobs: list[float]
 
 
-@dataclass
-class StreamChunk:
-    """One generated token as it streams: its id, log-probability and the text it completes."""
-
-    token: int
-    logprob: float
-    text: str
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError(f"device {device!r} asked for, but CUDA is not available on this machine")
-    return resolved
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise InvalidRequestError(f"dtype must be a floating-point type, got {dtype}")
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in names:
-        raise InvalidRequestError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return names[dtype]
-
-
 class Llama:
-    """A loaded model, its tokenizer and its KV cache (max_batch_size rows of max_seq_len positions)."""
+    """A loaded model, its tokenizer and the engine that serves it (max_batch_size KV-cache slots of
+    max_seq_len positions).
 
-    def __init__(
-        self,
-        model: Transformer,
-        tokenizer: Tokenizer,
-        max_seq_len: int,
-        max_batch_size: int,
-        seed: Optional[int] = None,
-        ckpt_dir: Optional[Path] = None,
-        load_seconds: float = 0.0,
-        compile: bool = False,
-    ) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.args: ModelArgs = model.args
-        self.max_seq_len = max_seq_len
-        self.max_batch_size = max_batch_size
-        self.ckpt_dir = ckpt_dir
-        self.load_seconds = load_seconds
-        self.device = execution_device(model.tok_embeddings)  # where inputs go; logits come back here too
-        self.dtype = model.tok_embeddings.weight.dtype
-        self.generator = torch.Generator(device=self.device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
-        self._cache_lock = threading.Lock()
-        self._cache_owner: Optional[object] = None  # an Engine serving this Llama
-        self._cache_holder: Optional[int] = None  # thread running a generation
-        if model.layers[0].attention.wqkv is None:
-            model.fuse_projections()
-        if self.device.type == "cpu":
-            model.use_column_major_weights()
-        model.setup_caches(max_batch_size, max_seq_len)
-        self.decode_step = DecodeStep(model, max_batch_size, compile)
+    Generations run on the Llama's engine: in the caller's thread, or, once `serve()` has started the
+    engine's own thread, batched with whatever else it serves.
+    """
+
+    def __init__(self, model: LoadedModel, seed: Optional[int] = None) -> None:
+        self.loaded = model
+        self.runner: ModelRunner = model.runner
+        self.tokenizer = model.tokenizer
+        self.model: Transformer = model.runner.model
+        self.args = model.runner.args
+        self.max_seq_len = model.runner.max_seq_len
+        self.max_batch_size = model.runner.max_batch_size
+        self.device = model.runner.device
+        self.dtype = model.runner.dtype
+        self.ckpt_dir = model.info.ckpt_dir
+        self.load_seconds = model.info.load_seconds
+        self._seed = seed
+        self._engine: Optional[Engine] = None
+        self._engine_options: dict = {}
+        self._engine_lock = threading.Lock()
+
+    @classmethod
+    def from_model(cls, model: Transformer, tokenizer: Tokenizer, max_seq_len: int, max_batch_size: int,
+                   seed: Optional[int] = None, compile: bool = False) -> "Llama":
+        """A Llama over a Transformer already in memory (weights loaded, eval mode)."""
+        return cls(LoadedModel.from_runner(ModelRunner(model, max_batch_size, max_seq_len, compile), tokenizer), seed)
 
     @staticmethod
     def build(
@@ -135,76 +92,56 @@ class Llama:
             dtype: "auto" (bfloat16 on CUDA, float16 where bf16 is unsupported, float32 on CPU) or a dtype name.
             seed: seeds sampling; None draws a random seed.
             compile: decode with static shapes under torch.compile (a CUDA graph per step on CUDA);
-                the first steps are slow while it compiles (see llama_core.decode).
+                the first steps are slow while it compiles (see llama_core.runner).
             device_map: places whole layers over several devices with accelerate (instead of `device`):
                 "auto" spreads them over the GPUs, offloading to CPU memory as a last resort; or a dict like
-                {"tok_embeddings": 0, "layers.0": 0, ..., "output": 1} (see llama_core.device_map).
+                {"tok_embeddings": 0, "layers.0": 0, ..., "output": 1} (see llama_core.distributed.device_map).
             max_memory: with a device_map strategy, the most each device may hold: {0: "20GiB", "cpu": "64GiB"}.
             tensor_parallel: under `torchrun --nproc_per_node N`, splits heads and FFN units over the N
                 processes. Rank 0 gets the Llama, which drives every rank; on the other ranks this call
-                serves rank 0's steps until rank 0 exits, then exits the process (see llama_core.parallel).
+                serves rank 0's steps until rank 0 exits, then exits the process (see
+                llama_core.distributed.parallel).
 
         Raises:
             CheckpointNotFoundError: a directory or file is missing.
             CheckpointError: a file is unreadable or the parts don't fit together.
             InvalidRequestError: a bad max_seq_len, max_batch_size, device or dtype.
         """
-        start = time.perf_counter()
-        for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
-        ckpt_dir = Path(ckpt_dir).expanduser() if ckpt_dir is not None else DEFAULT_CKPT_DIR
-        if not ckpt_dir.is_dir():
-            hint = " (the embedded default model; see models/README.md)" if ckpt_dir == DEFAULT_CKPT_DIR else ""
-            raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}{hint}")
-        tokenizer = Tokenizer(_find_tokenizer(ckpt_dir, tokenizer_path))
-        args = read_model_args(ckpt_dir)
-        if args.vocab_size == -1:
-            args.vocab_size = tokenizer.n_words
-        if args.vocab_size != tokenizer.n_words:
-            raise CheckpointError(
-                f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} pieces but the model in "
-                f"{ckpt_dir} has vocab_size {args.vocab_size}"
-            )
-        if max_memory is not None and not isinstance(device_map, str):
-            raise InvalidRequestError("max_memory goes with a device_map strategy such as device_map='auto'")
-        if tensor_parallel:
-            from . import parallel
-
-            if device_map is not None:
-                raise InvalidRequestError("device_map and tensor_parallel exclude each other: choose one")
-            torch_device = parallel.init_distributed(device, args)
-            model = parallel.load_model_shard(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
-        elif device_map is not None:
-            from .device_map import load_dispatched
-
-            if str(device) != "auto":
-                raise InvalidRequestError(f"device_map places the model: leave device as 'auto', got {device!r}")
-            model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len)
-        else:
-            torch_device = resolve_device(device)
-            model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
-        llama = Llama(model, tokenizer, max_seq_len, max_batch_size, seed, ckpt_dir, time.perf_counter() - start, compile)
-        if tensor_parallel:
-            parallel.lead_or_serve(llama)  # returns on rank 0 only
-        return llama
-
-    def claim_cache(self, owner: object) -> bool:
-        """Gives the KV cache to owner (a serving engine) until release_cache; False if already owned."""
-        with self._cache_lock:
-            if self._cache_owner is not None:
-                return False
-            self._cache_owner = owner
-            return True
-
-    def release_cache(self, owner: object) -> None:
-        with self._cache_lock:
-            if self._cache_owner is owner:
-                self._cache_owner = None
+        loaded = load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, device, dtype, device_map,
+                      max_memory, tensor_parallel, compile)
+        return Llama(loaded, seed)
 
     @property
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return self.runner.parameter_count
+
+    # -- the engine ---------------------------------------------------------------------------------
+    @property
+    def engine(self) -> Engine:
+        """The engine every generation of this Llama runs on (made on first use)."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = Engine(self.loaded, seed=self._seed, **self._engine_options)
+            return self._engine
+
+    def serve(self, max_waiting: int = 64, prefill_chunk: int = 512,
+              after_turn: Optional[Callable[[], None]] = None) -> Engine:
+        """The Llama's engine, running in a thread of its own, for a server; `with llama.serve() as engine:`
+        stops that thread at the end. Options other than the current engine's replace it, which needs the
+        current one idle (see Engine for the options).
+
+        Raises:
+            LlamaError: the current engine is busy and other options were asked for.
+        """
+        options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk, after_turn=after_turn)
+        with self._engine_lock:
+            if self._engine is not None and options != self._engine_options:
+                if self._engine.active_count or self._engine.waiting_count:
+                    raise LlamaError("the engine is busy with requests; finish them before serving with other options")
+                self._engine.close()
+                self._engine = None
+            self._engine_options = options
+        return self.engine.start()
 
     # -- tokens in, tokens out -------------------------------------------------------------------
     def generate(
@@ -221,21 +158,28 @@ class Llama:
         Returns:
             Per prompt, the generated tokens (after the prompt tokens with echo; EOS not included), and
             with logprobs, the natural-log probability of each returned token (0.0 for the first prompt token).
+
+        Raises:
+            InvalidRequestError / ContextLengthError: a request this model can't run (nothing runs).
+            RequestFailedError: a request failed inside the engine (e.g. out of memory).
         """
         self.check_request(prompt_tokens, max_gen_len, temperature, top_p)
-        out_tokens = [list(p) if echo else [] for p in prompt_tokens]
-        out_logprobs = [[] for _ in prompt_tokens]
-        prompt_lps = [[] for _ in prompt_tokens] if (logprobs and echo) else None
-        steps = list(self._generate_steps(prompt_tokens, max_gen_len, temperature, top_p, logprobs, prompt_lps))
-        # One transfer for the whole generation: the decode loop itself never waits for the host.
-        tokens, lps, emits = (torch.stack(column, dim=1).tolist() for column in zip(*steps))
-        for row in range(len(prompt_tokens)):
-            out_tokens[row] += [t for t, e in zip(tokens[row], emits[row]) if e]
-            out_logprobs[row] += [lp for lp, e in zip(lps[row], emits[row]) if e]
+        engine = self.engine
+        requests = [engine.check(p, self._clamped(max_gen_len), temperature, top_p, logprobs and echo, logprobs)
+                    for p in prompt_tokens]
+        streams: list[TokenStream] = []
+        try:
+            streams = [engine.submit_request(r) for r in requests]
+            results = [list(stream) for stream in streams]  # reading one runs the turns that serve them all
+        finally:
+            for stream in streams:
+                stream.cancel()
+        out_tokens = [(list(p) if echo else []) + [c.token for c in chunks] for p, chunks in zip(prompt_tokens, results)]
         if not logprobs:
             return out_tokens, None
+        out_logprobs = [[c.logprob for c in chunks] for chunks in results]
         if echo:
-            out_logprobs = [[0.0] + p + g for p, g in zip(prompt_lps, out_logprobs)]
+            out_logprobs = [[0.0] + s.prompt_logprobs + lps for s, lps in zip(streams, out_logprobs)]
         return out_tokens, out_logprobs
 
     def stream(
@@ -250,24 +194,16 @@ class Llama:
 
         With continue_prompt, pieces are decoded after the prompt, so decode(prompt) + the pieces reads as
         decode(prompt + generated) (a completion that starts a new word starts with its space). Without it,
-        the pieces join to decode(generated), as a chat reply's content is.
+        the pieces join to decode(generated), as a chat reply's content is. Text held back for a whole
+        character comes last, in a chunk of token -1. Leaving the iteration early cancels the request.
 
         Raises:
             InvalidRequestError / ContextLengthError: at once, for a request this model can't run.
         """
         self.check_request([prompt_tokens], max_gen_len, temperature, top_p)
+        tokens = self.engine.submit(prompt_tokens, self._clamped(max_gen_len), temperature, top_p)
         decoder = StreamDecoder(self.tokenizer, prompt_tokens if continue_prompt else ())
-        return self._stream_chunks(decoder, prompt_tokens, max_gen_len, temperature, top_p)
-
-    def _stream_chunks(self, decoder, prompt_tokens, max_gen_len, temperature, top_p) -> Iterator[StreamChunk]:
-        steps = self._generate_steps([prompt_tokens], max_gen_len, temperature, top_p, want_logprobs=True, sync_every=1)
-        for tokens, logprobs, emits in steps:
-            if bool(emits[0]):
-                token = int(tokens[0])
-                yield StreamChunk(token, float(logprobs[0]), decoder.push(token))
-        tail = decoder.flush()
-        if tail:
-            yield StreamChunk(-1, 0.0, tail)
+        return iter(TextStream(tokens, decoder, len(prompt_tokens), self.max_seq_len))
 
     # -- text in, text out -----------------------------------------------------------------------
     def text_completion(
@@ -319,30 +255,22 @@ class Llama:
     def prepare_chat(self, dialog: chat_format.Dialog, max_gen_len: int) -> chat_format.FittedDialog:
         """Validates and encodes a dialog, dropping its oldest turns until it fits with room for the reply:
         max_gen_len tokens, but at most half the context (a longer reply still runs until the context is full)."""
-        return prepare_chat(self.tokenizer, self.max_seq_len, dialog, max_gen_len)
+        return chat_format.prepare_chat(self.tokenizer, self.max_seq_len, dialog, max_gen_len)
 
     # -- checks and helpers --------------------------------------------------------------------
-    def check_request(self, prompt_tokens: Sequence[Sequence[int]], max_gen_len: int, temperature: float, top_p: float) -> None:
+    def check_request(self, prompt_tokens: list[list[int]], max_gen_len: int, temperature: float, top_p: float) -> None:
         """Raises InvalidRequestError or ContextLengthError for a request this model can't run."""
-        validate_sampling(temperature, top_p)
+        check_sampling(temperature, top_p)
         if isinstance(max_gen_len, bool) or not isinstance(max_gen_len, int) or max_gen_len < 1:
             raise InvalidRequestError(f"max_gen_len must be an integer >= 1, got {max_gen_len!r}")
-        if not isinstance(prompt_tokens, (list, tuple)) or not prompt_tokens:
-            raise InvalidRequestError("no prompts given: expected a non-empty list of prompts")
-        if len(prompt_tokens) > self.max_batch_size:
-            raise InvalidRequestError(
-                f"{len(prompt_tokens)} prompts given, but max_batch_size is {self.max_batch_size}"
-            )
+        check_batch(prompt_tokens, self.max_batch_size)
         for i, prompt in enumerate(prompt_tokens):
-            if not isinstance(prompt, (list, tuple)) or not prompt:
-                raise InvalidRequestError(f"prompt {i} is empty: it needs at least one token")
-            if not all(isinstance(t, int) and 0 <= t < self.args.vocab_size for t in prompt):
-                raise InvalidRequestError(f"prompt {i} has token ids outside [0, {self.args.vocab_size})")
-            if len(prompt) >= self.max_seq_len:
-                raise ContextLengthError(
-                    f"prompt {i} has {len(prompt)} tokens, but max_seq_len is {self.max_seq_len}: "
-                    f"it must be at most {self.max_seq_len - 1} to leave room for a reply"
-                )
+            check_prompt_tokens(prompt, self.args.vocab_size, self.max_seq_len, name=f"prompt {i}")
+
+    def _clamped(self, max_gen_len: int) -> int:
+        """Meta's max_gen_len may exceed the context; the engine's max_new_tokens may not (a reply still
+        stops when the context is full)."""
+        return min(max_gen_len, self.max_seq_len - 1)
 
     def _default_gen_len(self, max_gen_len: Optional[int]) -> int:
         return self.max_seq_len - 1 if max_gen_len is None else max_gen_len
@@ -353,92 +281,3 @@ class Llama:
             result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
             result["logprobs"] = logprobs
         return result
-
-    @torch.inference_mode()
-    def _generate_steps(
-        self,
-        prompt_tokens: Sequence[Sequence[int]],
-        max_gen_len: int,
-        temperature: float,
-        top_p: float,
-        want_logprobs: bool = False,
-        prompt_logprobs: Optional[list[list[float]]] = None,
-        sync_every: Optional[int] = None,
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Yields, each decode step, device tensors (tokens [B], logprobs [B], emits [B]): emits marks the
-        rows whose token is generated output (not EOS, not past the row's end); logprobs are NaN unless
-        want_logprobs. Whether every row is done is read on the host only every sync_every steps
-        (default: each step on CPU, every 8th on CUDA, where waiting each step would stall the GPU).
-
-        Prompts are right-padded and prefilled together; each row then decodes at its own position, so a
-        row's tokens equal its solo generation. If prompt_logprobs is given, it is filled with each row's
-        log-probabilities of prompt tokens 1..n-1.
-        """
-        if self._cache_holder == threading.get_ident():
-            raise LlamaError(
-                "the KV cache is in use by an unfinished generation on this thread (a stream not read to "
-                "the end?): finish or close() it before generating again"
-            )
-        with self._cache_lock:
-            self._cache_holder = threading.get_ident()
-            try:
-                yield from self._decode(
-                    prompt_tokens, max_gen_len, temperature, top_p, want_logprobs, prompt_logprobs, sync_every
-                )
-            finally:
-                self._cache_holder = None
-
-    def _decode(self, prompt_tokens, max_gen_len, temperature, top_p, want_logprobs, prompt_logprobs, sync_every):
-        """The body of _generate_steps, run while holding the KV cache."""
-        if self._cache_owner is not None:
-            raise LlamaError("this Llama is being served by an Engine, which owns its KV cache: submit to the engine")
-        device, batch = self.device, len(prompt_tokens)
-        tokens, positions, lengths = right_padded(prompt_tokens, self.tokenizer.eos_id, device)
-        longest = tokens.shape[1]
-        if prompt_logprobs is None:
-            logits = self.model(tokens, positions, kv_len=longest, logit_index=lengths - 1)[:, 0]
-        else:
-            all_logits = self.model(tokens, positions, kv_len=longest)
-            prompt_lp = token_logprobs(all_logits[:, :-1], tokens[:, 1:]).tolist()
-            for row, prompt in enumerate(prompt_tokens):
-                prompt_logprobs[row].extend(prompt_lp[row][: len(prompt) - 1])
-            logits = all_logits[torch.arange(batch, device=device), lengths - 1]
-        budget = torch.clamp(self.max_seq_len - lengths, max=max_gen_len)
-        generated = torch.zeros_like(lengths)
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
-        if sync_every is None:
-            sync_every = 1 if device.type == "cpu" else 8
-        for step in itertools.count(1):
-            next_tokens = sample(logits, temperature, top_p, self.generator)
-            logprobs = token_logprobs(logits, next_tokens) if want_logprobs else torch.full_like(logits[:, 0], math.nan)
-            emits = ~done & (next_tokens != self.tokenizer.eos_id)
-            generated += emits
-            done |= ~emits | (generated >= budget)
-            yield next_tokens, logprobs, emits
-            if step % sync_every == 0 or step >= max_gen_len:
-                if bool(done.all()):
-                    return
-            positions = torch.clamp(lengths + generated - 1, max=self.max_seq_len - 1)
-            # Every row's position is at most longest + step - 1: a bound known without asking the device.
-            logits = self.decode_step(next_tokens, positions, kv_len=min(longest + step, self.max_seq_len))
-
-
-def prepare_chat(tokenizer: Tokenizer, max_seq_len: int, dialog: chat_format.Dialog, max_gen_len: int) -> chat_format.FittedDialog:
-    """Llama.prepare_chat for a model with this tokenizer and context length."""
-    chat_format.validate_dialog(dialog)
-    room = max(1, min(max_gen_len, max_seq_len // 2))
-    return chat_format.fit_dialog(tokenizer, dialog, max_seq_len - room)
-
-
-def _find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path]) -> Path:
-    if tokenizer_path is not None:
-        path = Path(tokenizer_path).expanduser()
-        if not path.is_file():
-            raise CheckpointNotFoundError(f"tokenizer model not found: {path}")
-        return path
-    for candidate in (ckpt_dir / "tokenizer.model", ckpt_dir.parent / "tokenizer.model"):
-        if candidate.is_file():
-            return candidate
-    raise CheckpointNotFoundError(
-        f"no tokenizer.model in {ckpt_dir} or its parent {ckpt_dir.parent}; pass tokenizer_path"
-    )

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
+from .devices import execution_device
 from .kv_cache import KVCache
+from .quantize import Int8Linear
 
 
 class RMSNorm(nn.Module):
@@ -283,15 +285,6 @@ def _causal_mask(input_pos: torch.Tensor, kv_len: int, dtype: torch.dtype) -> to
     return torch.zeros(hidden.shape, dtype=dtype, device=input_pos.device).masked_fill_(hidden, float("-inf"))
 
 
-def execution_device(module: nn.Module) -> torch.device:
-    """The device module computes on: its weights' device or, where accelerate's dispatch offloads the
-    weights (left on the meta device between calls), the device its hook runs it on."""
-    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-    if device is not None:
-        return torch.device(device)
-    return next(module.parameters()).device
-
-
 # From this many rows on, separate products beat one stacked product on CPU (scripts/bench_gemm.py).
 SEPARATE_PRODUCTS_FROM_ROWS = 16
 
@@ -308,8 +301,6 @@ def _stacked_projection(linear: nn.Module, x: torch.Tensor, sizes: list[int]) ->
 
 def _stacked_linear(*linears: nn.Module) -> nn.Module:
     """One module computing cat([l(x) for l in linears], -1); int8-quantized linears stay quantized."""
-    from .quantize import Int8Linear
-
     if all(isinstance(l, Int8Linear) for l in linears):
         return Int8Linear.stacked(linears)
     weight = torch.cat([l.weight for l in linears], dim=0)

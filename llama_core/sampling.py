@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
 
-from .errors import InvalidRequestError
-
 Param = Union[float, torch.Tensor]
-
-
-def validate_sampling(temperature: float, top_p: float) -> None:
-    """Raises InvalidRequestError unless temperature >= 0 and 0 < top_p <= 1 (both finite numbers)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise InvalidRequestError(f"top_p must be a number in (0, 1], got {top_p!r}")
 
 
 # Most nuclei are a few dozen to a few hundred tokens: on CPU a top-k of this many finds them without sorting

@@ -212,7 +212,7 @@ def main() -> None:
     a = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from llama_core.generation import resolve_device, resolve_dtype
+    from llama_core.devices import resolve_device, resolve_dtype
 
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, device)
@@ -236,7 +236,7 @@ def main() -> None:
         report["weight_bytes_int8"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         if hf is None:
             del reference
-    llama = Llama(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
+    llama = Llama.from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
     impls = {"llama_core": lambda p, n: llama.generate(p, n, temperature=0)}
     if hf is not None:
         impls["hf_eager"] = lambda p, n: _hf_generate(hf, p, n)

@@ -234,10 +234,9 @@ def main() -> None:
         for name, slots in configurations:  # both servers up at once, so their runs can take turns
             if a.engine_only:
                 sys.path.insert(0, str(ROOT))
-                from llama_core import Llama
-                from llama_core.engine import Engine
+                from llama_core import Engine, load
 
-                engine = stack.enter_context(Engine(Llama.build(a.ckpt_dir, max_seq_len=512, max_batch_size=slots, seed=0)))
+                engine = stack.enter_context(Engine(load(a.ckpt_dir, max_seq_len=512, max_batch_size=slots), seed=0))
                 requests[name] = engine_request(engine)
             else:
                 process, url = start_app(slots, a.ckpt_dir)

@@ -19,10 +19,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import app  # noqa: E402
-from llama_core import DEFAULT_CKPT_DIR, Llama  # noqa: E402
+from llama_core import DEFAULT_CKPT_DIR, load  # noqa: E402
 from llama_core.checkpoint import read_model_args  # noqa: E402
-from llama_core.engine import Engine  # noqa: E402
-from llama_core.engine_process import EngineProcess  # noqa: E402
+from llama_core.serving import Engine  # noqa: E402
+from llama_core.serving.engine_process import EngineProcess  # noqa: E402
 from llama_core.prompt_library import load_prompts  # noqa: E402
 
 STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260K"
@@ -54,7 +54,7 @@ def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8,
     args_max = read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len
     build = dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, args_max), max_batch_size=max_batch_size,
                  device="cpu", dtype="float32", seed=0)
-    engine = EngineProcess(build, threads=1).start() if engine_process else Engine(Llama.build(**build)).start()
+    engine = EngineProcess(build, threads=1).start() if engine_process else Engine(load(**{k: v for k, v in build.items() if k != 'seed'}), seed=0).start()
     try:
         demo = app.build_demo(engine, load_prompts())
         try:

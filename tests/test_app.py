@@ -122,7 +122,7 @@ def test_complete_with_echo_shows_the_prompt_and_its_token_probabilities(client,
     assert text.startswith(args["prompt"]) and len(text) > len(args["prompt"])
     assert len(prompt_tokens) == stats["prompt_tokens"] - 1  # all but BOS, which has no probability
     assert tokens[: len(prompt_tokens)] == prompt_tokens
-    tokenizer = engine.llama.tokenizer  # the prompt as the model sees it (a tokenizer may normalise whitespace)
+    tokenizer = engine.tokenizer  # the prompt as the model sees it (a tokenizer may normalise whitespace)
     assert "".join(t["token"] for t in prompt_tokens) == tokenizer.decode(tokenizer.encode(args["prompt"], True, False))
     assert all(0.0 <= t["probability"] <= 1.0 for t in tokens)
 
@@ -268,9 +268,9 @@ def test_cancelling_a_stream_stops_its_request_in_the_engine(served, client):
 
 # -- the model panel and the command line ------------------------------------------------------------
 def test_model_facts_name_checkpoint_size_and_context(engine):
-    facts = app.model_facts(engine.llama)
-    for fact in (str(engine.llama.ckpt_dir), f"{engine.llama.parameter_count:,}", f"{engine.llama.max_seq_len:,}",
-                 str(engine.llama.device), "float32", "Load time"):
+    facts = app.model_facts(engine.info)
+    for fact in (str(engine.info.ckpt_dir), f"{engine.info.parameter_count:,}", f"{engine.info.max_seq_len:,}",
+                 str(engine.info.device), "float32", "Load time"):
         assert fact in facts
 
 
@@ -309,11 +309,13 @@ def test_share_link_failure_warns_once_and_keeps_serving_locally(monkeypatch, ca
 
 
 def test_on_cpu_torch_leaves_a_core_to_the_web_server(monkeypatch):
-    monkeypatch.setattr(app.os, "cpu_count", lambda: 8)
-    assert app._threads_for("cpu", None) == 7
-    monkeypatch.setattr(app.os, "cpu_count", lambda: 1)
-    assert app._threads_for("cpu", None) == 1
-    assert app._threads_for("auto", "auto") is None  # a device map places the model on GPUs
+    from llama_core.serving import launch
+
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 8)
+    assert launch.default_threads("cpu", None) == 7
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 1)
+    assert launch.default_threads("cpu", None) == 1
+    assert launch.default_threads("auto", "auto") is None  # a device map places the model on GPUs
 
 
 def test_single_process_app_gives_the_same_replies(client):

@@ -94,7 +94,7 @@ def test_stop_cancels_the_request_in_the_engine(page, served, monkeypatch):
     monkeypatch.setattr(app, "stream_completion", recording_stream_completion)
     page.click("#completion-tab-button")
     page.uncheck("#completion-probabilities input")
-    set_number(page, "#completion-max-new-tokens", engine.llama.max_seq_len - 16)
+    set_number(page, "#completion-max-new-tokens", engine.info.max_seq_len - 16)
     set_number(page, "#completion-temperature", 0)
     page.fill("#completion-prompt textarea", "ROMEO:\n")
     output = page.locator("#completion-output textarea")

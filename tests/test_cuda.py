@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llama_core.decode import DecodeStep
-from llama_core.engine import Engine
+from llama_core.runner import DecodeStep
 from llama_core.quantize import Int8Linear, quantize_int8
 
 from conftest import build_llama, greedy_concurrently, hf_greedy, hf_logits
@@ -71,7 +70,7 @@ def test_compiled_cuda_graph_decode_equals_eager(meta_ckpt_dir, tokenizer):
             assert got == pytest.approx(want, abs=1e-4)
     # Fewer rows than the graph was captured for, then the engine's loop thread.
     assert compiled.generate(prompts[:1], 20, temperature=0)[0] == expected[:1]
-    with Engine(compiled) as engine:
+    with compiled.serve() as engine:
         streams = [engine.submit(p, 20, temperature=0) for p in prompts]
         assert [[c.token for c in s] for s in streams] == expected
 
@@ -102,7 +101,7 @@ def test_engine_on_cuda_concurrent_equals_solo(meta_ckpt_dir, tokenizer):
     llama = build_llama(meta_ckpt_dir, device="cuda", dtype="float32", max_batch_size=4)
     prompts = _prompts(tokenizer) * 2
     solo = [llama.generate([p], 16, temperature=0)[0][0] for p in prompts]
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         assert greedy_concurrently(engine, prompts, 16) == solo
 
 
@@ -126,7 +125,7 @@ def test_int8_on_cuda_is_close_and_compiles(meta_ckpt_dir, cpu_fp32, tokenizer):
         ref = torch.log_softmax(cpu_fp32.model(torch.tensor([prompt]), kv_len=len(prompt))[0], -1)
         got = torch.log_softmax(llama.model(torch.tensor([prompt], device="cuda"), kv_len=len(prompt))[0], -1).cpu()
     assert float((ref.exp() * (got - ref).abs()).sum(-1).max()) < 0.1
-    llama.decode_step = DecodeStep(llama.model, llama.max_batch_size, compile=True)
+    llama.runner.decode_step = DecodeStep(llama.model, llama.max_batch_size, compile=True)
     tokens, lps = llama.generate(_prompts(tokenizer), 12, temperature=0, logprobs=True)
     assert all(len(t) == 12 for t in tokens)
     _assert_greedy_under(llama, _prompts(tokenizer), tokens, lps, tol=0.1)

@@ -6,8 +6,7 @@ import shutil
 
 import pytest
 
-from llama_core.decode import DecodeStep
-from llama_core.engine import Engine
+from llama_core.runner import DecodeStep
 from llama_core.quantize import Int8Linear, quantize_int8
 
 from conftest import build_llama
@@ -23,7 +22,7 @@ def test_static_decode_equals_dynamic_decode(meta_ckpt_dir, tokenizer, compile):
         pytest.skip("torch.compile on CPU needs a C compiler")
     dynamic = build_llama(meta_ckpt_dir, max_batch_size=4)
     static = build_llama(meta_ckpt_dir, max_batch_size=4, compile=compile)
-    static.decode_step = DecodeStep(static.model, 4, compile=compile, static=True)
+    static.runner.decode_step = DecodeStep(static.model, 4, compile=compile, static=True)
     prompts = _prompts(tokenizer)
     expected_tokens, expected_lps = dynamic.generate(prompts, 12, temperature=0, logprobs=True)
     tokens, lps = static.generate(prompts, 12, temperature=0, logprobs=True)
@@ -31,12 +30,12 @@ def test_static_decode_equals_dynamic_decode(meta_ckpt_dir, tokenizer, compile):
     for got, want in zip(lps, expected_lps):
         assert got == pytest.approx(want, abs=1e-4)
     # The engine's slots go through the same step.
-    with Engine(static) as engine:
+    with static.serve() as engine:
         streams = [engine.submit(p, 12, temperature=0) for p in prompts]
         assert [[c.token for c in s] for s in streams] == expected_tokens
     # And with prompts prefilled in chunks while another row decodes: the static step also runs the rows
     # being prefilled, which must not disturb what their chunks already wrote.
-    with Engine(static, prefill_chunk=2) as engine:
+    with static.serve(prefill_chunk=2) as engine:
         first = engine.submit(prompts[0], 12, temperature=0)
         tokens = iter(first)
         head = [next(tokens).token]
@@ -44,16 +43,6 @@ def test_static_decode_equals_dynamic_decode(meta_ckpt_dir, tokenizer, compile):
         assert head + [c.token for c in tokens] == expected_tokens[0]
         assert [[c.token for c in s] for s in others] == expected_tokens[1:]
         assert max(len(p) for p in prompts) > 2
-
-
-def test_checking_completion_every_few_steps_changes_nothing(meta_ckpt_dir, tokenizer):
-    llama = build_llama(meta_ckpt_dir, max_batch_size=4)
-    prompts = _prompts(tokenizer)
-    expected, _ = llama.generate(prompts, 20, temperature=0)
-    steps = list(llama._generate_steps(prompts, 20, 0.0, 0.9, sync_every=8))
-    assert len(steps) % 8 == 0 or len(steps) == 20  # ran on past the end until a check
-    emitted = [[int(t[row]) for t, _, e in steps if bool(e[row])] for row in range(len(prompts))]
-    assert emitted == expected
 
 
 def test_int8_weights_quantized_from_a_cpu_llama_compile(meta_ckpt_dir, tokenizer):
@@ -66,14 +55,14 @@ def test_int8_weights_quantized_from_a_cpu_llama_compile(meta_ckpt_dir, tokenize
     assert all(m.weight.is_contiguous() for m in llama.model.modules() if isinstance(m, Int8Linear))
     prompts = _prompts(tokenizer)
     eager, _ = llama.generate(prompts, 12, temperature=0)
-    llama.decode_step = DecodeStep(llama.model, 4, compile=True)
+    llama.runner.decode_step = DecodeStep(llama.model, 4, compile=True)
     assert llama.generate(prompts, 12, temperature=0)[0] == eager
 
 
 def test_decode_rows_and_prompts_in_one_forward_equal_separate_forwards(meta_ckpt_dir, tokenizer):
     import torch
 
-    from llama_core.decode import right_padded
+    from llama_core.runner import right_padded
     from llama_core.model import Span
 
     llama = build_llama(meta_ckpt_dir, max_batch_size=5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama, LlamaError, ServerBusyError
-from llama_core.engine import Engine, RequestFailedError
+from llama_core.serving import Engine, RequestFailedError
 from llama_core.errors import ContextLengthError
 from llama_core.serving import stream_chat, stream_completion
 
@@ -52,7 +53,7 @@ def _collect(stream) -> list[int]:
 
 
 def test_concurrent_greedy_requests_equal_their_solo_outputs(llama, prompts, solo):
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         results = greedy_concurrently(engine, prompts, 40)
         steps = engine.steps
     assert results == solo
@@ -61,7 +62,7 @@ def test_concurrent_greedy_requests_equal_their_solo_outputs(llama, prompts, sol
 
 
 def test_batches_hold_every_token_in_order_and_wake_the_reader_less(llama, prompts, solo):
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         stream = engine.submit(prompts[3], 40, temperature=0)
         began = time.monotonic()
         batches = list(stream.batches(0.05))
@@ -73,7 +74,7 @@ def test_batches_hold_every_token_in_order_and_wake_the_reader_less(llama, promp
 
 
 def test_the_last_batch_arrives_with_the_finish_reason_already_set(llama, prompts, solo):
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         stream = engine.submit(prompts[3], 12, temperature=0)
         reasons = [stream.finish_reason for _ in stream.batches(30.0)]  # sleeps until the end: one batch
     assert reasons[-1] in ("eos", "length")
@@ -81,7 +82,7 @@ def test_the_last_batch_arrives_with_the_finish_reason_already_set(llama, prompt
 
 
 def test_a_reader_waiting_between_batches_wakes_when_the_request_ends(llama, prompts, solo):
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         stream = engine.submit(prompts[3], 5, temperature=0)
         began = time.monotonic()
         tokens = [c.token for batch in stream.batches(30.0) for c in batch]
@@ -91,7 +92,7 @@ def test_a_reader_waiting_between_batches_wakes_when_the_request_ends(llama, pro
 
 
 def test_text_stream_batches_join_to_the_same_text(llama, prompts):
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         text = "".join(c.text for c in stream_completion(engine, "the king said", temperature=0, max_new_tokens=30))
         batched = stream_completion(engine, "the king said", temperature=0, max_new_tokens=30)
         pieces = ["".join(c.text for c in batch) for batch in batched.batches(0.02)]
@@ -102,7 +103,7 @@ def test_text_stream_batches_join_to_the_same_text(llama, prompts):
 
 def test_cancelling_a_request_frees_its_slot_for_a_waiting_one(prompts):
     llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         first = engine.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
         chunks = iter(first)
         next(chunks)  # the first request holds the only slot
@@ -116,7 +117,7 @@ def test_cancelling_a_request_frees_its_slot_for_a_waiting_one(prompts):
 
 
 def test_leaving_a_stream_early_cancels_it(llama, prompts):
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         stream = engine.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
         for _ in stream:
             break
@@ -127,7 +128,7 @@ def test_leaving_a_stream_early_cancels_it(llama, prompts):
 
 def test_queue_past_its_bound_answers_busy(prompts):
     llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
-    with Engine(llama, max_waiting=2) as engine:
+    with llama.serve(max_waiting=2) as engine:
         # One request runs in the only slot, two wait; the fourth finds the queue full.
         streams = [engine.submit(prompts[0], 100, temperature=1.0, top_p=1.0)]
         next(iter(streams[0]))
@@ -151,7 +152,7 @@ def test_queue_past_its_bound_answers_busy(prompts):
     ],
 )
 def test_bad_parameters_are_refused_and_the_engine_keeps_serving(llama, prompts, solo, kwargs, message):
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         request = {"prompt_tokens": prompts[3], "max_new_tokens": 40, "temperature": 0.0, "top_p": 0.9, **kwargs}
         with pytest.raises(InvalidRequestError, match=message):
             engine.submit(**request)
@@ -159,10 +160,12 @@ def test_bad_parameters_are_refused_and_the_engine_keeps_serving(llama, prompts,
 
 
 def test_bad_text_input_is_refused_with_a_message(llama):
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         with pytest.raises(InvalidRequestError, match="string"):
             stream_completion(engine, 42)
         with pytest.raises(ContextLengthError, match="max_seq_len"):
+            stream_completion(engine, "word " * 15_000)
+        with pytest.raises(InvalidRequestError, match="prompt is too long: 1,000,000 characters"):
             stream_completion(engine, "word " * 200_000)
         with pytest.raises(ContextLengthError, match="over by"):
             stream_chat(engine, [{"role": "user", "content": "word " * 200_000}])
@@ -191,26 +194,39 @@ class _FailOnLength(torch.nn.Module):
         return self.inner.forward_spans(spans)
 
 
+@contextlib.contextmanager
+def _serving_failing(llama, length: int, **options):
+    """llama served with its prefill forwards failing for prompts of `length` tokens (decoding unaffected)."""
+    runner, real = llama.runner, llama.runner.model
+    runner.model = _FailOnLength(real, length)
+    try:
+        with llama.serve(**options) as engine:
+            yield engine
+    finally:
+        runner.model = real
+
+
 def test_a_failing_request_fails_alone(llama, prompts, solo):
-    engine = Engine(llama)
-    engine.model = _FailOnLength(llama.model, length=97)
-    with engine:
+    with _serving_failing(llama, length=97) as engine:
         doomed = engine.submit(list(prompts[0][:1]) * 97, 10)
         with pytest.raises(RequestFailedError, match="memory"):
             _collect(doomed)
         assert _collect(engine.submit(prompts[4], 40, temperature=0)) == solo[4]
 
 
-def test_generate_refuses_while_an_engine_owns_the_cache(llama, prompts):
-    with Engine(llama):
-        with pytest.raises(LlamaError, match="Engine"):
-            llama.generate([prompts[0]], 4)
-    assert llama.generate([prompts[0]], 4, temperature=0)[0][0]
+def test_generate_while_serving_runs_on_the_served_engine(llama, prompts, solo):
+    with llama.serve() as engine:
+        steps = engine.steps
+        assert llama.generate([prompts[0]], 40, temperature=0)[0][0] == solo[0]
+        assert engine.steps > steps
+        with pytest.raises(LlamaError, match="another engine"):
+            Engine(llama.loaded)  # one KV cache, one owner
+    assert llama.generate([prompts[0]], 40, temperature=0)[0][0] == solo[0]
 
 
 def test_prompt_logprobs_match_generate_echo(llama, prompts):
     expected = llama.generate([prompts[5]], 4, temperature=0, logprobs=True, echo=True)[1][0]
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         stream = engine.submit(prompts[5], 4, temperature=0, prompt_logprobs=True)
         generated = [chunk.logprob for chunk in stream]
     assert stream.prompt_logprobs == pytest.approx(expected[1 : len(prompts[5])], abs=1e-4)
@@ -218,12 +234,9 @@ def test_prompt_logprobs_match_generate_echo(llama, prompts):
 
 
 def test_requests_admitted_together_are_prefilled_together_and_fail_alone(llama, prompts, solo):
-    engine = Engine(llama)
-    failing = _FailOnLength(llama.model, length=97)
-    engine.model = failing
     calls = []
-    failing.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
-    with engine:
+    with _serving_failing(llama, length=97) as engine:
+        engine.runner.model.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
         with engine._wakeup:  # the loop can't admit until all three are queued
             good = [engine.submit(prompts[i], 40, temperature=0) for i in (5, 6)]
             doomed = engine.submit(list(prompts[0][:1]) * 97, 10)
@@ -237,7 +250,7 @@ def test_requests_admitted_together_are_prefilled_together_and_fail_alone(llama,
 @pytest.mark.parametrize("chunk", [5, 16])
 def test_long_prompts_prefilled_in_chunks_equal_solo(llama, prompts, solo, chunk):
     expected = llama.generate([prompts[5]], 4, temperature=0, logprobs=True, echo=True)[1][0]
-    with Engine(llama, prefill_chunk=chunk) as engine:
+    with llama.serve(prefill_chunk=chunk) as engine:
         results = greedy_concurrently(engine, prompts, 40)
         stream = engine.submit(prompts[5], 4, temperature=0, prompt_logprobs=True)
         generated = [chunk.logprob for chunk in stream]
@@ -251,7 +264,7 @@ def test_long_prompts_prefilled_in_chunks_equal_solo(llama, prompts, solo, chunk
 
 def test_other_streams_keep_decoding_while_a_long_prompt_is_prefilled(llama, prompts):
     long_prompt = prompts[0][:1] + [t for p in prompts for t in p[1:]][:200]
-    with Engine(llama, prefill_chunk=8) as engine:
+    with llama.serve(prefill_chunk=8) as engine:
         running = engine.submit(prompts[1], 150, temperature=0)  # greedy, it runs all 150 tokens
         tokens = iter(running)
         next(tokens)  # decoding has begun
@@ -267,13 +280,12 @@ def test_other_streams_keep_decoding_while_a_long_prompt_is_prefilled(llama, pro
 def test_prefill_chunk_must_be_a_positive_integer(llama):
     for bad in (0, -3, 2.5, True):
         with pytest.raises(InvalidRequestError, match="prefill_chunk"):
-            Engine(llama, prefill_chunk=bad)
+            Engine(llama.loaded, prefill_chunk=bad)
 
 
 def test_a_chunk_that_fails_fails_its_request_alone(llama, prompts, solo):
-    engine = Engine(llama, prefill_chunk=40)
-    engine.model = _FailOnLength(llama.model, length=17)  # the last chunk of a 97-token prompt
-    with engine:
+    # 17 tokens: the last chunk of a 97-token prompt
+    with _serving_failing(llama, length=17, prefill_chunk=40) as engine:
         running = engine.submit(prompts[4], 40, temperature=0)
         doomed = engine.submit(list(prompts[0][:1]) * 97, 10)
         with pytest.raises(RequestFailedError, match="memory"):
@@ -287,11 +299,11 @@ def test_after_turn_is_called_each_turn_with_that_turns_tokens_queued(llama, pro
     streams = []
 
     def after_turn():
-        queued_at_turn_end.append(sum(s._request.events.qsize() for s in streams))
+        queued_at_turn_end.append(sum(s._channel.events.qsize() for s in streams))
 
-    with Engine(llama, after_turn=after_turn) as engine:
+    with llama.serve(after_turn=after_turn) as engine:
         streams.append(engine.submit(prompts[0], 40, temperature=0))
-        while not streams[0]._request.finished.is_set():
+        while not streams[0]._channel.finished.is_set():
             time.sleep(0.01)
         time.sleep(0.05)
         steps, loop_calls = engine.steps, list(queued_at_turn_end)
@@ -303,21 +315,20 @@ def test_after_turn_is_called_each_turn_with_that_turns_tokens_queued(llama, pro
 
 def _spans_recorded(engine: Engine) -> list[list[tuple[int, int]]]:
     """Records the [B, S] shape of each span of each mixed forward the engine runs."""
-    calls, forward_spans = [], engine.model.forward_spans
+    calls, forward_spans = [], engine.runner.model.forward_spans
 
     def recording(spans):
         calls.append([(span.batch, span.seq_len) for span in spans])
         return forward_spans(spans)
 
-    engine.model.forward_spans = recording
+    engine.runner.model.forward_spans = recording
     return calls
 
 
 def test_prompts_admitted_while_others_decode_are_prefilled_in_the_decode_step(llama, prompts, solo):
-    engine = Engine(llama)
-    engine.model = _FailOnLength(llama.model, length=-1)  # never fails; lets the test watch the forwards
-    calls = _spans_recorded(engine)
-    with engine:
+    # length -1 never fails; the wrapper lets the test watch the forwards
+    with _serving_failing(llama, length=-1) as engine:
+        calls = _spans_recorded(engine)
         running = engine.submit(prompts[1], 40, temperature=0)
         tokens = iter(running)
         first = next(tokens)
@@ -329,10 +340,8 @@ def test_prompts_admitted_while_others_decode_are_prefilled_in_the_decode_step(l
 
 
 def test_a_prompt_failing_in_the_decode_step_fails_alone(llama, prompts, solo):
-    engine = Engine(llama)
-    engine.model = _FailOnLength(llama.model, length=97)
-    calls = _spans_recorded(engine)
-    with engine:
+    with _serving_failing(llama, length=97) as engine:
+        calls = _spans_recorded(engine)
         running = engine.submit(prompts[1], 40, temperature=0)
         tokens = iter(running)
         first = next(tokens)

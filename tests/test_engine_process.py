@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from llama_core import CheckpointNotFoundError, InvalidRequestError, Llama, LlamaError
-from llama_core.engine import _DONE, RequestFailedError
-from llama_core.engine_process import EngineProcess, _Outbox
-from llama_core.generation import StreamChunk
+from llama_core.serving import RequestFailedError
+from llama_core.serving.engine_process import EngineProcess, _Outbox
+from llama_core.serving import Finished, StreamChunk
 from llama_core.serving import stream_completion
 
 from conftest import greedy_concurrently
@@ -29,11 +29,11 @@ def served():
 
 
 def test_facts_describe_the_model_without_its_weights(served, llama):
-    facts = served.llama
+    facts = served.info
     assert facts.parameter_count == llama.parameter_count
     assert facts.args == llama.args and facts.max_seq_len == 256 and facts.max_batch_size == 8
-    assert facts.tokenizer.n_words == llama.tokenizer.n_words
-    assert str(facts.device) == "cpu" and facts.load_seconds > 0
+    assert served.tokenizer.n_words == llama.tokenizer.n_words
+    assert facts.device == "cpu" and facts.dtype == "float32" and facts.load_seconds > 0
 
 
 def test_concurrent_greedy_requests_equal_their_solo_outputs(served, prompts, solo):  # noqa: F811
@@ -56,7 +56,7 @@ def test_prompt_logprobs_and_text_equal_in_process(served, llama, prompts):  # n
     (dict(temperature=float("nan")), "temperature must be a finite number"),
     (dict(top_p=1.5), "top_p must be a number in"),
     (dict(prompt_tokens=[1, 10**6]), "token ids outside"),
-    (dict(prompt_tokens=[]), "prompt 0 is empty"),
+    (dict(prompt_tokens=[]), "prompt is empty"),
 ])
 def test_bad_requests_raise_in_the_parent_and_serving_goes_on(served, prompts, solo, kwargs, message):  # noqa: F811
     request = dict(prompt_tokens=prompts[0], max_new_tokens=5, temperature=0.6, top_p=0.9) | kwargs
@@ -102,7 +102,7 @@ def test_the_child_sends_a_turns_events_in_one_message():
     first, second = outbox.queue_for(1), outbox.queue_for(2)
     first.put(StreamChunk(5, -0.5, ""))
     second.put(StreamChunk(7, -0.25, ""))
-    first.put((_DONE, "length", "", 0.0))
+    first.put(Finished("length", "", 0.0))
     outbox.flush()
     outbox.flush()  # nothing new: nothing sent
     assert sent == [("events", [("chunk", 1, 5, -0.5), ("chunk", 2, 7, -0.25), ("done", 1, "length", "")])]

@@ -119,7 +119,7 @@ def llama_with_eos_for(llama: Llama, token: int) -> Llama:
     with torch.no_grad():
         weight = model.output.weight
         weight[[token, eos]] = weight[[eos, token]].clone()
-    return Llama(model, llama.tokenizer, max_seq_len=MAX_SEQ_LEN, max_batch_size=4, seed=0)
+    return Llama.from_model(model, llama.tokenizer, max_seq_len=MAX_SEQ_LEN, max_batch_size=4, seed=0)
 
 
 def test_generation_stops_at_eos_without_returning_it(llama, prompts, tokenizer):

@@ -14,10 +14,9 @@ import torch
 
 from conftest import MAX_SEQ_LEN, REPO_ROOT, build_llama, load_weights, split_meta_shards, write_meta_checkpoint
 from llama_core import CheckpointError, InvalidRequestError, Llama
-from llama_core.checkpoint import _torch_load
-from llama_core.device_map import parse_max_memory
-from llama_core.engine import Engine
-from llama_core.parallel import TP_SPLIT_DIM, check_world_size, iter_rank_tensors
+from llama_core.checkpoint import load_torch_file
+from llama_core.distributed.device_map import parse_max_memory
+from llama_core.distributed.parallel import TP_SPLIT_DIM, check_world_size, iter_rank_tensors
 
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
 GEN_LEN = 12
@@ -88,7 +87,7 @@ def test_each_rank_reads_its_own_meta_shard_and_reslicing_gives_the_same_parts(c
         from_shards = dict(iter_rank_tensors(ckpt_dirs["meta_sharded"], tiny_args, rank, 2))
         from_single = dict(iter_rank_tensors(ckpt_dirs["meta"], tiny_args, rank, 2))
         from_hf = dict(iter_rank_tensors(ckpt_dirs["hf"], tiny_args, rank, 2))
-        own_shard = _torch_load(shard_files[rank])
+        own_shard = load_torch_file(shard_files[rank])
         assert set(from_shards) == set(from_single) == set(from_hf) == set(full)
         for name, tensor in full.items():
             split = TP_SPLIT_DIM.get(name.split(".")[-2]) if tensor.dim() > 1 else None
@@ -142,7 +141,7 @@ def test_device_map_outputs_equal_the_single_device_model(device_map, ckpt_dirs,
         assert torch.equal(placed.model(tokens, kv_len=tokens.shape[1]), reference.model(tokens, kv_len=tokens.shape[1]))
     got_tokens, got_logprobs = placed.generate(prompts, GEN_LEN, temperature=0, logprobs=True)
     assert got_tokens == single_device["tokens"] and got_logprobs == single_device["logprobs"]
-    with Engine(placed) as engine:
+    with placed.serve() as engine:
         streams = [engine.submit(p, GEN_LEN, temperature=0) for p in prompts]
         assert [[c.token for c in s] for s in streams] == single_device["tokens"]
 
@@ -225,7 +224,7 @@ def test_offloaded_layers_run_with_their_kv_cache_on_the_execution_device(ckpt_d
     dispatch_model(model, device_map=placement, main_device="cpu", offload_dir=tmp_path, force_hooks=True)
     assert model.layers[1].attention_norm.weight.device.type == "meta"
     assert model.tok_embeddings.weight.device.type == "meta"
-    placed = Llama(model, tokenizer, MAX_SEQ_LEN, 4, seed=0)
+    placed = Llama.from_model(model, tokenizer, MAX_SEQ_LEN, 4, seed=0)
     assert placed.device == torch.device("cpu")
     assert placed.model.layers[1].attention.kv_cache.k_cache.device == torch.device("cpu")
     tokens, logprobs = placed.generate(prompts, GEN_LEN, temperature=0, logprobs=True)

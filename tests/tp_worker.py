@@ -15,7 +15,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama_core import Llama  # noqa: E402
-from llama_core.engine import Engine  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +33,7 @@ def main() -> None:
     echo_tokens, echo_logprobs = llama.generate(prompts[:1], 4, temperature=0, logprobs=True, echo=True)
 
     engine_results: list = [None] * len(prompts)
-    with Engine(llama) as engine:
+    with llama.serve() as engine:
         def run(i: int) -> None:
             chunks = list(engine.submit(prompts[i], args.max_gen_len, temperature=0))
             engine_results[i] = ([c.token for c in chunks], [c.logprob for c in chunks])

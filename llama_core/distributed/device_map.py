@@ -15,11 +15,11 @@ from typing import Optional, Union
 
 import torch
 
-from .checkpoint import check_state_dict
-from .config import ModelArgs
-from .errors import InvalidRequestError
-from .generation import resolve_dtype
-from .model import Transformer
+from ..checkpoint import check_state_dict
+from ..config import ModelArgs
+from ..devices import resolve_dtype
+from ..errors import InvalidRequestError
+from ..model import Transformer
 from .parallel import iter_rank_tensors
 
 Device = Union[int, str, torch.device]

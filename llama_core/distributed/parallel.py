@@ -5,7 +5,7 @@ Megatron's split, as in Meta's model-parallel checkpoints and gpt-fast's tp.py: 
 w1, w3; columns of w2); embeddings, norms and the output layer are replicated. The partial outputs of
 wo and w2 are summed with all-reduce (NCCL on CUDA, gloo on CPU).
 
-Rank 0 drives: it runs the usual `Llama` / `Engine`, and each forward first broadcasts its inputs over
+Rank 0 drives: it runs the usual engine, and each forward first broadcasts its inputs over
 a gloo group, so ranks > 0 run the same forward on the same KV-cache rows. Only rank 0 samples. At
 exit rank 0 broadcasts a stop, and every rank leaves the process group.
 """
@@ -19,29 +19,26 @@ import signal
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import (
-    _META_SHARD_DIM,
-    _hf_ties_embeddings,
-    _hf_to_meta_name,
-    _torch_load,
+from ..checkpoint import (
+    META_SHARD_DIM,
+    hf_ties_embeddings,
+    hf_to_meta_name,
+    load_torch_file,
     check_state_dict,
     checkpoint_layout,
     hf_to_meta,
     hf_weight_files,
     meta_shard_paths,
 )
-from .config import ModelArgs
-from .errors import CheckpointError, InvalidRequestError
-from .model import Transformer
-
-if TYPE_CHECKING:
-    from .generation import Llama
+from ..config import ModelArgs
+from ..errors import CheckpointError, InvalidRequestError
+from ..model import Transformer
 
 # Dimension each rank takes its 1/N slice along; every other tensor is replicated.
 TP_SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1}
@@ -169,7 +166,7 @@ def iter_rank_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: in
 
 def _meta_tensors(ckpt_dir: Path, rank: int, world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     paths = meta_shard_paths(ckpt_dir)
-    shards = [_torch_load(p) for p in paths]  # mmap'd: this reads the index of each file, not its weights
+    shards = [load_torch_file(p) for p in paths]  # mmap'd: this reads the index of each file, not its weights
     for shard, path in zip(shards[1:], paths[1:]):
         if set(shard) != set(shards[0]):
             odd = sorted(set(shard) ^ set(shards[0]))[:3]
@@ -178,7 +175,7 @@ def _meta_tensors(ckpt_dir: Path, rank: int, world_size: int) -> Iterator[tuple[
         if name.endswith("rope.freqs"):
             continue
         parts = [shard[name] for shard in shards]
-        along = _META_SHARD_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
+        along = META_SHARD_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
         if along is None:
             parts, along = parts[:1], 0
         for part, path in zip(parts, paths):
@@ -221,7 +218,7 @@ def _hf_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int) -> 
                 keys.update(f.keys())
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
-    tied = "lm_head.weight" not in keys and _hf_ties_embeddings(ckpt_dir)
+    tied = "lm_head.weight" not in keys and hf_ties_embeddings(ckpt_dir)
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -240,7 +237,7 @@ def _hf_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int) -> 
 
 
 def _hf_rank_slice(f, key: str, rank: int, world_size: int) -> torch.Tensor:
-    name = _hf_to_meta_name(key) or ""
+    name = hf_to_meta_name(key) or ""
     split = TP_SPLIT_DIM.get(name.split(".")[-2]) if name else None
     if split is None or world_size == 1:
         return f.get_tensor(key)
@@ -253,15 +250,16 @@ def _hf_rank_slice(f, key: str, rank: int, world_size: int) -> torch.Tensor:
 
 
 # -- rank 0 drives, the others follow -----------------------------------------------------------
-def lead_or_serve(llama: "Llama") -> None:
-    """On rank 0, makes every forward of llama's model run on all ranks, and returns. On other ranks,
-    runs rank 0's forwards until it stops, leaves the process group and exits the process."""
+def lead_or_serve(model: Transformer, device: torch.device) -> None:
+    """On rank 0, makes every forward of model (this rank's shard, its caches set up) run on all ranks, and
+    returns. On other ranks, runs rank 0's forwards until it stops, leaves the process group and exits the
+    process."""
     if dist.get_rank() == 0:
-        llama.model.register_forward_pre_hook(_broadcast_call, with_kwargs=True)
+        model.register_forward_pre_hook(_broadcast_call, with_kwargs=True)
         return
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops rank 0, whose exit then stops this rank
-    serve_forever(llama.model, llama.device)
+    serve_forever(model, device)
     shutdown()
     raise SystemExit(0)
 

@@ -3,8 +3,8 @@
 A Python process runs one thread at a time (the interpreter lock): an Engine inside a web server takes
 turns with the server's event loop and request threads, and every decode step waits for them. An
 `EngineProcess` loads the model and runs the Engine in a child process; requests and their tokens travel
-over a pipe. It has the Engine's `submit` and `check_parameters`, and `llama` describes the model
-(tokenizer, args, context...) without holding its weights.
+over a pipe. It has the Engine's `submit`, `tokenizer` and `info` (the model's facts, without its
+weights).
 """
 
 from __future__ import annotations
@@ -18,45 +18,27 @@ import sys
 import threading
 import time
 import types
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from . import dialog as chat_format
-from . import errors
-from .config import ModelArgs
-from .engine import _DONE, _PROMPT_LOGPROBS, Engine, TokenStream, _Request, check_parameters
-from .errors import LlamaError
-from .generation import Llama, StreamChunk, prepare_chat
-from .tokenizer import Tokenizer
+from .. import errors
+from ..errors import LlamaError
+from ..loader import ModelInfo, load
+from ..tokenizer import Tokenizer
+from .engine import Engine
+from .events import Channel, Finished, PromptLogprobs, StreamChunk
+from .requests import GenerationRequest
+from .streams import TokenStream
 
 _STARTUP_SECONDS = 3600  # loading a large checkpoint from a slow disk can take long; a crash ends it at once
 
 
-@dataclass
-class ModelFacts:
-    """What a front end needs to know of the model an EngineProcess serves."""
-
-    tokenizer: Tokenizer
-    args: ModelArgs
-    max_seq_len: int
-    max_batch_size: int
-    ckpt_dir: Optional[Path]
-    load_seconds: float
-    parameter_count: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def prepare_chat(self, dialog: chat_format.Dialog, max_gen_len: int) -> chat_format.FittedDialog:
-        return prepare_chat(self.tokenizer, self.max_seq_len, dialog, max_gen_len)
-
-
 class EngineProcess:
-    """An Engine serving a Llama that a child process builds with `Llama.build(**build)`.
+    """An Engine serving a model that a child process loads with `llama_core.loader.load(**build)` (build
+    may also hold the engine's `seed`).
 
-    Use as a context manager, or start() and shutdown(). start() raises what Llama.build raised.
+    Use as a context manager, or start() and shutdown(). start() raises what loading raised.
     """
 
     def __init__(self, build: dict[str, Any], max_waiting: int = 64, prefill_chunk: int = 512,
@@ -64,12 +46,13 @@ class EngineProcess:
         self._build = dict(build)
         self._engine_options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk)
         self._threads = threads
-        self.llama: Optional[ModelFacts] = None
+        self.info: Optional[ModelInfo] = None
+        self.tokenizer: Optional[Tokenizer] = None
         self._process: Optional[multiprocessing.process.BaseProcess] = None
         self._conn = None
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
-        self._requests: dict[int, _Request] = {}
+        self._channels: dict[int, Channel] = {}
         self._replies: dict[int, list] = {}  # request id -> [threading.Event, reply]
         self._lock = threading.Lock()
         self._stopped = False
@@ -97,8 +80,8 @@ class EngineProcess:
             self._process.join(timeout=30)
             self._process = None
             raise _exception(message[1], message[2])
-        facts = message[1]
-        self.llama = ModelFacts(tokenizer=Tokenizer(facts.pop("tokenizer_path")), **facts)
+        self.info = message[1]
+        self.tokenizer = Tokenizer(self.info.tokenizer_path)
         threading.Thread(target=self._read, name="llama-engine-reader", daemon=True).start()
         atexit.register(self.shutdown)
         return self
@@ -127,25 +110,23 @@ class EngineProcess:
     # -- submitting ---------------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True) -> TokenStream:
-        """As Engine.submit: the child checks and queues the request; its errors are raised here."""
+        """As Engine.submit: the request is checked here and queued by the child; its errors are raised here."""
         if self._process is None or self._stopped:
             raise LlamaError("the engine process is not running")
+        request = GenerationRequest.checked(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs,
+                                            logprobs, vocab_size=self.info.args.vocab_size,
+                                            max_seq_len=self.info.max_seq_len)
         rid = next(self._ids)
-        request = _Request(list(prompt_tokens) if isinstance(prompt_tokens, (list, tuple)) else [],
-                           max_new_tokens, temperature, top_p, prompt_logprobs, logprobs)
-        request.cancelled = _Cancel(lambda: self._send(("cancel", rid)))
+        channel = Channel(cancelled=_Cancel(lambda: self._send(("cancel", rid))))
         with self._lock:
-            self._requests[rid] = request  # before asking: its tokens may arrive before the answer
+            self._channels[rid] = channel  # before asking: its tokens may arrive before the answer
         try:
-            self._ask(("submit", rid, prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs))
+            self._ask(("submit", rid, request))
         except Exception:
             with self._lock:
-                self._requests.pop(rid, None)
+                self._channels.pop(rid, None)
             raise
-        return TokenStream(request)
-
-    def check_parameters(self, max_new_tokens: int, temperature: float, top_p: float) -> None:
-        check_parameters(self.llama.max_seq_len, max_new_tokens, temperature, top_p)
+        return TokenStream(channel, len(request.prompt_tokens))
 
     @property
     def active_count(self) -> int:
@@ -201,7 +182,7 @@ class EngineProcess:
                 self._route(message)
         self._stopped = True
         with self._lock:
-            pending, replies = list(self._requests), list(self._replies.values())
+            pending, replies = list(self._channels), list(self._replies.values())
         for reply in replies:
             reply[1] = ("rejected", "LlamaError", "the engine process stopped")
             reply[0].set()
@@ -211,25 +192,25 @@ class EngineProcess:
     def _route(self, message: tuple) -> None:
         kind, rid = message[0], message[1]
         with self._lock:
-            request, reply = self._requests.get(rid), self._replies.get(rid)
+            channel, reply = self._channels.get(rid), self._replies.get(rid)
         if kind in ("accepted", "rejected", "stats") and reply is not None:
             reply[1] = (kind, message[2], message[3]) if kind == "rejected" else message
             reply[0].set()
-        elif request is None:
+        elif channel is None:
             return
         elif kind == "chunk":
-            request.events.put(StreamChunk(message[2], message[3], ""))
+            channel.events.put(StreamChunk(message[2], message[3]))
         elif kind == "prompt_logprobs":
-            request.events.put((_PROMPT_LOGPROBS, message[2]))
+            channel.events.put(PromptLogprobs(message[2]))
         elif kind == "done":
             self._finish(rid, message[2], message[3])
 
     def _finish(self, rid: int, reason: str, message: str) -> None:
         with self._lock:
-            request = self._requests.pop(rid, None)
-        if request is not None:
-            request.events.put((_DONE, reason, message, time.perf_counter()))
-            request.finished.set()
+            channel = self._channels.pop(rid, None)
+        if channel is not None:
+            channel.events.put(Finished(reason, message, time.perf_counter()))
+            channel.finished.set()
 
 
 class _Cancel(threading.Event):
@@ -281,14 +262,14 @@ class _Forward:
     def put(self, item) -> None:
         if isinstance(item, StreamChunk):
             self._outbox.add(("chunk", self.rid, item.token, item.logprob))
-        elif item[0] is _PROMPT_LOGPROBS:
-            self._outbox.add(("prompt_logprobs", self.rid, item[1]))
-        elif item[0] is _DONE:
-            self._outbox.add(("done", self.rid, item[1], item[2]))
+        elif isinstance(item, PromptLogprobs):
+            self._outbox.add(("prompt_logprobs", self.rid, item.values))
+        elif isinstance(item, Finished):
+            self._outbox.add(("done", self.rid, item.reason, item.message))
 
 
 def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> None:
-    """The child process: builds the Llama, runs an Engine, and serves the parent's commands."""
+    """The child process: loads the model, runs an Engine, and serves the parent's commands."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches both; the parent stops the child
     if threads:
         torch.set_num_threads(threads)
@@ -300,17 +281,15 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
 
     outbox = _Outbox(send)
     try:
-        llama = Llama.build(**build)
-        engine = Engine(llama, **engine_options, after_turn=outbox.flush).start()
+        build = dict(build)
+        seed = build.pop("seed", None)
+        loaded = load(**build)
+        engine = Engine(loaded, seed=seed, **engine_options, after_turn=outbox.flush).start()
     except BaseException as exc:  # reported to the parent, which raises it from start()
         conn.send(("failed", type(exc).__name__, str(exc)))
         return
-    send(("ready", dict(
-        tokenizer_path=llama.tokenizer.model_path, args=llama.args, max_seq_len=llama.max_seq_len,
-        max_batch_size=llama.max_batch_size, ckpt_dir=llama.ckpt_dir, load_seconds=llama.load_seconds,
-        parameter_count=llama.parameter_count, dtype=llama.dtype, device=llama.device,
-    )))
-    requests: dict[int, _Request] = {}
+    send(("ready", loaded.info))
+    channels: dict[int, Channel] = {}
     try:
         while True:
             try:
@@ -320,28 +299,27 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
             if command[0] == "stop":
                 break
             if command[0] == "cancel":
-                request = requests.get(command[1])
-                if request is not None:
-                    request.cancelled.set()
+                channel = channels.get(command[1])
+                if channel is not None:
+                    channel.cancelled.set()
                 continue
             if command[0] == "stats":
                 stats = dict(active=engine.active_count, waiting=engine.waiting_count, steps=engine.steps)
                 send(("stats", command[1], stats))
                 continue
-            _, rid, *arguments = command
+            _, rid, request = command
+            channel = Channel(events=outbox.queue_for(rid))
             try:
-                request = engine._checked_request(*arguments)
-                request.events = outbox.queue_for(rid)
-                engine._enqueue(request)
+                engine.add(request, channel)
             except LlamaError as exc:
                 send(("rejected", rid, type(exc).__name__, str(exc)))
                 continue
-            requests[rid] = request
+            channels[rid] = channel
             send(("accepted", rid))
-            for done in [r for r, req in requests.items() if req.finished.is_set()]:
-                del requests[done]
+            for done in [r for r, c in channels.items() if c.finished.is_set()]:
+                del channels[done]
     finally:
-        engine.shutdown()
+        engine.close()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,62 @@
+"""Which device and dtype a model runs in, from the names users give ("auto", "cuda:1", "bfloat16")."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import InvalidRequestError
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]" as a torch.device.
+
+    Raises:
+        InvalidRequestError: an unknown name, or CUDA asked for on a machine without it.
+    """
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """A floating-point dtype from a name; "auto" is bfloat16 on CUDA (float16 where bf16 is unsupported) and
+    float32 on CPU.
+
+    Raises:
+        InvalidRequestError: an unknown name or a non-floating dtype.
+    """
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise InvalidRequestError(f"dtype must be a floating-point type, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in DTYPE_NAMES:
+        raise InvalidRequestError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return DTYPE_NAMES[dtype]
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """The device module computes on: its weights' device or, where accelerate's dispatch offloads the
+    weights (left on the meta device between calls), the device its hook runs it on."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device(device)
+    return next(module.parameters()).device
+
+
+def on_one_device(module: nn.Module) -> bool:
+    """Whether every weight and buffer of module sits on one real (not meta) device."""
+    devices = {t.device for t in (*module.parameters(), *module.buffers())}
+    return len(devices) == 1 and next(iter(devices)).type != "meta"

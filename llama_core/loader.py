@@ -1,0 +1,139 @@
+"""From a checkpoint folder to a model ready to serve: Meta or Hugging Face layout, on one device, placed
+over several by accelerate (device_map), or split over torchrun's processes (tensor parallel)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .checkpoint import load_model, read_model_args
+from .config import ModelArgs
+from .devices import resolve_device, resolve_dtype
+from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from .runner import ModelRunner
+from .tokenizer import Tokenizer
+
+DEFAULT_CKPT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a front end shows of a loaded model; plain values, so it travels between processes."""
+
+    ckpt_dir: Optional[Path]
+    tokenizer_path: Optional[Path]
+    args: ModelArgs
+    max_seq_len: int  # context allocated: prompt and reply together
+    max_batch_size: int  # KV-cache slots: requests decoded together
+    parameter_count: int
+    dtype: str
+    device: str
+    load_seconds: float
+
+    @property
+    def name(self) -> str:
+        """The checkpoint folder's name (what a user calls the model)."""
+        return self.ckpt_dir.name if self.ckpt_dir is not None else "model"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve: its runner (weights and KV cache on their devices), tokenizer and facts."""
+
+    runner: ModelRunner
+    tokenizer: Tokenizer
+    info: ModelInfo
+
+    @classmethod
+    def from_runner(cls, runner: ModelRunner, tokenizer: Tokenizer, ckpt_dir: Optional[Path] = None,
+                    load_seconds: float = 0.0) -> "LoadedModel":
+        info = ModelInfo(
+            ckpt_dir=ckpt_dir, tokenizer_path=getattr(tokenizer, "model_path", None), args=runner.args,
+            max_seq_len=runner.max_seq_len, max_batch_size=runner.max_batch_size,
+            parameter_count=runner.parameter_count, dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(runner.device), load_seconds=load_seconds,
+        )
+        return cls(runner, tokenizer, info)
+
+
+def load(
+    ckpt_dir: Optional[str | Path] = None,
+    tokenizer_path: Optional[str | Path] = None,
+    max_seq_len: int = 2048,
+    max_batch_size: int = 4,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+    device_map: Optional[str | dict] = None,
+    max_memory: Optional[dict] = None,
+    tensor_parallel: bool = False,
+    compile: bool = False,
+) -> LoadedModel:
+    """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`.
+
+    Under tensor parallelism, ranks > 0 serve rank 0's forwards inside this call and then exit the process.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointError, InvalidRequestError: as `Llama.build`.
+    """
+    start = time.perf_counter()
+    for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+    ckpt_dir = Path(ckpt_dir).expanduser() if ckpt_dir is not None else DEFAULT_CKPT_DIR
+    if not ckpt_dir.is_dir():
+        hint = " (the embedded default model; see models/README.md)" if ckpt_dir == DEFAULT_CKPT_DIR else ""
+        raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}{hint}")
+    tokenizer = Tokenizer(find_tokenizer(ckpt_dir, tokenizer_path))
+    args = read_model_args(ckpt_dir)
+    if args.vocab_size == -1:
+        args.vocab_size = tokenizer.n_words
+    if args.vocab_size != tokenizer.n_words:
+        raise CheckpointError(
+            f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} pieces but the model in "
+            f"{ckpt_dir} has vocab_size {args.vocab_size}"
+        )
+    if max_memory is not None and not isinstance(device_map, str):
+        raise InvalidRequestError("max_memory goes with a device_map strategy such as device_map='auto'")
+    if tensor_parallel:
+        from .distributed import parallel
+
+        if device_map is not None:
+            raise InvalidRequestError("device_map and tensor_parallel exclude each other: choose one")
+        torch_device = parallel.init_distributed(device, args)
+        model = parallel.load_model_shard(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
+    elif device_map is not None:
+        from .distributed.device_map import load_dispatched
+
+        if str(device) != "auto":
+            raise InvalidRequestError(f"device_map places the model: leave device as 'auto', got {device!r}")
+        model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len)
+    else:
+        torch_device = resolve_device(device)
+        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
+    runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel)
+    if tensor_parallel:
+        parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
+    return LoadedModel.from_runner(runner, tokenizer, ckpt_dir, time.perf_counter() - start)
+
+
+def find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path] = None) -> Path:
+    """tokenizer_path if given, else tokenizer.model in ckpt_dir or its parent (Meta's downloads keep it there).
+
+    Raises:
+        CheckpointNotFoundError: no such file.
+    """
+    if tokenizer_path is not None:
+        path = Path(tokenizer_path).expanduser()
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"tokenizer model not found: {path}")
+        return path
+    for candidate in (ckpt_dir / "tokenizer.model", ckpt_dir.parent / "tokenizer.model"):
+        if candidate.is_file():
+            return candidate
+    raise CheckpointNotFoundError(
+        f"no tokenizer.model in {ckpt_dir} or its parent {ckpt_dir.parent}; pass tokenizer_path"
+    )

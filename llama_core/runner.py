@@ -1,0 +1,165 @@
+"""A loaded model on its device(s), ready to serve: its inference weight layout, a KV cache of
+`max_batch_size` slots of `max_seq_len` positions, and the forwards the serving engine runs on it.
+
+The decode step comes in two shapes. Dynamic (the default): only the given rows, attending over the
+longest row's positions: the least work, which is what a CPU wants. Static (`compile=True`): always every
+row of the cache over all max_seq_len positions, so shapes never change and torch.compile can capture
+the step once (on CUDA as a CUDA graph, mode "reduce-overhead"); rows not asked for compute a throw-away
+token at the last position of their own row, which no prompt reaches (a prompt is at most
+max_seq_len - 1 tokens, so a row being prefilled in chunks keeps what it wrote) and which a row's own
+decoding writes before it ever attends to it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+import torch
+
+from .devices import execution_device, on_one_device
+from .errors import InvalidRequestError
+from .model import Span, Transformer
+
+CacheRows = torch.Tensor | slice
+
+
+class ModelRunner:
+    """A Transformer with its KV cache, and the three forwards of serving: prefill, decode and spans.
+
+    The KV cache has one owner at a time (a serving engine), which `claim` and `release` track.
+    """
+
+    def __init__(self, model: Transformer, max_batch_size: int, max_seq_len: int, compile: bool = False,
+                 tensor_parallel: bool = False) -> None:
+        """model: loaded weights in eval mode. compile: decode with the static step under torch.compile.
+        tensor_parallel: every forward is replayed on the other ranks (see llama_core.distributed.parallel),
+        so only model.forward may run it.
+
+        Raises:
+            InvalidRequestError: max_batch_size or max_seq_len not a positive integer.
+        """
+        for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+        self.model = model
+        self.args = model.args
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.tensor_parallel = tensor_parallel
+        self.device = execution_device(model.tok_embeddings)  # where inputs go; logits come back here too
+        self.dtype = model.tok_embeddings.weight.dtype
+        if model.layers[0].attention.wqkv is None:
+            model.fuse_projections()
+        if self.device.type == "cpu":
+            model.use_column_major_weights()
+        model.setup_caches(max_batch_size, max_seq_len)
+        self.decode_step = DecodeStep(model, max_batch_size, compile)
+        self._owner: Optional[object] = None
+        self._owner_lock = threading.Lock()
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def mixes_prompts(self) -> bool:
+        """Whether prompts can ride along in a decode step (`forward_spans`): an eager model on one device
+        of its own (not a compiled static step, offloaded layers or tensor parallelism)."""
+        return not self.decode_step.static and not self.tensor_parallel and on_one_device(self.model)
+
+    # -- ownership of the KV cache ----------------------------------------------------------------
+    def claim(self, owner: object) -> bool:
+        """Gives the KV cache to owner until release(owner); False if another owner holds it."""
+        with self._owner_lock:
+            if self._owner is not None and self._owner is not owner:
+                return False
+            self._owner = owner
+            return True
+
+    def release(self, owner: object) -> None:
+        with self._owner_lock:
+            if self._owner is owner:
+                self._owner = None
+
+    # -- forwards ----------------------------------------------------------------------------------
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, rows: CacheRows, kv_len: int,
+                logit_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Writes tokens [B, S] at positions [B, S] into cache rows; logits [B, S, vocab], or [B, 1, vocab]
+        at logit_index [B]."""
+        return self.model(tokens, positions, cache_rows=rows, kv_len=kv_len, logit_index=logit_index)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Optional[CacheRows] = None,
+               kv_len: Optional[int] = None) -> torch.Tensor:
+        """Logits [B, vocab] for one token per row (see DecodeStep)."""
+        return self.decode_step(tokens, positions, rows, kv_len)
+
+    def forward_spans(self, spans: list[Span]) -> list[torch.Tensor]:
+        """Several cached batches in one forward (see Transformer.forward_spans); only where mixes_prompts."""
+        return self.model.forward_spans(spans)
+
+
+class DecodeStep:
+    """One new token for each of a set of KV-cache rows, dynamic or static (see the module's docstring)."""
+
+    def __init__(self, model: Transformer, max_batch_size: int, compile: bool = False, static: bool = False) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = model.layers[0].attention.kv_cache.max_seq_len
+        self.static = static or compile
+        self._step = self._all_rows
+        if compile:
+            on_cuda = next(model.parameters()).device.type == "cuda"
+            self._step = torch.compile(
+                self._all_rows, mode="reduce-overhead" if on_cuda else None, fullgraph=True, dynamic=False
+            )
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rows: Optional[torch.Tensor | slice] = None,
+        kv_len: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Logits [B, vocab] for tokens [B] at positions [B] in cache rows [B] (a slice: consecutive rows;
+        None: rows 0..B-1).
+
+        kv_len: a bound the caller knows on the host (> every position; extra positions are masked), so
+        the dynamic step needs no device-to-host read; None reads it from positions."""
+        if not self.static:
+            if kv_len is None:
+                kv_len = int(positions.max()) + 1
+            return self.model(tokens[:, None], positions[:, None], cache_rows=rows, kv_len=kv_len)[:, 0]
+        if rows is None:
+            rows = torch.arange(tokens.shape[0], device=tokens.device)
+        all_tokens = torch.zeros(self.max_batch_size, dtype=tokens.dtype, device=tokens.device)
+        all_positions = torch.full((self.max_batch_size,), self.max_seq_len - 1, dtype=positions.dtype, device=positions.device)
+        all_tokens[rows] = tokens
+        all_positions[rows] = positions
+        logits = self._step(all_tokens, all_positions)[rows]
+        # Copy out of the step's output, which the next CUDA graph replay overwrites (a slice is a view).
+        return logits.clone() if isinstance(rows, slice) else logits
+
+    def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens[:, None], positions[:, None])[:, 0]
+
+
+def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):
+    """Prompts as one prefill batch: tokens [B, longest] padded on the right, positions [B, longest]
+    (0, 1, ... in every row) and lengths [B]. A row never attends to the padding after its own prompt,
+    and decoding overwrites the padding's cache entries before they are ever read."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    longest = int(lengths.max())
+    tokens = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    positions = torch.arange(longest, device=device).expand(len(prompts), longest)
+    return tokens.to(device), positions, lengths
+
+
+def cache_rows(slots: list[int], device: torch.device) -> CacheRows:
+    """The KV-cache rows of these slots: a slice when they are consecutive (the cache is then read through
+    views, not gathered), else an index tensor."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, device=device)

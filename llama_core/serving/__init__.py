@@ -1,0 +1,23 @@
+"""Serving many users: the continuous-batching engine (in this process or a child of its own), the one
+request validator, and the token and text streams readers consume."""
+
+from .engine import Engine
+from .engine_process import EngineProcess
+from .events import Channel, Finished, PromptLogprobs, StreamChunk
+from .requests import GenerationRequest
+from .streams import RequestFailedError, TextStream, TokenStream, stream_chat, stream_completion
+
+__all__ = [
+    "Channel",
+    "Engine",
+    "EngineProcess",
+    "Finished",
+    "GenerationRequest",
+    "PromptLogprobs",
+    "RequestFailedError",
+    "StreamChunk",
+    "TextStream",
+    "TokenStream",
+    "stream_chat",
+    "stream_completion",
+]

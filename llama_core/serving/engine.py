@@ -1,0 +1,456 @@
+"""Continuous batching: many concurrent requests share one model and one slot-based KV cache.
+
+Each turn admits waiting requests into free cache slots (prefill), runs a single batched decode step for
+every active slot at its own position, samples each with its own parameters, and retires finished or
+cancelled requests at once, freeing their slots. Prompts admitted together are prefilled in one padded
+forward; a prompt longer than `prefill_chunk` is prefilled a chunk per turn, between decode steps, so
+the other streams keep flowing.
+
+Turns run in the engine's own thread once `start()`ed (a server), or else in the thread of whoever reads
+a stream (the `Llama` facade's generate): one loop either way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import LlamaError, InvalidRequestError, ServerBusyError
+from ..loader import LoadedModel, ModelInfo
+from ..model import Span
+from ..runner import cache_rows, right_padded
+from ..sampling import sample, token_logprobs
+from ..tokenizer import Tokenizer
+from .events import Channel, Finished, PromptLogprobs, StreamChunk
+from .requests import GenerationRequest
+from .streams import TokenStream
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """A request inside the engine: where it is in its slot."""
+
+    request: GenerationRequest
+    channel: Channel
+    arrival: int = 0  # order of submission
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the KV cache
+    generated: int = 0
+    last_token: int = 0
+    prompt_lps: list[float] = field(default_factory=list)  # chunked prefill with prompt_logprobs
+    carried_logits: Optional[torch.Tensor] = None  # the previous chunk's last logits, scoring the next token
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        return self.request.prompt_tokens
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.request.prompt_tokens)
+
+    @property
+    def next_pos(self) -> int:
+        """Position the last sampled token is written at on the next decode step."""
+        return len(self.request.prompt_tokens) + self.generated - 1
+
+
+class Engine:
+    """Serves requests from any thread on one loaded model, batching them over its KV-cache slots.
+
+    The engine owns the model's KV cache from construction until `close()`.
+    """
+
+    def __init__(self, model: LoadedModel, seed: Optional[int] = None, max_waiting: int = 64,
+                 prefill_chunk: int = 512, after_turn: Optional[Callable[[], None]] = None) -> None:
+        """seed: seeds sampling; None draws a random seed.
+        max_waiting: requests queued beyond the busy slots before submit answers busy.
+        prefill_chunk: a prompt longer than this is prefilled this many tokens at a time, a decode step of
+        the other requests after each chunk, so one long prompt does not stall everyone's stream.
+        after_turn: called after each turn (admissions, prefill, one decode step), once that turn's events
+        are in their channels, and once more at shutdown: a caller whose channels forward events elsewhere
+        can send each turn's events together.
+
+        Raises:
+            InvalidRequestError: a bad prefill_chunk or max_waiting.
+            LlamaError: another engine owns this model's KV cache.
+        """
+        for name, value in (("prefill_chunk", prefill_chunk), ("max_waiting", max_waiting)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefill_chunk" else 0):
+                raise InvalidRequestError(f"{name} must be a {'positive' if name == 'prefill_chunk' else 'non-negative'} integer, got {value!r}")
+        self.loaded = model
+        self.runner = model.runner
+        if not self.runner.claim(self):
+            raise LlamaError("this model's KV cache is in use by another engine: close() that one first")
+        self.prefill_chunk = prefill_chunk
+        self.max_waiting = max_waiting
+        self.eos_id = model.tokenizer.eos_id
+        self.generator = torch.Generator(device=self.runner.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self._arrivals = itertools.count()
+        self._slots: list[Optional[_Sequence]] = [None] * self.runner.max_batch_size
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._wakeup = threading.Condition()
+        self._turn_lock = threading.Lock()  # one turn at a time, whichever thread runs it
+        self._running = False
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        self._after_turn = after_turn or (lambda: None)
+        self.steps = 0  # decode steps run, for tests and stats
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.loaded.info
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine's own thread runs its turns (else readers of its streams do)."""
+        return self._running
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        """Runs turns in a thread of the engine's own until shutdown()."""
+        if self._closed:
+            raise LlamaError("the engine is closed")
+        if self._running:
+            return self
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
+        self._thread.start()
+        atexit.register(self.shutdown)  # stop the loop before the interpreter tears torch down
+        return self
+
+    def shutdown(self) -> None:
+        """Stops the engine's thread and cancels every request in flight. The engine stays usable: its
+        streams' readers run its turns again, or start() it again."""
+        with self._wakeup:
+            self._running = False
+            self._wakeup.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._turn_lock:
+            with self._wakeup:
+                pending, self._waiting = list(self._waiting), collections.deque()
+            for sequence in pending + [s for s in self._slots if s is not None]:
+                self._finish(sequence, "cancelled")
+            self._slots = [None] * len(self._slots)
+            self._after_turn()
+        atexit.unregister(self.shutdown)
+
+    def close(self) -> None:
+        """shutdown(), then gives the KV cache back: another engine may serve the model."""
+        self.shutdown()
+        self._closed = True
+        self.runner.release(self)
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- submitting ---------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_tokens: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        prompt_logprobs: bool = False,
+        logprobs: bool = True,
+    ) -> TokenStream:
+        """Queues a request; returns its token stream (with prompt_logprobs, also the log-probabilities of
+        prompt tokens 1..n-1, set on the stream before its first token). Without logprobs, chunks carry NaN
+        log-probabilities.
+
+        Raises:
+            InvalidRequestError / ContextLengthError: bad prompt or parameters.
+            ServerBusyError: every slot is busy and the waiting queue is full.
+        """
+        return self.submit_request(self.check(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs))
+
+    def submit_request(self, request: GenerationRequest) -> TokenStream:
+        """Queues a checked request (see check); returns its token stream.
+
+        Raises:
+            ServerBusyError: every slot is busy and the waiting queue is full.
+        """
+        channel = Channel()
+        self.add(request, channel)
+        return TokenStream(channel, len(request.prompt_tokens), self)
+
+    def check(self, prompt_tokens, max_new_tokens, temperature=0.6, top_p=0.9, prompt_logprobs=False,
+              logprobs=True) -> GenerationRequest:
+        """The checked request for this model, or InvalidRequestError / ContextLengthError."""
+        return GenerationRequest.checked(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs,
+                                         logprobs, vocab_size=self.runner.args.vocab_size,
+                                         max_seq_len=self.runner.max_seq_len)
+
+    def add(self, request: GenerationRequest, channel: Channel) -> None:
+        """Queues a checked request whose events go to channel.
+
+        Raises:
+            LlamaError: the engine is closed.
+            ServerBusyError: every slot is busy and the waiting queue is full.
+        """
+        sequence = _Sequence(request, channel, arrival=next(self._arrivals))
+        with self._wakeup:
+            if self._closed:
+                raise LlamaError("the engine is closed")
+            if len(self._waiting) >= self.max_waiting + self.free_slots:
+                raise ServerBusyError(
+                    f"server busy: {len(self._slots)} requests running and {len(self._waiting)} waiting; try again shortly"
+                )
+            self._waiting.append(sequence)
+            self._wakeup.notify()
+
+    @property
+    def active_count(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._slots) - self.active_count
+
+    @property
+    def waiting_count(self) -> int:
+        return len(self._waiting)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def pump(self) -> bool:
+        """Runs one turn in the calling thread unless the engine's own thread runs them; whether it did
+        any work (a stream's reader calls this while it waits)."""
+        if self._running:
+            return False
+        with self._turn_lock:
+            if self._running:
+                return False
+            return self._turn()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while self._running and not self._waiting and not any(self._slots):
+                    self._wakeup.wait()
+                if not self._running:
+                    return
+            with self._turn_lock:
+                self._turn()
+
+    def _turn(self) -> bool:
+        """Retires cancelled requests, admits waiting ones, prefills, and runs one decode step; whether
+        there was anything to do."""
+        if not self._waiting and not any(self._slots):
+            return False
+        try:
+            self._retire_cancelled()
+            riders = self._admit()
+            self._prefill_next_chunk(riders)
+            decoding = [s for s in self._slots if s is not None and not s.prefilling and s not in riders]
+            if decoding:
+                self._decode_step(decoding, riders)
+            elif riders:
+                self._prefill_groups([riders])
+        except Exception as exc:  # a bug must fail the requests in flight, not hang them
+            for slot, sequence in enumerate(self._slots):
+                if sequence is not None:
+                    self._free(slot, "error", _failure_message(exc))
+        self._after_turn()
+        return True
+
+    def _retire_cancelled(self) -> None:
+        for slot, sequence in enumerate(self._slots):
+            if sequence is not None and sequence.channel.cancelled.is_set():
+                self._free(slot, "cancelled")
+
+    def _admit(self) -> list[_Sequence]:
+        """Moves waiting requests into free slots and prefills them together (one padded forward), or, where
+        the model allows and other requests are decoding, leaves them to ride along in this turn's decode
+        step (one forward for both): returns those riders."""
+        free_slots = [slot for slot, s in enumerate(self._slots) if s is None]
+        admitted = []
+        while free_slots:
+            with self._wakeup:
+                sequence = self._waiting.popleft() if self._waiting else None
+            if sequence is None:
+                break
+            if sequence.channel.cancelled.is_set():
+                self._finish(sequence, "cancelled")
+                continue
+            sequence.slot = free_slots.pop(0)
+            self._slots[sequence.slot] = sequence
+            admitted.append(sequence)
+        short = [s for s in admitted if len(s.prompt_tokens) <= self.prefill_chunk]  # longer: chunk by chunk
+        together = [s for s in short if not s.request.prompt_logprobs]
+        riders = []
+        decoding = any(s is not None and s not in admitted and not s.prefilling for s in self._slots)
+        if together and decoding and self.runner.mixes_prompts:
+            riders, together = together, []
+        self._prefill_groups([[s] for s in short if s.request.prompt_logprobs] + ([together] if together else []))
+        return riders
+
+    def _prefill_groups(self, groups: list[list[_Sequence]]) -> None:
+        """Prefills each group in one forward; a failing group is retried a request at a time, so that only
+        the failing request fails."""
+        for group in groups:
+            try:
+                self._prefill(group)
+            except Exception as exc:  # one request's failure (e.g. out of memory) must not stop the engine
+                if len(group) == 1:
+                    self._free(group[0].slot, "error", _failure_message(exc))
+                    continue
+                for sequence in group:  # find the request that fails; the others go on
+                    try:
+                        self._prefill([sequence])
+                    except Exception as exc:
+                        self._free(sequence.slot, "error", _failure_message(exc))
+
+    @torch.inference_mode()
+    def _prefill(self, group: list[_Sequence]) -> None:
+        """Prefills each request's prompt into its slot, right-padded, and samples its first token."""
+        device = self.runner.device
+        tokens, positions, lengths = right_padded([s.prompt_tokens for s in group], self.eos_id, device)
+        longest = tokens.shape[1]
+        rows = cache_rows([s.slot for s in group], device)
+        if group[0].request.prompt_logprobs:  # such a request is prefilled alone
+            all_logits = self.runner.prefill(tokens, positions, rows, longest)
+            group[0].channel.events.put(PromptLogprobs(token_logprobs(all_logits[0, :-1], tokens[0, 1:]).tolist()))
+            logits = all_logits[:, -1]
+        else:
+            logits = self.runner.prefill(tokens, positions, rows, longest, logit_index=lengths - 1)[:, 0]
+        for sequence in group:
+            sequence.prefilled = len(sequence.prompt_tokens)
+        self._sample_and_deliver(group, logits)
+
+    @torch.inference_mode()
+    def _prefill_next_chunk(self, riders: list[_Sequence]) -> None:
+        """Prefills the next prefill_chunk tokens of the longest-waiting long prompt; after its last chunk,
+        samples its first token."""
+        pending = [s for s in self._slots if s is not None and s.prefilling and s not in riders]
+        if not pending:
+            return
+        sequence = min(pending, key=lambda s: s.arrival)
+        start = sequence.prefilled
+        chunk = sequence.prompt_tokens[start : start + self.prefill_chunk]
+        end, last = start + len(chunk), start + len(chunk) == len(sequence.prompt_tokens)
+        device = self.runner.device
+        try:
+            tokens = torch.tensor([chunk], device=device)
+            positions = torch.arange(start, end, device=device)[None]
+            rows = slice(sequence.slot, sequence.slot + 1)
+            if sequence.request.prompt_logprobs:
+                logits = self.runner.prefill(tokens, positions, rows, end)[0]
+                if sequence.carried_logits is not None:
+                    sequence.prompt_lps.append(float(token_logprobs(sequence.carried_logits, tokens[0, 0])))
+                sequence.prompt_lps += token_logprobs(logits[:-1], tokens[0, 1:]).tolist()
+                sequence.carried_logits = logits[-1]
+                logits = logits[-1:]
+            elif last:
+                last_index = torch.tensor([len(chunk) - 1], device=device)
+                logits = self.runner.prefill(tokens, positions, rows, end, logit_index=last_index)[:, 0]
+            else:  # only the cache matters; one row of logits is the least output to ask for
+                self.runner.prefill(tokens, positions, rows, end, logit_index=torch.tensor([0], device=device))
+            sequence.prefilled = end
+            if last:
+                if sequence.request.prompt_logprobs:
+                    sequence.channel.events.put(PromptLogprobs(sequence.prompt_lps))
+                    sequence.carried_logits = None
+                self._sample_and_deliver([sequence], logits)
+        except Exception as exc:  # e.g. out of memory: this request fails, the others go on
+            self._free(sequence.slot, "error", _failure_message(exc))
+
+    @torch.inference_mode()
+    def _decode_step(self, active: list[_Sequence], riders: list[_Sequence]) -> None:
+        """One new token for each active request; riders (just admitted) are prefilled in the same forward
+        and get their first token. If that forward fails, the riders are prefilled on their own and the
+        step is retried without them."""
+        device = self.runner.device
+        try:
+            tokens = torch.tensor([s.last_token for s in active], dtype=torch.long, device=device)
+            next_positions = [s.next_pos for s in active]
+            positions = torch.tensor(next_positions, device=device)
+            rows = cache_rows([s.slot for s in active], device)
+            kv_len = max(next_positions) + 1
+            if riders:
+                prompt_tokens, prompt_positions, lengths = right_padded([s.prompt_tokens for s in riders], self.eos_id, device)
+                logits = torch.cat(self.runner.forward_spans([
+                    Span(tokens[:, None], positions[:, None], rows, kv_len, torch.zeros_like(positions)),
+                    Span(prompt_tokens, prompt_positions, cache_rows([s.slot for s in riders], device),
+                         prompt_tokens.shape[1], lengths - 1),
+                ]))
+            else:
+                logits = self.runner.decode(tokens, positions, rows, kv_len=kv_len)
+            sequences = active + riders
+            next_tokens, logprobs = self._sample(sequences, logits)
+        except Exception as exc:
+            if riders:
+                self._prefill_groups([riders])
+                self._decode_step(active, [])
+                return
+            for s in active:
+                self._free(s.slot, "error", _failure_message(exc))
+            return
+        self.steps += 1
+        for sequence in riders:
+            sequence.prefilled = len(sequence.prompt_tokens)
+        self._deliver(sequences, next_tokens, logprobs)
+
+    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token, drawn with its request's parameters, and its log-probability (NaN where
+        no request of the batch asked for them)."""
+        device = self.runner.device
+        temperature = torch.tensor([s.request.temperature for s in sequences], device=device)
+        top_p = torch.tensor([s.request.top_p for s in sequences], device=device)
+        next_tokens = sample(logits, temperature, top_p, self.generator)
+        if any(s.request.logprobs for s in sequences):
+            return next_tokens, token_logprobs(logits, next_tokens)
+        return next_tokens, torch.full_like(logits[:, 0], math.nan)
+
+    def _sample_and_deliver(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        self._deliver(sequences, *self._sample(sequences, logits))
+
+    def _deliver(self, sequences: list[_Sequence], next_tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        for sequence, token, logprob in zip(sequences, next_tokens.tolist(), logprobs.tolist()):
+            if sequence.channel.cancelled.is_set():
+                self._free(sequence.slot, "cancelled")
+            elif token == self.eos_id:
+                self._free(sequence.slot, "eos")
+            else:
+                sequence.generated += 1
+                sequence.last_token = token
+                sequence.channel.events.put(StreamChunk(token, logprob))
+                room = self.runner.max_seq_len - len(sequence.prompt_tokens)
+                if sequence.generated >= min(sequence.request.max_new_tokens, room):
+                    self._free(sequence.slot, "length")
+
+    def _free(self, slot: int, reason: str, message: str = "") -> None:
+        sequence = self._slots[slot]
+        self._slots[slot] = None
+        if sequence is not None:
+            self._finish(sequence, reason, message)
+
+    @staticmethod
+    def _finish(sequence: _Sequence, reason: str, message: str = "") -> None:
+        sequence.channel.events.put(Finished(reason, message, time.perf_counter()))
+        sequence.channel.finished.set()
+
+
+def _failure_message(exc: Exception) -> str:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "the request ran out of device memory; try a shorter prompt or fewer new tokens"
+    return f"generation failed: {type(exc).__name__}: {exc}"

@@ -1,0 +1,51 @@
+"""What an engine tells a request's reader, and the channel it travels through."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+FINISH_REASONS = ("eos", "length", "cancelled", "error")
+
+
+@dataclass
+class StreamChunk:
+    """One generated token as it streams: its id, log-probability and the text it completes (empty until
+    a text stream decodes it; token -1 carries text held back to the end)."""
+
+    token: int
+    logprob: float
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens 1..n-1, each given the ones before it; comes before the first chunk."""
+
+    values: list[float]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request's end: reason is one of FINISH_REASONS; message explains an "error"; at is when the
+    engine ended it (time.perf_counter())."""
+
+    reason: str
+    message: str = ""
+    at: float = 0.0
+
+
+class EventSink(Protocol):
+    def put(self, item: Any) -> None: ...
+
+
+@dataclass
+class Channel:
+    """Connects a request inside an engine with its reader: the engine puts events and sets `finished` with
+    the last one; the reader sets `cancelled` to stop the request."""
+
+    events: Any = field(default_factory=queue.Queue)  # an EventSink; a queue.Queue where a reader gets them
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)

@@ -1,0 +1,72 @@
+"""Starting the engine a server runs on, from the options a command line gives: in a process of its own
+(the default), in the server's process, or, under torchrun, tensor-parallel with rank 0 serving."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from ..checkpoint import read_model_args
+from ..devices import resolve_device
+from ..distributed.device_map import parse_max_memory
+from ..distributed.parallel import launched_by_torchrun
+from ..loader import DEFAULT_CKPT_DIR, load
+from .engine import Engine
+from .engine_process import EngineProcess
+
+DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when the model allows it and no max_seq_len is given
+
+
+def open_engine(
+    ckpt_dir: Optional[Union[str, Path]] = None,
+    tokenizer_path: Optional[Union[str, Path]] = None,
+    max_seq_len: Optional[int] = None,
+    max_batch_size: int = 8,
+    device: str = "auto",
+    dtype: str = "auto",
+    device_map: Optional[str] = None,
+    max_memory: Optional[str] = None,
+    compile: bool = False,
+    threads: Optional[int] = None,
+    single_process: bool = False,
+    seed: Optional[int] = None,
+) -> Union[Engine, EngineProcess]:
+    """Loads the model and starts the engine serving it; `shutdown()` it at the end.
+
+    Args:
+        max_seq_len: None is the model's own context, at most DEFAULT_MAX_SEQ_LEN.
+        max_memory: with device_map, the most each device may hold, as "0=20GiB,1=20GiB,cpu=64GiB".
+        threads: torch's CPU threads; None on CPU is one fewer than the cores, leaving one to the web server.
+        single_process: run the model in this process (under torchrun it always runs in rank 0's).
+        The others are those of `Llama.build`.
+
+    Raises:
+        LlamaError: what loading raised (a missing checkpoint, a bad option...).
+        MemoryError, RuntimeError: the model does not fit on its device(s).
+    """
+    ckpt_dir = Path(ckpt_dir).expanduser() if ckpt_dir is not None else None
+    if max_seq_len is None:
+        max_seq_len = DEFAULT_MAX_SEQ_LEN
+        folder = ckpt_dir or DEFAULT_CKPT_DIR
+        if folder.is_dir():  # a missing folder is reported by loading
+            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(folder).max_seq_len)
+    threads = threads or default_threads(device, device_map)
+    if threads:
+        torch.set_num_threads(threads)
+    build = dict(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
+                 max_batch_size=max_batch_size, device=device, dtype=dtype, device_map=device_map,
+                 max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile)
+    if single_process or launched_by_torchrun():
+        # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit.
+        return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed).start()
+    return EngineProcess(dict(build, seed=seed), threads=threads).start()
+
+
+def default_threads(device: str, device_map: Optional[str]) -> Optional[int]:
+    """On CPU, torch's threads and the web server's share the cores: measured on 2 cores, one torch thread
+    served 8 clients 24 % faster than two (docs/benchmarks.md). Elsewhere None: torch's own choice."""
+    on_cpu = device_map is None and resolve_device(device).type == "cpu"
+    return max(1, (os.cpu_count() or 2) - 1) if on_cpu else None

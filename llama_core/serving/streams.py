@@ -1,0 +1,239 @@
+"""Streams of a request's output: `TokenStream` (token ids as the engine makes them) and `TextStream`
+(their text), and the chat and completion requests an app serves, text in and text out."""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any, Iterator, Optional, Protocol
+
+from .. import dialog as chat_format
+from ..errors import LlamaError
+from ..tokenizer import StreamDecoder, Tokenizer
+from .events import Channel, PromptLogprobs, StreamChunk
+from .requests import check_max_new_tokens, check_sampling, completion_prompt, whole_number
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+class RequestFailedError(LlamaError, RuntimeError):
+    """A request failed inside the engine (e.g. out of memory); the engine keeps serving the others."""
+
+
+class Driver(Protocol):
+    """An engine as a stream's reader sees it: either its own loop runs, or the reader runs its turns."""
+
+    @property
+    def running(self) -> bool: ...
+
+    def pump(self) -> bool:
+        """Runs one engine turn in the calling thread unless the engine's own loop runs; whether it did."""
+
+
+class TokenStream:
+    """The tokens of one request, as they are produced. Iterate to receive `StreamChunk`s (text empty);
+    iteration raises RequestFailedError if the request failed. Leaving the iteration early cancels it.
+
+    With a driver whose loop is not running, reading runs the engine's turns in the reader's thread."""
+
+    def __init__(self, channel: Channel, prompt_len: int, driver: Optional[Driver] = None) -> None:
+        self._channel = channel
+        self._driver = driver
+        self.prompt_len = prompt_len
+        self.finish_reason: Optional[str] = None  # "eos", "length", "cancelled" or "error"
+        self.prompt_logprobs: Optional[list[float]] = None  # with prompt_logprobs=True: tokens 1..n-1
+        self.finished_at: Optional[float] = None  # time.perf_counter() when the engine ended the request
+
+    def cancel(self) -> None:
+        self._channel.cancelled.set()
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        for chunks in self.batches():
+            yield from chunks
+
+    def batches(self, seconds: float = 0.0) -> Iterator[list[StreamChunk]]:
+        """The chunks in lists: whatever has arrived, waiting for at least one, and at most one list per
+        `seconds` (the first at once). A reader that shows text a few times a second then wakes up that
+        often, not once per token. When the request's end arrives with its last chunks, `finish_reason`
+        is set before that last list is yielded."""
+        events, next_at = self._channel.events, 0.0
+        try:
+            while True:
+                pause = next_at - time.monotonic()
+                if pause > 0 and (self._driver is None or self._driver.running):
+                    self._channel.finished.wait(pause)  # tokens don't wake the reader; the end does
+                items = [self._next_event()]
+                while not events.empty():
+                    items.append(events.get_nowait())
+                next_at = time.monotonic() + seconds
+                chunks, done = [], None
+                for item in items:
+                    if isinstance(item, StreamChunk):
+                        chunks.append(item)
+                    elif isinstance(item, PromptLogprobs):
+                        self.prompt_logprobs = item.values
+                    else:
+                        done = item
+                        self.finish_reason, self.finished_at = item.reason, item.at
+                if chunks:
+                    yield chunks
+                if done is not None:
+                    if done.reason == "error":
+                        raise RequestFailedError(done.message)
+                    return
+        finally:
+            if self.finish_reason is None:
+                self.cancel()
+
+    def _next_event(self) -> Any:
+        events = self._channel.events
+        while True:
+            try:
+                return events.get_nowait()
+            except queue.Empty:
+                pass
+            if self._driver is None or not self._driver.pump():
+                return events.get()
+
+
+class TextStream:
+    """One request's reply as text pieces. Iterate for `StreamChunk`s whose `text` is the newly completed
+    text; afterwards `generated_tokens`, `tokens_per_second` and `finish_reason` describe the run.
+
+    A refused request (special tags in a chat) yields nothing; `refusal` holds the reply to show.
+    """
+
+    def __init__(
+        self,
+        tokens: Optional[TokenStream],
+        decoder: Optional[StreamDecoder],
+        prompt_tokens: int,
+        max_seq_len: int,
+        dropped_pairs: int = 0,
+        refusal: Optional[str] = None,
+    ) -> None:
+        self._tokens = tokens
+        self._decoder = decoder
+        self.prompt_tokens = prompt_tokens
+        self.max_seq_len = max_seq_len
+        self.dropped_pairs = dropped_pairs
+        self.refusal = refusal
+        self.generated_tokens = 0
+        self._started = time.perf_counter()
+        self._first_token_at: Optional[float] = None
+        self._finished_at: Optional[float] = None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return "refused" if self.refusal is not None else self._tokens.finish_reason
+
+    @property
+    def prompt_logprobs(self) -> Optional[list[float]]:
+        return None if self._tokens is None else self._tokens.prompt_logprobs
+
+    @property
+    def seconds_to_first_token(self) -> Optional[float]:
+        return None if self._first_token_at is None else self._first_token_at - self._started
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode speed after the first token (the first one's wait is prefill and queueing)."""
+        if self._first_token_at is None or self.generated_tokens < 2:
+            return 0.0
+        end = self._tokens.finished_at or self._finished_at or time.perf_counter()
+        return (self.generated_tokens - 1) / max(end - self._first_token_at, 1e-9)
+
+    def cancel(self) -> None:
+        if self._tokens is not None:
+            self._tokens.cancel()
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        for chunks in self.batches():
+            yield from chunks
+
+    def batches(self, seconds: float = 0.0) -> Iterator[list[StreamChunk]]:
+        """The chunks in lists, at most one list per `seconds` (see TokenStream.batches): for a reader that
+        updates a display periodically and need not wake up for every token. Text held back for a whole
+        character comes at the end, as a chunk of token -1, in the last list; when the request's end
+        arrives with its last tokens, `finish_reason` is set before that list is yielded."""
+        if self._tokens is None:
+            return
+        try:
+            for batch in self._tokens.batches(seconds):
+                if self._first_token_at is None:
+                    self._first_token_at = time.perf_counter()
+                self.generated_tokens += len(batch)
+                chunks = [StreamChunk(c.token, c.logprob, self._decoder.push(c.token)) for c in batch]
+                if self._tokens.finish_reason is not None:
+                    chunks += self._tail()
+                yield chunks
+            if tail := self._tail():  # the end came alone; a flushed decoder has nothing more
+                yield tail
+        finally:
+            self._finished_at = self._tokens.finished_at or time.perf_counter()
+            if self._tokens.finish_reason is None:
+                self.cancel()
+
+    def _tail(self) -> list[StreamChunk]:
+        tail = self._decoder.flush()
+        return [StreamChunk(-1, 0.0, tail)] if tail else []
+
+
+class TextEngine(Protocol):
+    """What the text streams need of an engine (Engine, or EngineProcess in another process)."""
+
+    tokenizer: Tokenizer
+
+    @property
+    def info(self) -> Any: ...
+
+    def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
+               prompt_logprobs: bool = False, logprobs: bool = True) -> TokenStream: ...
+
+
+def stream_completion(
+    engine: TextEngine,
+    prompt: str,
+    temperature: float = 0.6,
+    top_p: float = 0.9,
+    max_new_tokens: Optional[int] = None,
+    prompt_logprobs: bool = False,
+) -> TextStream:
+    """Submits a plain-text prompt (BOS prepended) to the engine and returns its reply stream.
+    max_new_tokens None means DEFAULT_MAX_NEW_TOKENS, or less where the context is shorter."""
+    prompt = completion_prompt(prompt)
+    prompt_tokens = engine.tokenizer.encode(prompt, bos=True, eos=False)
+    max_new_tokens = _default_max_new_tokens(engine, max_new_tokens)
+    tokens = engine.submit(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs)
+    decoder = StreamDecoder(engine.tokenizer, prompt_tokens)
+    return TextStream(tokens, decoder, len(prompt_tokens), engine.info.max_seq_len)
+
+
+def stream_chat(
+    engine: TextEngine,
+    dialog: chat_format.Dialog,
+    temperature: float = 0.6,
+    top_p: float = 0.9,
+    max_new_tokens: Optional[int] = None,
+) -> TextStream:
+    """Submits a dialog (ending with the user's message) and returns the assistant's reply stream.
+
+    A dialog holding a special tag is not run: the stream is empty and its `refusal` is UNSAFE_ERROR.
+    Old (user, assistant) pairs are dropped to fit the context; `dropped_pairs` says how many.
+    """
+    max_seq_len = engine.info.max_seq_len
+    if chat_format.has_special_tags(dialog):
+        return TextStream(None, None, 0, max_seq_len, refusal=chat_format.UNSAFE_ERROR)
+    max_new_tokens = _default_max_new_tokens(engine, max_new_tokens)
+    check_sampling(temperature, top_p)
+    max_new_tokens = check_max_new_tokens(max_new_tokens, max_seq_len)
+    fitted = chat_format.prepare_chat(engine.tokenizer, max_seq_len, dialog, max_new_tokens)
+    tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, temperature, top_p)
+    decoder = StreamDecoder(engine.tokenizer)  # the reply's text, as chat_completion's content reads
+    return TextStream(tokens, decoder, len(fitted.prompt_tokens), max_seq_len, fitted.dropped_pairs)
+
+
+def _default_max_new_tokens(engine: TextEngine, max_new_tokens: Any) -> Any:
+    if max_new_tokens is None:
+        return min(DEFAULT_MAX_NEW_TOKENS, engine.info.max_seq_len - 1)
+    return whole_number(max_new_tokens)

@@ -414,9 +414,13 @@ class Engine:
         """Each row's next token, drawn with its request's parameters, and its log-probability (NaN where
         no request of the batch asked for them)."""
         device = self.runner.device
-        temperature = torch.tensor([s.request.temperature for s in sequences], device=device)
-        top_p = torch.tensor([s.request.top_p for s in sequences], device=device)
-        next_tokens = sample(logits, temperature, top_p, self.generator)
+        temperatures = [s.request.temperature for s in sequences]
+        if not any(temperatures):  # all greedy: no softmax, no draw
+            next_tokens = torch.argmax(logits, dim=-1)
+        else:
+            temperature = torch.tensor(temperatures, device=device)
+            top_p = torch.tensor([s.request.top_p for s in sequences], device=device)
+            next_tokens = sample(logits, temperature, top_p, self.generator)
         if any(s.request.logprobs for s in sequences):
             return next_tokens, token_logprobs(logits, next_tokens)
         return next_tokens, torch.full_like(logits[:, 0], math.nan)

@@ -52,6 +52,8 @@ THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local f
 # server about as much as a decode step, and the thread streaming a reply sleeps in between instead of waking
 # for each token.
 STREAM_UPDATE_SECONDS = 0.1
+TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
+ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed")
 CSS = "#completion-tokens .text { font-family: var(--font-mono); }"
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
@@ -87,11 +89,12 @@ def _streaming(stream: TextStream) -> Iterator[TextStream]:
 
 
 def start_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
-               max_new_tokens: Any) -> TextStream:
-    """Submits a chat turn; a message or system prompt with reserved tags gives a stream with a `refusal`."""
+               max_new_tokens: Any, **controls: Any) -> TextStream:
+    """Submits a chat turn; a message or system prompt with reserved tags gives a stream with a `refusal`.
+    controls: the other sampling controls, named as in llama_core.SamplingParams."""
     with _user_errors():
         dialog = requests.chat_dialog(message, history, system_prompt)
-        return stream_chat(engine, dialog, temperature, top_p, max_new_tokens)
+        return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **controls)
 
 
 def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[str]:
@@ -110,14 +113,17 @@ def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Itera
 
 
 def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
-             show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[tuple[str, list[dict], dict]]:
+             show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS,
+             **controls: Any) -> Iterator[tuple[str, list[dict], dict]]:
     """Streams a completion as (text, tokens, stats) at most every `seconds`, as /complete does; the last
-    update has the final stats (one more update follows the text when the end came after it)."""
+    update has the final stats (one more update follows the text when the end came after it). With
+    show_probabilities each generated token also lists the model's most likely alternatives."""
     with _user_errors():
         prompt = requests.completion_prompt(prompt)
         echo, show_probabilities = requests.flag(echo, "echo"), requests.flag(show_probabilities, "show_probabilities")
         stream = stream_completion(engine, prompt, temperature, top_p, max_new_tokens,
-                                   prompt_logprobs=echo and show_probabilities)
+                                   prompt_logprobs=echo and show_probabilities,
+                                   top_logprobs=TOP_ALTERNATIVES if show_probabilities else 0, **controls)
     text, generated, prompt_tokens, final_shown = "", [], [], False
     with _streaming(stream):
         # []: one more update with the final stats, unless the last batch already came with them
@@ -127,13 +133,19 @@ def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_
             for chunk in chunks:
                 text += chunk.text
                 if show_probabilities and chunk.token != -1:
-                    generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True})
+                    generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True,
+                                      "alternatives": _alternatives(engine, chunk.top_logprobs)})
                 elif show_probabilities and generated:  # text held back to the end (an incomplete character)
                     generated[-1]["token"] += chunk.text
             if stream.prompt_logprobs and not prompt_tokens:  # echo with probabilities: set with the first token
                 prompt_tokens = _prompt_tokens(engine, prompt, stream.prompt_logprobs)
             final_shown = stream.finish_reason is not None
             yield (prompt + text if echo else text), prompt_tokens + generated, request_stats(stream)
+
+
+def _alternatives(engine: TextEngine, top_logprobs: Optional[list[tuple[int, float]]]) -> list[dict]:
+    return [{"token": engine.tokenizer.token_text(token), "probability": math.exp(logprob)}
+            for token, logprob in top_logprobs or []]
 
 
 def _prompt_tokens(engine: TextEngine, prompt: str, logprobs: list[float]) -> list[dict]:
@@ -150,6 +162,21 @@ def request_stats(stream: TextStream) -> dict:
     return dict(prompt_tokens=stream.prompt_tokens, generated_tokens=stream.generated_tokens,
                 max_seq_len=stream.max_seq_len, tokens_per_second=round(stream.tokens_per_second, 1),
                 finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs)
+
+
+def alternatives_table(token: dict) -> str:
+    """A generated token's most likely alternatives, as a Markdown table (empty for a prompt token)."""
+    rows = token.get("alternatives") or []
+    if not rows:
+        return ""
+    head = f"**{_markdown_cell(token['token'])}** ({token['probability']:.1%}) · the model's most likely tokens here:\n\n"
+    return head + "| token | probability |\n|---|---|\n" + "\n".join(
+        f"| {_markdown_cell(row['token'])} | {row['probability']:.1%} |" for row in rows)
+
+
+def _markdown_cell(text: str) -> str:
+    shown = text.replace("\n", "↵").replace("|", "\\|").replace("`", "'")
+    return f"`{shown}`" if shown.strip() else f"`{shown or '∅'}`"
 
 
 def stats_line(stats: dict) -> str:
@@ -189,13 +216,40 @@ def model_facts(info: ModelInfo) -> str:
     return "| Model | |\n|---|---|\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
 
 
-def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.Slider]:
-    return [
+def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.components.Component]:
+    """Temperature, top-p and max new tokens, then the Advanced accordion's controls in ADVANCED order."""
+    basic = [
         gr.Slider(0, 2, value=0.6, step=0.05, label="Temperature", info="0 is greedy", elem_id=f"{prefix}-temperature"),
-        gr.Slider(0.01, 1, value=0.9, step=0.01, label="Top-p", elem_id=f"{prefix}-top-p"),
+        gr.Slider(0.01, 1, value=0.9, step=0.01, label="Top-p", info="keep the most likely tokens holding this "
+                  "much probability", elem_id=f"{prefix}-top-p"),
         gr.Slider(1, max_seq_len - 1, value=min(256, max(1, max_seq_len // 4)), step=1, label="Max new tokens",
                   elem_id=f"{prefix}-max-new-tokens"),
     ]
+    with gr.Accordion("Advanced", open=False, elem_id=f"{prefix}-advanced"):
+        advanced = [
+            gr.Slider(0, 200, value=0, step=1, label="Top-k", info="keep only the k most likely tokens; 0 is off",
+                      elem_id=f"{prefix}-top-k"),
+            gr.Slider(0, 1, value=0, step=0.01, label="Min-p", info="drop tokens less likely than this share of "
+                      "the most likely one; 0 is off", elem_id=f"{prefix}-min-p"),
+            gr.Slider(0.5, 2, value=1, step=0.05, label="Repetition penalty", info="above 1 discourages tokens "
+                      "already in the prompt or reply; 1 is off", elem_id=f"{prefix}-repetition-penalty"),
+            gr.Slider(-2, 2, value=0, step=0.1, label="Presence penalty", info="above 0 discourages any token the "
+                      "reply already used", elem_id=f"{prefix}-presence-penalty"),
+            gr.Slider(-2, 2, value=0, step=0.1, label="Frequency penalty", info="above 0 discourages tokens by how "
+                      "often the reply used them", elem_id=f"{prefix}-frequency-penalty"),
+            gr.Textbox(label="Stop strings", lines=2, info="one per line (at most 4): the reply ends before the "
+                       "first", elem_id=f"{prefix}-stop-strings"),
+            gr.Number(label="Seed", precision=0, info="the same seed and settings give the same reply; empty is "
+                      "random", elem_id=f"{prefix}-seed"),
+        ]
+    return basic + advanced
+
+
+def _advanced(values: tuple) -> dict[str, Any]:
+    """The Advanced accordion's values as sampling controls (the stop box holds one string per line)."""
+    controls = dict(zip(ADVANCED, values))
+    controls["stop"] = [line for line in (controls["stop"] or "").splitlines() if line]
+    return controls
 
 
 def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
@@ -205,27 +259,39 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     ui = dict(api_visibility="private")
 
     def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
-             max_new_tokens: int) -> Iterator[str]:
+             max_new_tokens: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
+             seed: Optional[int] = None) -> Iterator[str]:
         """Streams the assistant's reply to message after history: yields the reply so far."""
-        stream = start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens)
+        stream = start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens,
+                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
+                            seed=seed)
         yield from replies(stream)
 
     def complete_api(prompt: str, temperature: float, top_p: float, max_new_tokens: int, echo: bool,
-                     show_probabilities: bool) -> Iterator[tuple[str, list[dict], dict]]:
+                     show_probabilities: bool, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                     stop: Optional[list[str]] = None,
+                     seed: Optional[int] = None) -> Iterator[tuple[str, list[dict], dict]]:
         """Streams a completion of prompt: yields (text, tokens with probabilities, stats)."""
-        yield from complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
+        yield from complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
+                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
+                            seed=seed)
 
     def add_message(message: str, history: list[dict]):
         if not message.strip():
             return gr.skip(), gr.skip(), gr.skip()
         return history + [{"role": "user", "content": message}], "", ""
 
-    def respond(history: list[dict], system_prompt: str, temperature: float, top_p: float, max_new_tokens: int):
+    def respond(history: list[dict], system_prompt: str, temperature: float, top_p: float, max_new_tokens: int,
+                *advanced):
         if not history or history[-1]["role"] != "user":
             yield gr.skip(), gr.skip()
             return
         stream = start_chat(engine, history[-1]["content"], history[:-1], system_prompt, temperature, top_p,
-                            max_new_tokens)
+                            max_new_tokens, **_advanced(advanced))
         for reply in replies(stream):
             yield history + [{"role": "assistant", "content": reply}], gr.skip()
         yield gr.skip(), stats_line(request_stats(stream))
@@ -242,11 +308,20 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         with _user_errors():
             return history[:-1], requests.text(history[-1]["content"], "message")
 
-    def complete_ui(prompt, temperature, top_p, max_new_tokens, echo, show_probabilities):
-        updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities)
+    def complete_ui(prompt, temperature, top_p, max_new_tokens, *advanced_and_flags):
+        *advanced, echo, show_probabilities = advanced_and_flags
+        updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
+                           **_advanced(advanced))
+        shown = []
         for text, tokens, stats in updates:
-            yield text, _highlights(tokens), gr.skip()
-        yield gr.skip(), gr.skip(), stats_line(stats)
+            shown = [t for t in tokens if t["token"]]
+            yield text, _highlights(shown), gr.skip(), shown
+        yield gr.skip(), gr.skip(), stats_line(stats), gr.skip()
+
+    def alternatives_of(shown: list[dict], selected: gr.SelectData) -> str:
+        if selected.index not in range(len(shown)):
+            return ""
+        return alternatives_table(shown[selected.index])
 
     with gr.Blocks(title="Llama-2", analytics_enabled=False) as demo:
         gr.Markdown(f"## Llama-2 · `{info.name}`")
@@ -279,7 +354,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 tokens = gr.HighlightedText(label="Tokens, each with its probability", color_map=PROBABILITY_COLORS,
                                             show_legend=False, show_inline_category=True, visible=False,
                                             elem_id="completion-tokens")
+                alternatives = gr.Markdown(elem_id="completion-alternatives")
                 completion_stats = gr.Markdown(elem_id="completion-stats")
+                shown_tokens = gr.State([])
                 gr.Examples(prompts.completion_examples, prompt, label="Examples")
             with gr.Column(scale=1):
                 completion_controls = _sampling_controls(info.max_seq_len, "completion")
@@ -302,10 +379,12 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
 
         completion_inputs = [prompt, *completion_controls, echo, show_probabilities]
         completions = [trigger(lambda: "", None, completion_stats, queue=False, **ui)
-                       .then(complete_ui, completion_inputs, [output, tokens, completion_stats], **generating, **ui)
+                       .then(complete_ui, completion_inputs, [output, tokens, completion_stats, shown_tokens],
+                             **generating, **ui)
                        for trigger in (generate.click, prompt.submit)]
         stop_completion.click(lambda: "Stopped.", None, completion_stats, queue=False, cancels=completions, **ui)
         show_probabilities.change(lambda on: gr.update(visible=on), show_probabilities, tokens, queue=False, **ui)
+        tokens.select(alternatives_of, shown_tokens, alternatives, queue=False, **ui)
 
         gr.api(chat, api_name="chat", **generating)
         gr.api(complete_api, api_name="complete", **generating)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TypedDict
+from typing import Any, Callable, Iterator, Optional, TypedDict
 
 import torch
 
@@ -17,7 +17,8 @@ from .model import Transformer
 from .runner import ModelRunner
 from .serving.engine import Engine
 from .serving.events import StreamChunk
-from .serving.requests import check_batch, check_prompt_tokens, check_sampling
+from .serving.requests import check_batch, check_prompt_tokens, check_sampling, sampling_params, stop_strings
+from .serving.stops import cut_at_stop
 from .serving.streams import TextStream, TokenStream
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -152,8 +153,13 @@ class Llama:
         top_p: float = 0.9,
         logprobs: bool = False,
         echo: bool = False,
+        **controls: Any,
     ) -> tuple[list[list[int]], Optional[list[list[float]]]]:
         """Continues each prompt until its EOS or max_gen_len new tokens (or the context is full).
+
+        The other sampling controls are keywords named as in SamplingParams: top_k, min_p,
+        repetition_penalty, presence_penalty, frequency_penalty, stop (a prompt's tokens end with the one
+        that completes a stop string), seed.
 
         Returns:
             Per prompt, the generated tokens (after the prompt tokens with echo; EOS not included), and
@@ -164,8 +170,9 @@ class Llama:
             RequestFailedError: a request failed inside the engine (e.g. out of memory).
         """
         self.check_request(prompt_tokens, max_gen_len, temperature, top_p)
+        params = sampling_params(temperature, top_p, logprobs, **controls)
         engine = self.engine
-        requests = [engine.check(p, self._clamped(max_gen_len), temperature, top_p, logprobs and echo, logprobs)
+        requests = [engine.check(p, self._clamped(max_gen_len), prompt_logprobs=logprobs and echo, params=params)
                     for p in prompt_tokens]
         streams: list[TokenStream] = []
         try:
@@ -189,21 +196,25 @@ class Llama:
         temperature: float = 0.6,
         top_p: float = 0.9,
         continue_prompt: bool = True,
+        **controls: Any,
     ) -> Iterator[StreamChunk]:
         """Generates for one prompt, yielding each token with the text it completes as soon as it exists.
 
         With continue_prompt, pieces are decoded after the prompt, so decode(prompt) + the pieces reads as
         decode(prompt + generated) (a completion that starts a new word starts with its space). Without it,
         the pieces join to decode(generated), as a chat reply's content is. Text held back for a whole
-        character comes last, in a chunk of token -1. Leaving the iteration early cancels the request.
+        character (or a possible stop string) comes last, in a chunk of token -1. Leaving the iteration early
+        cancels the request. Other sampling controls are keywords, as for generate (with top_logprobs, each
+        chunk carries the model's most likely alternatives).
 
         Raises:
             InvalidRequestError / ContextLengthError: at once, for a request this model can't run.
         """
         self.check_request([prompt_tokens], max_gen_len, temperature, top_p)
-        tokens = self.engine.submit(prompt_tokens, self._clamped(max_gen_len), temperature, top_p)
+        params = sampling_params(temperature, top_p, **controls)
+        tokens = self.engine.submit(prompt_tokens, self._clamped(max_gen_len), params=params)
         decoder = StreamDecoder(self.tokenizer, prompt_tokens if continue_prompt else ())
-        return iter(TextStream(tokens, decoder, len(prompt_tokens), self.max_seq_len))
+        return iter(TextStream(tokens, decoder, len(prompt_tokens), self.max_seq_len, stop=params.stop))
 
     # -- text in, text out -----------------------------------------------------------------------
     def text_completion(
@@ -214,15 +225,19 @@ class Llama:
         max_gen_len: Optional[int] = None,
         logprobs: bool = False,
         echo: bool = False,
+        **controls: Any,
     ) -> list[CompletionPrediction]:
-        """Completes each prompt; returns dicts with "generation" (and "tokens", "logprobs" when asked)."""
+        """Completes each prompt; returns dicts with "generation" (and "tokens", "logprobs" when asked).
+        Other sampling controls are keywords, as for generate; a generation ends before its first stop string."""
         if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
             raise InvalidRequestError("prompts must be a list of strings")
         prompt_tokens = [self.tokenizer.encode(p, bos=True, eos=False) for p in prompts]
         tokens, lps = self.generate(
-            prompt_tokens, self._default_gen_len(max_gen_len), temperature, top_p, logprobs, echo
+            prompt_tokens, self._default_gen_len(max_gen_len), temperature, top_p, logprobs, echo, **controls
         )
-        return [self._prediction(self.tokenizer.decode(t), t, lps[i] if lps else None) for i, t in enumerate(tokens)]
+        stops = stop_strings(controls.get("stop"))
+        return [self._prediction(self._text(t, p if echo else [], stops), t, lps[i] if lps else None)
+                for i, (t, p) in enumerate(zip(tokens, prompt_tokens))]
 
     def chat_completion(
         self,
@@ -231,9 +246,12 @@ class Llama:
         top_p: float = 0.9,
         max_gen_len: Optional[int] = None,
         logprobs: bool = False,
+        **controls: Any,
     ) -> list[ChatPrediction]:
         """Answers each dialog as the assistant. A dialog holding a special tag is not run: its reply is
-        UNSAFE_ERROR; the other dialogs are answered as usual. Old turns are dropped to fit the context."""
+        UNSAFE_ERROR; the other dialogs are answered as usual. Old turns are dropped to fit the context. A
+        reply ends where the model starts writing a dialog tag, as at the stop strings of `stop`; other
+        sampling controls are keywords, as for generate."""
         if not isinstance(dialogs, (list, tuple)) or not dialogs:
             raise InvalidRequestError(f"dialogs must be a non-empty list of dialogs, got {dialogs!r:.60}")
         max_gen_len = self._default_gen_len(max_gen_len)
@@ -241,14 +259,16 @@ class Llama:
         prompts = [
             self.prepare_chat(d, max_gen_len).prompt_tokens for d, bad in zip(dialogs, unsafe) if not bad
         ]
-        tokens, lps = self.generate(prompts, max_gen_len, temperature, top_p, logprobs) if prompts else ([], None)
+        stops = tuple(dict.fromkeys(stop_strings(controls.pop("stop", None)) + tuple(chat_format.SPECIAL_TAGS)))
+        params = sampling_params(temperature, top_p, logprobs, **controls).with_stop(stops)
+        tokens, lps = self.generate(prompts, max_gen_len, temperature, top_p, logprobs, params=params) if prompts else ([], None)
         results, answered = [], iter(range(len(prompts)))
         for bad in unsafe:
             if bad:
                 results.append({"generation": {"role": "assistant", "content": chat_format.UNSAFE_ERROR}})
                 continue
             i = next(answered)
-            text = self.tokenizer.decode(tokens[i])
+            text = self._text(tokens[i], [], stops)
             results.append(self._prediction({"role": "assistant", "content": text}, tokens[i], lps[i] if lps else None))
         return results
 
@@ -271,6 +291,14 @@ class Llama:
         """Meta's max_gen_len may exceed the context; the engine's max_new_tokens may not (a reply still
         stops when the context is full)."""
         return min(max_gen_len, self.max_seq_len - 1)
+
+    def _text(self, tokens: list[int], prompt: list[int], stops: tuple[str, ...]) -> str:
+        """The text of generated tokens (after an echoed prompt's), up to the first stop string."""
+        text = self.tokenizer.decode(tokens)
+        if not stops:
+            return text
+        prompt_text = self.tokenizer.decode(prompt) if prompt else ""
+        return prompt_text + cut_at_stop(text[len(prompt_text):], stops)
 
     def _default_gen_len(self, max_gen_len: Optional[int]) -> int:
         return self.max_seq_len - 1 if max_gen_len is None else max_gen_len

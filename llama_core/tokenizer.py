@@ -42,6 +42,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.sp_model.decode(list(ids))
 
+    def token_text(self, token: int) -> str:
+        """One token's text as it reads inside a sequence (its leading space kept; a byte piece as <0xNN>)."""
+        return self.sp_model.id_to_piece(int(token)).replace("\u2581", " ")
+
 
 class StreamDecoder:
     """Turns a growing list of token ids into text pieces as they become final.

@@ -21,8 +21,10 @@ from app_server import MAX_SEQ_LEN, REPO_ROOT, free_port, serve_app
 import app
 from llama_core import UNSAFE_ERROR
 
-CHAT_PARAMETERS = ["message", "history", "system_prompt", "temperature", "top_p", "max_new_tokens"]
-COMPLETE_PARAMETERS = ["prompt", "temperature", "top_p", "max_new_tokens", "echo", "show_probabilities"]
+ADVANCED_PARAMETERS = ["top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed"]
+CHAT_PARAMETERS = ["message", "history", "system_prompt", "temperature", "top_p", "max_new_tokens", *ADVANCED_PARAMETERS]
+COMPLETE_PARAMETERS = ["prompt", "temperature", "top_p", "max_new_tokens", "echo", "show_probabilities",
+                       *ADVANCED_PARAMETERS]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +69,9 @@ def test_api_endpoints_have_the_documented_parameters(client):
     assert set(endpoints) == {"/chat", "/complete"}  # the UI's own events are private
     assert [p["parameter_name"] for p in endpoints["/chat"]["parameters"]] == CHAT_PARAMETERS
     assert [p["parameter_name"] for p in endpoints["/complete"]["parameters"]] == COMPLETE_PARAMETERS
+    for name in ("/chat", "/complete"):  # the sampling controls beyond the first six are optional
+        optional = [p["parameter_name"] for p in endpoints[name]["parameters"] if p["parameter_has_default"]]
+        assert optional == ADVANCED_PARAMETERS
 
 
 # -- chat --------------------------------------------------------------------------------------------
@@ -200,7 +205,8 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(client, api_n
 
 def test_nan_temperature_over_http_gets_a_clear_error(served, client):
     url = served[1]
-    body = '{"data": ["Good morrow", [], "", NaN, 0.9, 8]}'  # JSON clients can't send NaN; raw HTTP can
+    # JSON clients can't send NaN; raw HTTP can. Raw HTTP sends every parameter, the optional ones too.
+    body = '{"data": ["Good morrow", [], "", NaN, 0.9, 8, 0, 0.0, 1.0, 0.0, 0.0, null, null]}'
     event = httpx.post(url + "gradio_api/call/chat", content=body, headers={"content-type": "application/json"})
     events = httpx.get(url + f"gradio_api/call/chat/{event.json()['event_id']}", timeout=30).text
     assert "event: error" in events
@@ -366,3 +372,41 @@ def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_c
         for _ in range(20):
             os.killpg(process.pid, 0)
             time.sleep(0.5)
+
+
+# -- the advanced sampling controls -------------------------------------------------------------------
+def test_a_seed_reproduces_a_sampled_completion_through_the_api(client):
+    sampled = complete_args(temperature=1.0, top_p=0.95, max_new_tokens=24, seed=99, top_k=50, min_p=0.02,
+                            repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2)
+    first = client.predict(**sampled, api_name="/complete")[0]
+    assert client.predict(**sampled, api_name="/complete")[0] == first and first
+    assert client.predict(**{**sampled, "seed": 100}, api_name="/complete")[0] != first
+
+
+def test_stop_strings_end_the_api_reply_before_them(client):
+    full = client.predict(**complete_args(max_new_tokens=40), api_name="/complete")[0]
+    stop = full[5:9]
+    text, _, stats = client.predict(**complete_args(max_new_tokens=40, stop=[stop]), api_name="/complete")
+    assert text == full[: full.index(stop)] and stats["finish_reason"] == "stop"
+    chat = client.predict(**chat_args(max_new_tokens=40), api_name="/chat")
+    assert client.predict(**chat_args(max_new_tokens=40, stop=[chat[3:7]]), api_name="/chat") == chat[: chat.index(chat[3:7])]
+
+
+def test_completion_tokens_list_their_alternatives(client):
+    _, tokens, _ = client.predict(**complete_args(show_probabilities=True, max_new_tokens=8), api_name="/complete")
+    assert tokens and all(len(t["alternatives"]) == app.TOP_ALTERNATIVES for t in tokens)
+    for token in tokens:  # greedy: the chosen token is the most likely alternative
+        best = token["alternatives"][0]
+        assert best["probability"] == pytest.approx(token["probability"], rel=1e-4)
+        assert [a["probability"] for a in token["alternatives"]] == sorted(
+            (a["probability"] for a in token["alternatives"]), reverse=True)
+    table = app.alternatives_table(tokens[0])
+    assert table.count("\n| `") == app.TOP_ALTERNATIVES and "%" in table
+
+
+def test_a_bad_advanced_control_gets_a_message_naming_it(client):
+    with pytest.raises(AppError, match="top_k must be 0 \\(off\\) or more"):
+        client.predict(**complete_args(top_k=-3), api_name="/complete")
+    with pytest.raises(AppError, match="stop takes at most 4 strings"):
+        client.predict(**chat_args(stop=["a", "b", "c", "d", "e"]), api_name="/chat")
+    assert client.predict(**complete_args(max_new_tokens=4), api_name="/complete")[0]

@@ -105,4 +105,4 @@ def test_the_child_sends_a_turns_events_in_one_message():
     first.put(Finished("length", "", 0.0))
     outbox.flush()
     outbox.flush()  # nothing new: nothing sent
-    assert sent == [("events", [("chunk", 1, 5, -0.5), ("chunk", 2, 7, -0.25), ("done", 1, "length", "")])]
+    assert sent == [("events", [("chunk", 1, 5, -0.5, None), ("chunk", 2, 7, -0.25, None), ("done", 1, "length", "")])]

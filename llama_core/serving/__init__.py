@@ -4,7 +4,7 @@ request validator, and the token and text streams readers consume."""
 from .engine import Engine
 from .engine_process import EngineProcess
 from .events import Channel, Finished, PromptLogprobs, StreamChunk
-from .requests import GenerationRequest
+from .requests import GenerationRequest, SamplingParams
 from .streams import RequestFailedError, TextStream, TokenStream, stream_chat, stream_completion
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "GenerationRequest",
     "PromptLogprobs",
     "RequestFailedError",
+    "SamplingParams",
     "StreamChunk",
     "TextStream",
     "TokenStream",

@@ -27,10 +27,11 @@ from ..errors import LlamaError, InvalidRequestError, ServerBusyError
 from ..loader import LoadedModel, ModelInfo
 from ..model import Span
 from ..runner import cache_rows, right_padded
-from ..sampling import sample, token_logprobs
-from ..tokenizer import Tokenizer
+from ..sampling import apply_penalties, sample, token_logprobs, top_logprobs
+from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Channel, Finished, PromptLogprobs, StreamChunk
-from .requests import GenerationRequest
+from .requests import MAX_SEED, GenerationRequest, SamplingParams, sampling_params
+from .stops import StopMatcher
 from .streams import TokenStream
 
 
@@ -40,6 +41,7 @@ class _Sequence:
 
     request: GenerationRequest
     channel: Channel
+    seed: int = 0  # the request's own, or one the engine drew for it
     arrival: int = 0  # order of submission
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the KV cache
@@ -47,6 +49,11 @@ class _Sequence:
     last_token: int = 0
     prompt_lps: list[float] = field(default_factory=list)  # chunked prefill with prompt_logprobs
     carried_logits: Optional[torch.Tensor] = None  # the previous chunk's last logits, scoring the next token
+    stop_text: Optional[tuple[StreamDecoder, StopMatcher]] = None  # the reply's text, watched for stop strings
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     @property
     def prompt_tokens(self) -> tuple[int, ...]:
@@ -92,11 +99,13 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
         self.eos_id = model.tokenizer.eos_id
-        self.generator = torch.Generator(device=self.runner.device)
+        self.generator = torch.Generator()  # draws a seed for each request that brings none
         if seed is None:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self._seen: Optional[torch.Tensor] = None  # [slots, vocab] prompt and output tokens, for penalties
+        self._counts: Optional[torch.Tensor] = None  # [slots, vocab] how often each token was generated
         self._arrivals = itertools.count()
         self._slots: list[Optional[_Sequence]] = [None] * self.runner.max_batch_size
         self._waiting: collections.deque[_Sequence] = collections.deque()
@@ -173,16 +182,22 @@ class Engine:
         top_p: float = 0.9,
         prompt_logprobs: bool = False,
         logprobs: bool = True,
+        *,
+        params: Optional[SamplingParams] = None,
+        **controls,
     ) -> TokenStream:
         """Queues a request; returns its token stream (with prompt_logprobs, also the log-probabilities of
         prompt tokens 1..n-1, set on the stream before its first token). Without logprobs, chunks carry NaN
-        log-probabilities.
+        log-probabilities. The other sampling controls (top_k, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, stop, seed, top_logprobs) are keywords named as in SamplingParams, or all of them
+        in params.
 
         Raises:
             InvalidRequestError / ContextLengthError: bad prompt or parameters.
             ServerBusyError: every slot is busy and the waiting queue is full.
         """
-        return self.submit_request(self.check(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs, logprobs))
+        return self.submit_request(self.check(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs,
+                                              logprobs, params=params, **controls))
 
     def submit_request(self, request: GenerationRequest) -> TokenStream:
         """Queues a checked request (see check); returns its token stream.
@@ -195,11 +210,11 @@ class Engine:
         return TokenStream(channel, len(request.prompt_tokens), self)
 
     def check(self, prompt_tokens, max_new_tokens, temperature=0.6, top_p=0.9, prompt_logprobs=False,
-              logprobs=True) -> GenerationRequest:
+              logprobs=True, *, params: Optional[SamplingParams] = None, **controls) -> GenerationRequest:
         """The checked request for this model, or InvalidRequestError / ContextLengthError."""
-        return GenerationRequest.checked(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs,
-                                         logprobs, vocab_size=self.runner.args.vocab_size,
-                                         max_seq_len=self.runner.max_seq_len)
+        params = sampling_params(temperature, top_p, logprobs, params, **controls)
+        return GenerationRequest.checked(prompt_tokens, max_new_tokens, params, prompt_logprobs,
+                                         vocab_size=self.runner.args.vocab_size, max_seq_len=self.runner.max_seq_len)
 
     def add(self, request: GenerationRequest, channel: Channel) -> None:
         """Queues a checked request whose events go to channel.
@@ -210,6 +225,9 @@ class Engine:
         """
         sequence = _Sequence(request, channel, arrival=next(self._arrivals))
         with self._wakeup:
+            sequence.seed = request.params.seed
+            if sequence.seed is None:
+                sequence.seed = int(torch.randint(0, MAX_SEED, (1,), generator=self.generator))
             if self._closed:
                 raise LlamaError("the engine is closed")
             if len(self._waiting) >= self.max_waiting + self.free_slots:
@@ -294,6 +312,7 @@ class Engine:
                 continue
             sequence.slot = free_slots.pop(0)
             self._slots[sequence.slot] = sequence
+            self._start_watching(sequence)
             admitted.append(sequence)
         short = [s for s in admitted if len(s.prompt_tokens) <= self.prefill_chunk]  # longer: chunk by chunk
         together = [s for s in short if not s.request.prompt_logprobs]
@@ -396,7 +415,7 @@ class Engine:
             else:
                 logits = self.runner.decode(tokens, positions, rows, kv_len=kv_len)
             sequences = active + riders
-            next_tokens, logprobs = self._sample(sequences, logits)
+            sampled = self._sample(sequences, logits)
         except Exception as exc:
             if riders:
                 self._prefill_groups([riders])
@@ -408,28 +427,76 @@ class Engine:
         self.steps += 1
         for sequence in riders:
             sequence.prefilled = len(sequence.prompt_tokens)
-        self._deliver(sequences, next_tokens, logprobs)
+        self._deliver(sequences, *sampled)
 
-    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's next token, drawn with its request's parameters, and its log-probability (NaN where
-        no request of the batch asked for them)."""
+    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
+        """Each row's next token, drawn with its request's parameters; its log-probability under the model
+        (NaN where no request of the batch asked for them); and, where some request asked for them, the
+        model's most likely alternatives (log-probabilities, token ids)."""
         device = self.runner.device
-        temperatures = [s.request.temperature for s in sequences]
+        params = [s.params for s in sequences]
+        raw_logits = logits
+        if any(p.penalized for p in params):
+            logits = self._penalized(sequences, logits)
+        temperatures = [p.temperature for p in params]
         if not any(temperatures):  # all greedy: no softmax, no draw
             next_tokens = torch.argmax(logits, dim=-1)
         else:
-            temperature = torch.tensor(temperatures, device=device)
-            top_p = torch.tensor([s.request.top_p for s in sequences], device=device)
-            next_tokens = sample(logits, temperature, top_p, self.generator)
-        if any(s.request.logprobs for s in sequences):
-            return next_tokens, token_logprobs(logits, next_tokens)
-        return next_tokens, torch.full_like(logits[:, 0], math.nan)
+            def column(values):
+                return torch.tensor(values, device=device) if any(v != values[0] for v in values) else values[0]
+
+            next_tokens = sample(
+                logits, column(temperatures), column([p.top_p for p in params]),
+                torch.tensor([s.seed for s in sequences], device=device),
+                torch.tensor([s.generated for s in sequences], device=device),
+                top_k=column([p.top_k for p in params]), min_p=column([p.min_p for p in params]),
+            )
+        if any(p.logprobs for p in params):
+            logprobs = token_logprobs(raw_logits, next_tokens)
+        else:
+            logprobs = torch.full_like(raw_logits[:, 0], math.nan)
+        most = max(p.top_logprobs for p in params)
+        return next_tokens, logprobs, top_logprobs(raw_logits, most) if most else None
+
+    def _penalized(self, sequences: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        device = self.runner.device
+        rows = torch.tensor([s.slot for s in sequences], device=device)
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([[getattr(s.params, name)] for s in sequences], device=device)
+
+        return apply_penalties(logits, self._seen[rows], self._counts[rows], column("repetition_penalty"),
+                               column("presence_penalty"), column("frequency_penalty"))
+
+    def _start_watching(self, sequence: _Sequence) -> None:
+        """Sets up what a newly admitted request's sampling needs to follow: its tokens for penalties, its
+        text for stop strings."""
+        params = sequence.params
+        if params.stop:
+            sequence.stop_text = (StreamDecoder(self.tokenizer, sequence.prompt_tokens), StopMatcher(params.stop))
+        if params.penalized:
+            if self._seen is None:
+                shape = (self.runner.max_batch_size, self.runner.args.vocab_size)
+                self._seen = torch.zeros(shape, dtype=torch.bool, device=self.runner.device)
+                self._counts = torch.zeros(shape, dtype=torch.int32, device=self.runner.device)
+            self._seen[sequence.slot] = False
+            self._seen[sequence.slot, torch.tensor(sequence.prompt_tokens, device=self.runner.device)] = True
+            self._counts[sequence.slot] = 0
 
     def _sample_and_deliver(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
         self._deliver(sequences, *self._sample(sequences, logits))
 
-    def _deliver(self, sequences: list[_Sequence], next_tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        for sequence, token, logprob in zip(sequences, next_tokens.tolist(), logprobs.tolist()):
+    def _deliver(self, sequences: list[_Sequence], next_tokens: torch.Tensor, logprobs: torch.Tensor,
+                 alternatives: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        penalized = [i for i, s in enumerate(sequences) if s.params.penalized]
+        if penalized:  # the new tokens count from the next step on
+            rows = torch.tensor([sequences[i].slot for i in penalized], device=self.runner.device)
+            picked = next_tokens[penalized]
+            self._counts[rows, picked] += 1
+            self._seen[rows, picked] = True
+        if alternatives is not None:
+            alternatives = tuple(t.tolist() for t in alternatives)
+        for i, (sequence, token, logprob) in enumerate(zip(sequences, next_tokens.tolist(), logprobs.tolist())):
             if sequence.channel.cancelled.is_set():
                 self._free(sequence.slot, "cancelled")
             elif token == self.eos_id:
@@ -437,10 +504,22 @@ class Engine:
             else:
                 sequence.generated += 1
                 sequence.last_token = token
-                sequence.channel.events.put(StreamChunk(token, logprob))
+                top = None
+                if sequence.params.top_logprobs:
+                    n = sequence.params.top_logprobs
+                    top = list(zip(alternatives[1][i][:n], alternatives[0][i][:n]))
+                sequence.channel.events.put(StreamChunk(token, logprob, top_logprobs=top))
                 room = self.runner.max_seq_len - len(sequence.prompt_tokens)
-                if sequence.generated >= min(sequence.request.max_new_tokens, room):
+                if sequence.stop_text is not None and self._reaches_stop(sequence, token):
+                    self._free(sequence.slot, "stop")
+                elif sequence.generated >= min(sequence.request.max_new_tokens, room):
                     self._free(sequence.slot, "length")
+
+    @staticmethod
+    def _reaches_stop(sequence: _Sequence, token: int) -> bool:
+        decoder, matcher = sequence.stop_text
+        matcher.feed(decoder.push(token))
+        return matcher.stopped
 
     def _free(self, slot: int, reason: str, message: str = "") -> None:
         sequence = self._slots[slot]

@@ -28,7 +28,7 @@ from ..loader import ModelInfo, load
 from ..tokenizer import Tokenizer
 from .engine import Engine
 from .events import Channel, Finished, PromptLogprobs, StreamChunk
-from .requests import GenerationRequest
+from .requests import GenerationRequest, SamplingParams, sampling_params
 from .streams import TokenStream
 
 _STARTUP_SECONDS = 3600  # loading a large checkpoint from a slow disk can take long; a crash ends it at once
@@ -109,12 +109,14 @@ class EngineProcess:
 
     # -- submitting ---------------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
-               prompt_logprobs: bool = False, logprobs: bool = True) -> TokenStream:
+               prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
+               **controls) -> TokenStream:
         """As Engine.submit: the request is checked here and queued by the child; its errors are raised here."""
         if self._process is None or self._stopped:
             raise LlamaError("the engine process is not running")
-        request = GenerationRequest.checked(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs,
-                                            logprobs, vocab_size=self.info.args.vocab_size,
+        request = GenerationRequest.checked(prompt_tokens, max_new_tokens,
+                                            sampling_params(temperature, top_p, logprobs, params, **controls),
+                                            prompt_logprobs, vocab_size=self.info.args.vocab_size,
                                             max_seq_len=self.info.max_seq_len)
         rid = next(self._ids)
         channel = Channel(cancelled=_Cancel(lambda: self._send(("cancel", rid))))
@@ -199,7 +201,7 @@ class EngineProcess:
         elif channel is None:
             return
         elif kind == "chunk":
-            channel.events.put(StreamChunk(message[2], message[3]))
+            channel.events.put(StreamChunk(message[2], message[3], top_logprobs=message[4]))
         elif kind == "prompt_logprobs":
             channel.events.put(PromptLogprobs(message[2]))
         elif kind == "done":
@@ -261,7 +263,7 @@ class _Forward:
 
     def put(self, item) -> None:
         if isinstance(item, StreamChunk):
-            self._outbox.add(("chunk", self.rid, item.token, item.logprob))
+            self._outbox.add(("chunk", self.rid, item.token, item.logprob, item.top_logprobs))
         elif isinstance(item, PromptLogprobs):
             self._outbox.add(("prompt_logprobs", self.rid, item.values))
         elif isinstance(item, Finished):

@@ -5,19 +5,21 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
-FINISH_REASONS = ("eos", "length", "cancelled", "error")
+FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
 
 
 @dataclass
 class StreamChunk:
     """One generated token as it streams: its id, log-probability and the text it completes (empty until
-    a text stream decodes it; token -1 carries text held back to the end)."""
+    a text stream decodes it; token -1 carries text held back to the end), and with top_logprobs asked for,
+    the model's most likely tokens at this position as (token id, log-probability), most likely first."""
 
     token: int
     logprob: float
     text: str = ""
+    top_logprobs: Optional[list[tuple[int, float]]] = None
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,8 @@ class PromptLogprobs:
 
 @dataclass(frozen=True)
 class Finished:
-    """The request's end: reason is one of FINISH_REASONS; message explains an "error"; at is when the
-    engine ended it (time.perf_counter())."""
+    """The request's end: reason is one of FINISH_REASONS ("stop": a stop string was reached); message
+    explains an "error"; at is when the engine ended it (time.perf_counter())."""
 
     reason: str
     message: str = ""

@@ -7,14 +7,89 @@ what it accepts; values that pass come back in the types the engine uses.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Sequence
 
 from ..dialog import UNSAFE_ERROR, Dialog
 from ..errors import ContextLengthError, InvalidRequestError
 
 MAX_INPUT_CHARS = 100_000  # longest message, system prompt or completion prompt accepted
 MAX_HISTORY_CHARS = 400_000  # longest chat history accepted, all messages together
+MAX_STOP_STRINGS = 4  # as the OpenAI API allows
+MAX_STOP_CHARS = 200  # longest stop string
+MAX_TOP_LOGPROBS = 20  # alternatives per position
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Every control of how one request picks its tokens, checked once when made; the same names as
+    llama.cpp, vLLM, Hugging Face and the OpenAI API. Each feature is off at its default except temperature
+    and top_p. Raises InvalidRequestError naming the field and the range it accepts."""
+
+    temperature: float = 0.6  # 0 is greedy
+    top_p: float = 0.9  # keep the smallest set of most likely tokens whose mass reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0: off
+    min_p: float = 0.0  # keep tokens with probability >= min_p x the top token's; 0: off
+    repetition_penalty: float = 1.0  # over prompt and generated tokens: divide positive logits, multiply negative ones
+    presence_penalty: float = 0.0  # over generated tokens: logit -= presence_penalty once a token appeared
+    frequency_penalty: float = 0.0  # over generated tokens: logit -= frequency_penalty x its count
+    stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any
+    seed: Optional[int] = None  # the same seed gives the same tokens, alone or batched with others
+    logprobs: bool = True  # each generated token's log-probability (NaN without)
+    top_logprobs: int = 0  # the most likely alternatives per position, with their log-probabilities
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_p)
+        set_field = object.__setattr__.__get__(self)
+        set_field("temperature", float(self.temperature))
+        set_field("top_p", float(self.top_p))
+        set_field("top_k", _integer(self.top_k, "top_k", 0, None, "0 (off) or more"))
+        set_field("min_p", _number(self.min_p, "min_p", 0.0, 1.0, "in [0, 1]"))
+        set_field("repetition_penalty", _number(self.repetition_penalty, "repetition_penalty", 0.01, 10.0,
+                                                "in [0.01, 10] (1 is off)"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_field(name, _number(getattr(self, name), name, -2.0, 2.0, "in [-2, 2] (0 is off)"))
+        set_field("stop", stop_strings(self.stop))
+        if self.seed is not None:
+            set_field("seed", _integer(self.seed, "seed", 0, MAX_SEED, f"an integer from 0 to {MAX_SEED}"))
+        set_field("logprobs", flag(self.logprobs, "logprobs"))
+        set_field("top_logprobs", _integer(self.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS,
+                                           f"an integer from 0 to {MAX_TOP_LOGPROBS}"))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def with_stop(self, extra: Sequence[str]) -> "SamplingParams":
+        """These parameters with more stop strings (a chat's dialog tags), past the user's limit of four."""
+        params = SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "stop"})
+        object.__setattr__(params, "stop", tuple(dict.fromkeys(self.stop + tuple(extra))))
+        return params
+
+
+def stop_strings(value: Any) -> tuple[str, ...]:
+    """Stop strings as a tuple: None, one string or a list of at most MAX_STOP_STRINGS non-empty strings."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {_show(value)}")
+    if len(value) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}")
+    for s in value:
+        if not s:
+            raise InvalidRequestError("stop strings must not be empty")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidRequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {len(s):,}")
+        if _has_lone_surrogate(s):
+            raise InvalidRequestError("stop strings must be valid Unicode text (a lone surrogate was found)")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -23,22 +98,32 @@ class GenerationRequest:
 
     prompt_tokens: tuple[int, ...]
     max_new_tokens: int
-    temperature: float = 0.6
-    top_p: float = 0.9
+    params: SamplingParams = field(default_factory=SamplingParams)
     prompt_logprobs: bool = False  # also the log-probabilities of prompt tokens 1..n-1
-    logprobs: bool = True  # each chunk's log-probability (NaN without)
 
     @classmethod
-    def checked(cls, prompt_tokens: Any, max_new_tokens: Any, temperature: Any = 0.6, top_p: Any = 0.9,
-                prompt_logprobs: Any = False, logprobs: Any = True, *, vocab_size: int,
-                max_seq_len: int) -> "GenerationRequest":
+    def checked(cls, prompt_tokens: Any, max_new_tokens: Any, params: SamplingParams, prompt_logprobs: Any = False,
+                *, vocab_size: int, max_seq_len: int) -> "GenerationRequest":
         """The request for a model with this vocabulary and context, or InvalidRequestError /
         ContextLengthError naming what is wrong."""
-        check_sampling(temperature, top_p)
         max_new_tokens = check_max_new_tokens(max_new_tokens, max_seq_len)
         tokens = check_prompt_tokens(prompt_tokens, vocab_size, max_seq_len)
-        return cls(tokens, max_new_tokens, float(temperature), float(top_p),
-                   flag(prompt_logprobs, "prompt_logprobs"), flag(logprobs, "logprobs"))
+        return cls(tokens, max_new_tokens, params, flag(prompt_logprobs, "prompt_logprobs"))
+
+
+def sampling_params(temperature: Any = 0.6, top_p: Any = 0.9, logprobs: Any = True,
+                    params: Optional[SamplingParams] = None, **controls: Any) -> SamplingParams:
+    """SamplingParams from keyword arguments (temperature, top_p, top_k, min_p, ..., as SamplingParams names
+    them), or params as given when it is; raises InvalidRequestError for an unknown name."""
+    if params is not None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        return params
+    unknown = sorted(set(controls) - set(SamplingParams.names()))
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling parameter(s) {', '.join(unknown)}; "
+                                  f"known: {', '.join(SamplingParams.names())}")
+    return SamplingParams(temperature=temperature, top_p=top_p, logprobs=logprobs, **controls)
 
 
 # -- numbers -----------------------------------------------------------------------------------------------
@@ -92,6 +177,8 @@ def text(value: Any, name: str) -> str:
         value = "".join(str(p.get("text", "")) for p in value)
     if not isinstance(value, str):
         raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
+    if _has_lone_surrogate(value):
+        raise InvalidRequestError(f"{name} is not valid Unicode text: it holds a lone surrogate (such as \\ud800)")
     if len(value) > MAX_INPUT_CHARS:
         raise InvalidRequestError(
             f"{name} is too long: {len(value):,} characters, at most {MAX_INPUT_CHARS:,} are accepted"
@@ -157,6 +244,28 @@ def check_batch(prompts: Sequence[Any], max_batch_size: int) -> None:
         raise InvalidRequestError("no prompts given: expected a non-empty list of prompts")
     if len(prompts) > max_batch_size:
         raise InvalidRequestError(f"{len(prompts)} prompts given, but max_batch_size is {max_batch_size}")
+
+
+def _number(value: Any, name: str, low: float, high: float, accepted: str) -> float:
+    number = _finite(value)
+    if number is None or not low <= number <= high:
+        raise InvalidRequestError(f"{name} must be a number {accepted}, got {_show(value)}")
+    return number
+
+
+def _integer(value: Any, name: str, low: int, high: Optional[int], accepted: str) -> int:
+    value = whole_number(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        raise InvalidRequestError(f"{name} must be {accepted}, got {_show(value)}")
+    return value
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _finite(value: Any) -> float | None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 from .. import dialog as chat_format
 from ..errors import LlamaError
 from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Channel, PromptLogprobs, StreamChunk
-from .requests import check_max_new_tokens, check_sampling, completion_prompt, whole_number
+from .requests import SamplingParams, check_max_new_tokens, completion_prompt, sampling_params, whole_number
+from .stops import StopMatcher
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -111,9 +112,11 @@ class TextStream:
         max_seq_len: int,
         dropped_pairs: int = 0,
         refusal: Optional[str] = None,
+        stop: Sequence[str] = (),
     ) -> None:
         self._tokens = tokens
         self._decoder = decoder
+        self._stops = StopMatcher(stop)
         self.prompt_tokens = prompt_tokens
         self.max_seq_len = max_seq_len
         self.dropped_pairs = dropped_pairs
@@ -125,7 +128,10 @@ class TextStream:
 
     @property
     def finish_reason(self) -> Optional[str]:
-        return "refused" if self.refusal is not None else self._tokens.finish_reason
+        """"eos", "stop" (a stop string), "length", "cancelled", "error", "refused", or None while running."""
+        if self.refusal is not None:
+            return "refused"
+        return "stop" if self._stops.stopped else self._tokens.finish_reason
 
     @property
     def prompt_logprobs(self) -> Optional[list[float]]:
@@ -154,19 +160,28 @@ class TextStream:
     def batches(self, seconds: float = 0.0) -> Iterator[list[StreamChunk]]:
         """The chunks in lists, at most one list per `seconds` (see TokenStream.batches): for a reader that
         updates a display periodically and need not wake up for every token. Text held back for a whole
-        character comes at the end, as a chunk of token -1, in the last list; when the request's end
-        arrives with its last tokens, `finish_reason` is set before that list is yielded."""
+        character, or because it could begin a stop string, comes at the end, as a chunk of token -1, in the
+        last list; when the request's end arrives with its last tokens, `finish_reason` is set before that
+        list is yielded. The text of a stop string and what follows it never appears."""
         if self._tokens is None:
             return
         try:
             for batch in self._tokens.batches(seconds):
                 if self._first_token_at is None:
                     self._first_token_at = time.perf_counter()
-                self.generated_tokens += len(batch)
-                chunks = [StreamChunk(c.token, c.logprob, self._decoder.push(c.token)) for c in batch]
-                if self._tokens.finish_reason is not None:
+                chunks = []
+                for c in batch:
+                    chunks.append(StreamChunk(c.token, c.logprob, self._stops.feed(self._decoder.push(c.token)),
+                                              c.top_logprobs))
+                    if self._stops.stopped:
+                        self._tokens.cancel()  # the engine stops at the same token; this is for a late end
+                        break
+                self.generated_tokens += len(chunks)
+                if self.finish_reason is not None:
                     chunks += self._tail()
                 yield chunks
+                if self._stops.stopped:
+                    return
             if tail := self._tail():  # the end came alone; a flushed decoder has nothing more
                 yield tail
         finally:
@@ -175,7 +190,8 @@ class TextStream:
                 self.cancel()
 
     def _tail(self) -> list[StreamChunk]:
-        tail = self._decoder.flush()
+        tail = self._stops.feed(self._decoder.flush())
+        tail += self._stops.flush()
         return [StreamChunk(-1, 0.0, tail)] if tail else []
 
 
@@ -188,7 +204,8 @@ class TextEngine(Protocol):
     def info(self) -> Any: ...
 
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
-               prompt_logprobs: bool = False, logprobs: bool = True) -> TokenStream: ...
+               prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
+               **controls: Any) -> TokenStream: ...
 
 
 def stream_completion(
@@ -198,15 +215,18 @@ def stream_completion(
     top_p: float = 0.9,
     max_new_tokens: Optional[int] = None,
     prompt_logprobs: bool = False,
+    **controls: Any,
 ) -> TextStream:
     """Submits a plain-text prompt (BOS prepended) to the engine and returns its reply stream.
-    max_new_tokens None means DEFAULT_MAX_NEW_TOKENS, or less where the context is shorter."""
+    max_new_tokens None means DEFAULT_MAX_NEW_TOKENS, or less where the context is shorter; the other
+    sampling controls (top_k, min_p, penalties, stop, seed, top_logprobs...) are keywords as in SamplingParams."""
     prompt = completion_prompt(prompt)
+    params = sampling_params(temperature, top_p, **controls)
     prompt_tokens = engine.tokenizer.encode(prompt, bos=True, eos=False)
     max_new_tokens = _default_max_new_tokens(engine, max_new_tokens)
-    tokens = engine.submit(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs)
+    tokens = engine.submit(prompt_tokens, max_new_tokens, prompt_logprobs=prompt_logprobs, params=params)
     decoder = StreamDecoder(engine.tokenizer, prompt_tokens)
-    return TextStream(tokens, decoder, len(prompt_tokens), engine.info.max_seq_len)
+    return TextStream(tokens, decoder, len(prompt_tokens), engine.info.max_seq_len, stop=params.stop)
 
 
 def stream_chat(
@@ -215,22 +235,24 @@ def stream_chat(
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_new_tokens: Optional[int] = None,
+    **controls: Any,
 ) -> TextStream:
-    """Submits a dialog (ending with the user's message) and returns the assistant's reply stream.
+    """Submits a dialog (ending with the user's message) and returns the assistant's reply stream. The reply
+    also ends where the model starts writing a dialog tag ([INST], [/INST], <<SYS>>, <</SYS>>), as at a stop
+    string; other sampling controls are keywords as in stream_completion.
 
     A dialog holding a special tag is not run: the stream is empty and its `refusal` is UNSAFE_ERROR.
     Old (user, assistant) pairs are dropped to fit the context; `dropped_pairs` says how many.
     """
     max_seq_len = engine.info.max_seq_len
+    params = sampling_params(temperature, top_p, **controls).with_stop(chat_format.SPECIAL_TAGS)
     if chat_format.has_special_tags(dialog):
         return TextStream(None, None, 0, max_seq_len, refusal=chat_format.UNSAFE_ERROR)
-    max_new_tokens = _default_max_new_tokens(engine, max_new_tokens)
-    check_sampling(temperature, top_p)
-    max_new_tokens = check_max_new_tokens(max_new_tokens, max_seq_len)
+    max_new_tokens = check_max_new_tokens(_default_max_new_tokens(engine, max_new_tokens), max_seq_len)
     fitted = chat_format.prepare_chat(engine.tokenizer, max_seq_len, dialog, max_new_tokens)
-    tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, temperature, top_p)
+    tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, params=params)
     decoder = StreamDecoder(engine.tokenizer)  # the reply's text, as chat_completion's content reads
-    return TextStream(tokens, decoder, len(fitted.prompt_tokens), max_seq_len, fitted.dropped_pairs)
+    return TextStream(tokens, decoder, len(fitted.prompt_tokens), max_seq_len, fitted.dropped_pairs, stop=params.stop)
 
 
 def _default_max_new_tokens(engine: TextEngine, max_new_tokens: Any) -> Any:

@@ -17,7 +17,7 @@ from .model import Transformer
 from .runner import ModelRunner
 from .serving.engine import Engine
 from .serving.events import StreamChunk
-from .serving.requests import check_batch, check_prompt_tokens, check_sampling, sampling_params, stop_strings
+from .serving.requests import check_batch, sampling_params, stop_strings
 from .serving.stops import cut_at_stop
 from .serving.streams import TextStream, TokenStream
 from .tokenizer import StreamDecoder, Tokenizer
@@ -169,11 +169,11 @@ class Llama:
             InvalidRequestError / ContextLengthError: a request this model can't run (nothing runs).
             RequestFailedError: a request failed inside the engine (e.g. out of memory).
         """
-        self.check_request(prompt_tokens, max_gen_len, temperature, top_p)
+        self._check_call(prompt_tokens, max_gen_len)
         params = sampling_params(temperature, top_p, logprobs, **controls)
         engine = self.engine
-        requests = [engine.check(p, self._clamped(max_gen_len), prompt_logprobs=logprobs and echo, params=params)
-                    for p in prompt_tokens]
+        requests = [engine.check(p, self._clamped(max_gen_len), prompt_logprobs=logprobs and echo, params=params,
+                                 name=f"prompt {i}") for i, p in enumerate(prompt_tokens)]
         streams: list[TokenStream] = []
         try:
             streams = [engine.submit_request(r) for r in requests]
@@ -210,9 +210,10 @@ class Llama:
         Raises:
             InvalidRequestError / ContextLengthError: at once, for a request this model can't run.
         """
-        self.check_request([prompt_tokens], max_gen_len, temperature, top_p)
+        self._check_call([prompt_tokens], max_gen_len)
         params = sampling_params(temperature, top_p, **controls)
-        tokens = self.engine.submit(prompt_tokens, self._clamped(max_gen_len), params=params)
+        request = self.engine.check(prompt_tokens, self._clamped(max_gen_len), params=params, name="prompt 0")
+        tokens = self.engine.submit_request(request)
         decoder = StreamDecoder(self.tokenizer, prompt_tokens if continue_prompt else ())
         return iter(TextStream(tokens, decoder, len(prompt_tokens), self.max_seq_len, stop=params.stop))
 
@@ -259,8 +260,8 @@ class Llama:
         prompts = [
             self.prepare_chat(d, max_gen_len).prompt_tokens for d, bad in zip(dialogs, unsafe) if not bad
         ]
-        stops = tuple(dict.fromkeys(stop_strings(controls.pop("stop", None)) + tuple(chat_format.SPECIAL_TAGS)))
-        params = sampling_params(temperature, top_p, logprobs, **controls).with_stop(stops)
+        params = sampling_params(temperature, top_p, logprobs, **controls).with_stop(chat_format.SPECIAL_TAGS)
+        stops = params.stop
         tokens, lps = self.generate(prompts, max_gen_len, temperature, top_p, logprobs, params=params) if prompts else ([], None)
         results, answered = [], iter(range(len(prompts)))
         for bad in unsafe:
@@ -278,14 +279,12 @@ class Llama:
         return chat_format.prepare_chat(self.tokenizer, self.max_seq_len, dialog, max_gen_len)
 
     # -- checks and helpers --------------------------------------------------------------------
-    def check_request(self, prompt_tokens: list[list[int]], max_gen_len: int, temperature: float, top_p: float) -> None:
-        """Raises InvalidRequestError or ContextLengthError for a request this model can't run."""
-        check_sampling(temperature, top_p)
+    def _check_call(self, prompt_tokens: list[list[int]], max_gen_len: int) -> None:
+        """Raises InvalidRequestError for what Meta's API checks beyond each request (which the engine checks):
+        max_gen_len, and a batch of at most max_batch_size prompts."""
         if isinstance(max_gen_len, bool) or not isinstance(max_gen_len, int) or max_gen_len < 1:
             raise InvalidRequestError(f"max_gen_len must be an integer >= 1, got {max_gen_len!r}")
         check_batch(prompt_tokens, self.max_batch_size)
-        for i, prompt in enumerate(prompt_tokens):
-            check_prompt_tokens(prompt, self.args.vocab_size, self.max_seq_len, name=f"prompt {i}")
 
     def _clamped(self, max_gen_len: int) -> int:
         """Meta's max_gen_len may exceed the context; the engine's max_new_tokens may not (a reply still

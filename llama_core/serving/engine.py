@@ -210,11 +210,14 @@ class Engine:
         return TokenStream(channel, len(request.prompt_tokens), self)
 
     def check(self, prompt_tokens, max_new_tokens, temperature=0.6, top_p=0.9, prompt_logprobs=False,
-              logprobs=True, *, params: Optional[SamplingParams] = None, **controls) -> GenerationRequest:
-        """The checked request for this model, or InvalidRequestError / ContextLengthError."""
+              logprobs=True, *, params: Optional[SamplingParams] = None, name: str = "prompt",
+              **controls) -> GenerationRequest:
+        """The checked request for this model, or InvalidRequestError / ContextLengthError (naming the prompt
+        as `name`)."""
         params = sampling_params(temperature, top_p, logprobs, params, **controls)
         return GenerationRequest.checked(prompt_tokens, max_new_tokens, params, prompt_logprobs,
-                                         vocab_size=self.runner.args.vocab_size, max_seq_len=self.runner.max_seq_len)
+                                         vocab_size=self.runner.args.vocab_size, max_seq_len=self.runner.max_seq_len,
+                                         name=name)
 
     def add(self, request: GenerationRequest, channel: Channel) -> None:
         """Queues a checked request whose events go to channel.

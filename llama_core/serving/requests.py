@@ -6,6 +6,7 @@ what it accepts; values that pass come back in the types the engine uses.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
@@ -67,7 +68,7 @@ class SamplingParams:
 
     def with_stop(self, extra: Sequence[str]) -> "SamplingParams":
         """These parameters with more stop strings (a chat's dialog tags), past the user's limit of four."""
-        params = SamplingParams(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "stop"})
+        params = copy.copy(self)
         object.__setattr__(params, "stop", tuple(dict.fromkeys(self.stop + tuple(extra))))
         return params
 
@@ -103,11 +104,11 @@ class GenerationRequest:
 
     @classmethod
     def checked(cls, prompt_tokens: Any, max_new_tokens: Any, params: SamplingParams, prompt_logprobs: Any = False,
-                *, vocab_size: int, max_seq_len: int) -> "GenerationRequest":
+                *, vocab_size: int, max_seq_len: int, name: str = "prompt") -> "GenerationRequest":
         """The request for a model with this vocabulary and context, or InvalidRequestError /
-        ContextLengthError naming what is wrong."""
+        ContextLengthError naming what is wrong (the prompt as `name`)."""
         max_new_tokens = check_max_new_tokens(max_new_tokens, max_seq_len)
-        tokens = check_prompt_tokens(prompt_tokens, vocab_size, max_seq_len)
+        tokens = check_prompt_tokens(prompt_tokens, vocab_size, max_seq_len, name)
         return cls(tokens, max_new_tokens, params, flag(prompt_logprobs, "prompt_logprobs"))
 
 

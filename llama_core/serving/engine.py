@@ -130,6 +130,11 @@ class Engine:
         """Whether the engine's own thread runs its turns (else readers of its streams do)."""
         return self._running
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine takes requests: not closed, and its thread, once started, still runs."""
+        return not self._closed and (self._thread is None or self._thread.is_alive())
+
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Engine":
         """Runs turns in a thread of the engine's own until shutdown()."""
@@ -298,6 +303,12 @@ class Engine:
         for slot, sequence in enumerate(self._slots):
             if sequence is not None and sequence.channel.cancelled.is_set():
                 self._free(slot, "cancelled")
+        with self._wakeup:  # a request abandoned while it waits gives its place in the queue back at once
+            gone = [s for s in self._waiting if s.channel.cancelled.is_set()]
+            if gone:
+                self._waiting = collections.deque(s for s in self._waiting if not s.channel.cancelled.is_set())
+        for sequence in gone:
+            self._finish(sequence, "cancelled")
 
     def _admit(self) -> list[_Sequence]:
         """Moves waiting requests into free slots and prefills them together (one padded forward), or, where

@@ -107,6 +107,11 @@ class EngineProcess:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine takes requests: its process was started, runs, and its pipe is open."""
+        return self._process is not None and not self._stopped and self._process.is_alive()
+
     # -- submitting ---------------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,

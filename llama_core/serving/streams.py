@@ -8,7 +8,7 @@ import time
 from typing import Any, Iterator, Optional, Protocol, Sequence
 
 from .. import dialog as chat_format
-from ..errors import LlamaError
+from ..errors import ContextLengthError, LlamaError
 from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Channel, PromptLogprobs, StreamChunk
 from .requests import SamplingParams, check_max_new_tokens, completion_prompt, sampling_params, whole_number
@@ -235,6 +235,8 @@ def stream_chat(
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_new_tokens: Optional[int] = None,
+    *,
+    drop_old_turns: bool = True,
     **controls: Any,
 ) -> TextStream:
     """Submits a dialog (ending with the user's message) and returns the assistant's reply stream. The reply
@@ -242,14 +244,24 @@ def stream_chat(
     string; other sampling controls are keywords as in stream_completion.
 
     A dialog holding a special tag is not run: the stream is empty and its `refusal` is UNSAFE_ERROR.
-    Old (user, assistant) pairs are dropped to fit the context; `dropped_pairs` says how many.
+    Old (user, assistant) pairs are dropped to fit the context, keeping room for the reply; `dropped_pairs`
+    says how many. With drop_old_turns False the whole dialog is the prompt, or ContextLengthError when it
+    leaves no room for a reply; a reply then ends where the context does.
     """
     max_seq_len = engine.info.max_seq_len
     params = sampling_params(temperature, top_p, **controls).with_stop(chat_format.SPECIAL_TAGS)
     if chat_format.has_special_tags(dialog):
         return TextStream(None, None, 0, max_seq_len, refusal=chat_format.UNSAFE_ERROR)
     max_new_tokens = check_max_new_tokens(_default_max_new_tokens(engine, max_new_tokens), max_seq_len)
-    fitted = chat_format.prepare_chat(engine.tokenizer, max_seq_len, dialog, max_new_tokens)
+    if drop_old_turns:
+        fitted = chat_format.prepare_chat(engine.tokenizer, max_seq_len, dialog, max_new_tokens)
+    else:
+        fitted = chat_format.FittedDialog(chat_format.encode_dialog(engine.tokenizer, dialog), 0)
+        if len(fitted.prompt_tokens) >= max_seq_len:
+            raise ContextLengthError(
+                f"the messages take {len(fitted.prompt_tokens):,} tokens, but the model's context is {max_seq_len:,}: "
+                f"shorten them to at most {max_seq_len - 1:,} tokens to leave room for a reply"
+            )
     tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, params=params)
     decoder = StreamDecoder(engine.tokenizer)  # the reply's text, as chat_completion's content reads
     return TextStream(tokens, decoder, len(fitted.prompt_tokens), max_seq_len, fitted.dropped_pairs, stop=params.stop)

@@ -1,0 +1,503 @@
+"""The OpenAI-compatible HTTP API on a running engine: /v1/models, /v1/chat/completions, /v1/completions and
+/health, as a FastAPI app that the web app mounts its Gradio interface into (one host and port for both).
+
+Requests are read by the models of .schemas, their values judged by llama_core.serving.requests (the
+validator of every route), and run by the same engine as the web page's. Replies follow the OpenAI API,
+streamed as Server-Sent Events with `stream`; see README.md for what differs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..dialog import UNSAFE_ERROR, Dialog
+from ..errors import LlamaError
+from ..serving import requests
+from ..serving.events import StreamChunk
+from ..serving.requests import MAX_SEED, SamplingParams
+from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion
+from ..tokenizer import StreamDecoder
+from .errors import APIError, from_llama_error, from_validation_errors
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from .streaming import Batch, merged_batches
+
+MAX_CHOICES = 16  # most choices (n x prompts) in one request
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "stop", "seed")
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
+
+log = logging.getLogger(__name__)
+
+
+def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: Sequence[str] = ()) -> FastAPI:
+    """The API serving `engine` as the model `model_name` (default: the checkpoint folder's name). With
+    api_keys, every /v1 route needs `Authorization: Bearer <one of them>`; /health never does."""
+    model_id = model_name or engine.info.name
+    created = int(time.time())
+    api = FastAPI(title="llama_core OpenAI-compatible API", docs_url="/v1/docs", openapi_url="/v1/openapi.json",
+                  redoc_url=None)
+    keys = [key.encode() for key in api_keys]
+
+    def authorized(request: Request) -> None:
+        if not keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise APIError(401, "no API key given: send it as the header 'Authorization: Bearer YOUR_KEY'",
+                           code="invalid_api_key")
+        if not any(hmac.compare_digest(given.strip().encode(), key) for key in keys):
+            raise APIError(401, "the API key given is not valid for this server", code="invalid_api_key")
+
+    def served_model(requested: Optional[str]) -> None:
+        if requested is not None and requested != model_id:
+            raise APIError(404, f"the model {requested!r} does not exist here; this server serves {model_id!r}",
+                           param="model", code="model_not_found")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "llama_core",
+                "context_length": engine.info.max_seq_len, "max_model_len": engine.info.max_seq_len}
+
+    _install_error_handlers(api)
+    v1 = [Depends(authorized)]
+
+    @api.get("/health", include_in_schema=False)
+    def health() -> JSONResponse:
+        if getattr(engine, "alive", True):
+            return JSONResponse({"status": "ok", "model": model_id})
+        return JSONResponse({"status": "unavailable", "model": model_id}, status_code=503, headers={"Retry-After": "5"})
+
+    @api.get("/v1/models", dependencies=v1)
+    def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @api.get("/v1/models/{model:path}", dependencies=v1)
+    def get_model(model: str) -> dict[str, Any]:
+        served_model(model)
+        return model_card()
+
+    @api.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        served_model(body.model)
+        _refuse_unsupported_chat(body)
+        dialog = _dialog(body.messages)
+        fields = set(body.model_fields_set) | {"messages"}
+        rename = {"max_new_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        controls = _controls(body, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0)
+        max_new_tokens = _max_new_tokens(max_tokens, engine, "max_completion_tokens" if rename else "max_tokens")
+        refusal = [False]
+
+        def submit(seed: Optional[int]) -> TextStream:
+            stream = stream_chat(engine, dialog, max_new_tokens=max_new_tokens, drop_old_turns=False,
+                                 **dict(controls, seed=seed))
+            if stream.refusal is not None:
+                refusal[0] = True
+            return stream
+
+        streams = await _submit_all(submit, _seeds(controls["seed"], _choices(body.n)), fields, rename)
+        if refusal[0]:
+            raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
+        reply = _ChatReply(engine, model_id, streams, len(streams), _include_usage(body), bool(body.logprobs))
+        if body.stream:
+            return _event_stream(reply.events(request))
+        return await reply.whole(request)
+
+    @api.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        served_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported: Llama-2 models have no fill-in-the-middle training",
+                           param="suffix")
+        if body.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported; use n for several completions", param="best_of")
+        if body.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        prompts = _prompts(body.prompt)
+        n = _choices(body.n, len(prompts))
+        top = body.logprobs
+        if top is not None and not 0 <= top <= requests.MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be an integer from 0 to {requests.MAX_TOP_LOGPROBS}, got {top}",
+                           param="logprobs")
+        controls = _controls(body, logprobs=top is not None, top_logprobs=top or 0)
+        max_new_tokens = _max_new_tokens(body.max_tokens, engine, "max_tokens")
+        echo_logprobs = bool(body.echo) and top is not None
+        jobs = [(prompt, seed) for prompt in prompts for seed in _seeds(controls["seed"], n)]
+
+        def submit(job: tuple[str, Optional[int]]) -> TextStream:
+            return stream_completion(engine, job[0], max_new_tokens=max_new_tokens, prompt_logprobs=echo_logprobs,
+                                     **dict(controls, seed=job[1]))
+
+        streams = await _submit_all(submit, jobs, set(body.model_fields_set) | {"prompt"}, {})
+        echoed = [job[0] for job in jobs] if body.echo else None
+        reply = _CompletionReply(engine, model_id, streams, n, _include_usage(body), top, echoed)
+        if body.stream:
+            return _event_stream(reply.events(request))
+        return await reply.whole(request)
+
+    @api.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False,
+                   dependencies=v1)
+    def unknown_route(path: str, request: Request) -> None:
+        raise APIError(404, f"no route {request.method} /v1/{path}; this server has GET /v1/models, "
+                       "POST /v1/chat/completions and POST /v1/completions", code="unknown_url")
+
+    return api
+
+
+# -- reading a request -------------------------------------------------------------------------------------
+def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
+    if body.tools or body.functions or body.tool_choice not in (None, "none"):
+        field = "tools" if body.tools else "functions" if body.functions else "tool_choice"
+        raise APIError(400, "tools and function calling are not supported by this server", param=field)
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise APIError(400, f"response_format {body.response_format.get('type')!r} is not supported; only 'text'",
+                       param="response_format")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _dialog(messages: list[ChatMessage]) -> Dialog:
+    """OpenAI's messages as a Llama-2 dialog ("developer" is OpenAI's newer name for "system"); the order of
+    roles is then checked by the dialog layout itself."""
+    if not messages:
+        raise APIError(400, "messages is empty: send at least one user message", param="messages")
+    dialog: Dialog = []
+    for i, message in enumerate(messages):
+        role = "system" if message.role == "developer" else message.role
+        if role not in ("system", "user", "assistant"):
+            raise APIError(400, f"messages[{i}] has role {message.role!r}; this server takes system, developer, "
+                           "user and assistant messages", param=f"messages[{i}].role")
+        content = message.content
+        if content is None:
+            raise APIError(400, f"messages[{i}] has no content", param=f"messages[{i}].content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}] is a {part.type!r} part; this model reads text "
+                                   "parts only", param=f"messages[{i}].content[{j}]")
+            content = "".join(part.text for part in content)
+        try:
+            content = requests.text(content, f"messages[{i}].content")
+        except LlamaError as exc:
+            raise APIError(400, str(exc), param=f"messages[{i}].content") from None
+        dialog.append({"role": role, "content": content})
+    return dialog
+
+
+def _prompts(prompt: Any) -> list[str]:
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not prompts:
+        raise APIError(400, "prompt is empty: send a string or a list of strings", param="prompt")
+    for i, item in enumerate(prompts):
+        if not isinstance(item, str):
+            raise APIError(400, f"prompt[{i}] is not a string: prompts are text (token-id prompts are not supported)",
+                           param="prompt")
+    return prompts
+
+
+def _choices(n: Optional[int], prompts: int = 1) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n * prompts <= MAX_CHOICES:
+        what = f"n ({n}) x prompts ({prompts})" if prompts > 1 else f"n ({n})"
+        raise APIError(400, f"{what} must be from 1 to {MAX_CHOICES} choices in one request", param="n")
+    return n
+
+
+def _controls(body: SamplingFields, **extra: Any) -> dict[str, Any]:
+    """The request's sampling fields as llama_core's sampling controls (each absent one at its default)."""
+    given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    controls = {**{name: getattr(SamplingParams, name) for name in SAMPLING_FIELDS}, **given, **extra}
+    try:
+        SamplingParams(**controls)  # judged once here, so that a bad value is refused before any choice runs
+    except LlamaError as exc:
+        raise from_llama_error(exc, set(body.model_fields_set)) from None
+    return controls
+
+
+def _seeds(seed: Optional[int], n: int) -> list[Optional[int]]:
+    """Each choice's seed: choice i of a seeded request samples with seed + i, so the choices differ and the
+    request is reproducible."""
+    return [None if seed is None else (seed + i) % (MAX_SEED + 1) for i in range(n)]
+
+
+def _max_new_tokens(max_tokens: Optional[int], engine: TextEngine, name: str) -> int:
+    """max_tokens as the engine's max_new_tokens: None is as many as the context holds, and a larger number
+    than the context is cut to it (the reply then ends with finish_reason "length" where the context does)."""
+    limit = engine.info.max_seq_len - 1
+    if max_tokens is None:
+        return limit
+    if max_tokens < 1:
+        raise APIError(400, f"{name} must be at least 1, got {max_tokens}", param=name)
+    return min(max_tokens, limit)
+
+
+def _include_usage(body: SamplingFields) -> bool:
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def _submit_all(submit: Callable[[Any], TextStream], jobs: list[Any], fields: set[str],
+                      rename: dict[str, str]) -> list[TextStream]:
+    """Submits each job (in a worker thread: tokenizing and queueing may take a while); if one is refused,
+    the ones already running are cancelled and the refusal is answered."""
+    def submit_each() -> list[TextStream]:
+        streams: list[TextStream] = []
+        try:
+            for job in jobs:
+                streams.append(submit(job))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return streams
+
+    try:
+        return await run_in_threadpool(submit_each)
+    except LlamaError as exc:
+        raise from_llama_error(exc, fields, rename) from None
+
+
+# -- writing the reply -----------------------------------------------------------------------------------
+class _Reply:
+    """One request's choices, read together: the whole reply as one JSON object, or as events."""
+
+    object_name = ""
+    id_prefix = ""
+
+    def __init__(self, engine: TextEngine, model_id: str, streams: list[TextStream], per_prompt: int,
+                 include_usage: bool) -> None:
+        """streams: the choices, those of each prompt together (per_prompt of them)."""
+        self.engine, self.model_id, self.streams, self.include_usage = engine, model_id, streams, include_usage
+        self.per_prompt = per_prompt
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def usage(self) -> dict[str, int]:
+        # Every choice of one prompt shares its prompt: it counts once, as the OpenAI API counts it.
+        prompt = sum(s.prompt_tokens for s in self.streams[:: self.per_prompt])
+        completion = sum(s.generated_tokens for s in self.streams)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def finish_reason(self, index: int) -> str:
+        return FINISH_REASONS.get(self.streams[index].finish_reason or "stop", "stop")
+
+    def header(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model_id}
+
+    def token_text(self, token: int) -> str:
+        return self.engine.tokenizer.token_text(token)
+
+    async def whole(self, request: Request) -> dict[str, Any]:
+        parts: list[list[StreamChunk]] = [[] for _ in self.streams]
+        async for batch in merged_batches(self.streams, request):
+            if batch.error is not None:
+                raise from_llama_error(batch.error, ())
+            parts[batch.index] += batch.chunks
+        return {**self.header(), **self.whole_body(parts), "usage": self.usage()}
+
+    async def events(self, request: Request) -> AsyncIterator[dict[str, Any]]:
+        async for event in self.first_events():
+            yield event
+        async for batch in merged_batches(self.streams, request):
+            if batch.error is not None:
+                yield from_llama_error(batch.error, ()).body()
+                return
+            event = self.event(batch)
+            if event is not None:
+                yield event
+        if self.include_usage:
+            yield {**self.header(), "choices": [], "usage": self.usage()}
+
+    async def first_events(self) -> AsyncIterator[dict[str, Any]]:
+        return
+        yield
+
+    def whole_body(self, parts: list[list[StreamChunk]]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def event(self, batch: Batch) -> Optional[dict[str, Any]]:
+        raise NotImplementedError
+
+    def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        event = {**self.header(), "choices": [choice]}
+        if self.include_usage:
+            event["usage"] = None
+        return event
+
+
+class _ChatReply(_Reply):
+    object_name = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, engine: TextEngine, model_id: str, streams: list[TextStream], per_prompt: int,
+                 include_usage: bool, logprobs: bool) -> None:
+        super().__init__(engine, model_id, streams, per_prompt, include_usage)
+        self.logprobs = logprobs
+
+    def whole_body(self, parts: list[list[StreamChunk]]) -> dict[str, Any]:
+        choices = []
+        for i, chunks in enumerate(parts):
+            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(c.text for c in chunks),
+                                                    "refusal": None},
+                            "logprobs": self._logprobs(chunks), "finish_reason": self.finish_reason(i)})
+        return {"choices": choices}
+
+    async def first_events(self) -> AsyncIterator[dict[str, Any]]:
+        for i in range(len(self.streams)):
+            yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
+
+    def event(self, batch: Batch) -> Optional[dict[str, Any]]:
+        text = "".join(c.text for c in batch.chunks)
+        logprobs = self._logprobs(batch.chunks)
+        if batch.done:
+            return self._chunk(batch.index, {}, None, self.finish_reason(batch.index))
+        if not text and not (logprobs and logprobs["content"]):
+            return None
+        return self._chunk(batch.index, {"content": text}, logprobs, None)
+
+    def _chunk(self, index: int, delta: dict, logprobs: Optional[dict], finish: Optional[str]) -> dict[str, Any]:
+        event = self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+        event["object"] = "chat.completion.chunk"
+        return event
+
+    def _logprobs(self, chunks: list[StreamChunk]) -> Optional[dict[str, Any]]:
+        if not self.logprobs:
+            return None
+        content = []
+        for c in chunks:
+            if c.token < 0:
+                continue
+            top = [self._entry(t, lp) for t, lp in (c.top_logprobs or [])]
+            content.append({**self._entry(c.token, c.logprob), "top_logprobs": top})
+        return {"content": content, "refusal": None}
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token)
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(_token_bytes(text))}
+
+
+class _CompletionReply(_Reply):
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, engine: TextEngine, model_id: str, streams: list[TextStream], per_prompt: int,
+                 include_usage: bool, top: Optional[int], echoed: Optional[list[str]]) -> None:
+        super().__init__(engine, model_id, streams, per_prompt, include_usage)
+        self.top = top  # None: no logprobs; else alternatives per token
+        self.echoed = echoed  # each choice's prompt with echo, else None
+        self.offsets = [0] * len(streams)  # characters of text each choice has sent
+        self.unechoed = set(range(len(streams))) if echoed else set()
+
+    def whole_body(self, parts: list[list[StreamChunk]]) -> dict[str, Any]:
+        return {"choices": [self._choice(i, chunks, self.finish_reason(i)) for i, chunks in enumerate(parts)]}
+
+    def event(self, batch: Batch) -> Optional[dict[str, Any]]:
+        choice = self._choice(batch.index, batch.chunks, self.finish_reason(batch.index) if batch.done else None)
+        if not choice["text"] and not (choice["logprobs"] and choice["logprobs"]["tokens"]) and not batch.done:
+            return None
+        return self.chunk(choice)
+
+    def _choice(self, index: int, chunks: list[StreamChunk], finish: Optional[str]) -> dict[str, Any]:
+        """The choice's text and logprobs in chunks, after its echoed prompt if that was not sent yet (the
+        prompt's log-probabilities arrive with the first token)."""
+        head, head_logprobs = self._echo(index) if index in self.unechoed else ("", None)
+        self.unechoed.discard(index)
+        logprobs = self._logprobs(index, chunks)
+        if logprobs is not None and head_logprobs is not None:
+            logprobs = {key: head_logprobs[key] + logprobs[key] for key in logprobs}
+        return {"index": index, "text": head + "".join(c.text for c in chunks), "logprobs": logprobs,
+                "finish_reason": finish}
+
+    def _echo(self, index: int) -> tuple[str, Optional[dict[str, list]]]:
+        """The echoed prompt of a choice and, with logprobs, its tokens' log-probabilities (the first one
+        given BOS); alternatives are not computed for prompt tokens."""
+        prompt = self.echoed[index]
+        self.offsets[index] = len(prompt)
+        if self.top is None:
+            return prompt, None
+        tokenizer = self.engine.tokenizer
+        tokens = tokenizer.encode(prompt, bos=False, eos=False)
+        values = self.streams[index].prompt_logprobs or [None] * len(tokens)
+        decoder, offsets, at = StreamDecoder(tokenizer), [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(decoder.push(token))
+        return prompt, {"tokens": [self.token_text(t) for t in tokens],
+                        "token_logprobs": [_logprob(v) for v in values[: len(tokens)]],
+                        "top_logprobs": [None] * len(tokens), "text_offset": offsets}
+
+    def _logprobs(self, index: int, chunks: list[StreamChunk]) -> Optional[dict[str, list]]:
+        if self.top is None:
+            return None
+        tokens, values, tops, offsets = [], [], [], []
+        for c in chunks:
+            if c.token >= 0:
+                tokens.append(self.token_text(c.token))
+                values.append(_logprob(c.logprob))
+                tops.append({self.token_text(t): _logprob(lp) for t, lp in (c.top_logprobs or [])} if self.top else None)
+                offsets.append(self.offsets[index])
+            self.offsets[index] += len(c.text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _logprob(value: Optional[float]) -> Optional[float]:
+    """A log-probability JSON can carry: -inf (a token sampling ruled out) as OpenAI's -9999.0."""
+    if value is None or math.isnan(value):
+        return None
+    return max(value, -9999.0)
+
+
+def _token_bytes(text: str) -> bytes:
+    """A token's bytes: a byte-fallback piece (<0xE2>) is that one byte."""
+    if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+        try:
+            return bytes([int(text[3:5], 16)])
+        except ValueError:
+            pass
+    return text.encode("utf-8")
+
+
+def _event_stream(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def lines() -> AsyncIterator[bytes]:
+        async for event in events:
+            yield b"data: " + json.dumps(event).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _install_error_handlers(api: FastAPI) -> None:
+    @api.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @api.exception_handler(RequestValidationError)
+    async def unreadable(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_errors(list(exc.errors())).response()
+
+    @api.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return APIError(exc.status_code, message, code=code).response()
+
+    @api.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error answering %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}; the server's log has the details",
+                        type="server_error").response()

@@ -1,0 +1,87 @@
+"""The HTTP shape of the OpenAI API's requests, as pydantic models.
+
+These models judge only the shape: which fields exist and their JSON types. The values of the sampling
+fields are judged by `SamplingParams` (llama_core.serving.requests), the validator every other route uses;
+fields the OpenAI API has and this server cannot honour are refused by the routes with a message naming them.
+Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from typing import Annotated
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be a number")
+    return value
+
+
+Number = Annotated[Any, AfterValidator(_json_number)]  # "0.7" as a string is refused, as OpenAI does; the range
+# and finiteness are SamplingParams' to judge
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Request):
+    type: StrictStr  # "text"; any other part (an image, audio) is refused by the route, naming it
+    text: Optional[StrictStr] = None
+
+
+class ChatMessage(_Request):
+    role: StrictStr  # system, developer (OpenAI's newer name for system), user or assistant
+    content: Union[StrictStr, list[TextPart], None] = None
+    name: Optional[StrictStr] = None
+
+
+class StreamOptions(_Request):
+    include_usage: Optional[StrictBool] = None
+
+
+class SamplingFields(_Request):
+    """The fields both routes share."""
+
+    model: Optional[StrictStr] = None  # the served model's id; another id is answered 404
+    stream: Optional[StrictBool] = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[StrictInt] = 1
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: Optional[StrictInt] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict[str, Any]] = None
+    user: Optional[StrictStr] = None
+    # Beyond OpenAI's fields, as vLLM and llama.cpp's server take them:
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[StrictInt] = None
+    max_completion_tokens: Optional[StrictInt] = None
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[StrictStr, list[Any]]  # a string or a list of strings; token-id prompts are refused by name
+    max_tokens: Optional[StrictInt] = 16  # OpenAI's default for completions
+    echo: Optional[StrictBool] = False
+    logprobs: Optional[StrictInt] = None  # how many alternatives per token; 0 gives the tokens' own only
+    suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None
+
+

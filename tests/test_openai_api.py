@@ -1,0 +1,387 @@
+"""The OpenAI-compatible API through the official `openai` SDK (and raw HTTP where the SDK can't send what a
+client might), against a real server on a free port whose engine runs in a process of its own."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+import app_server
+from llama_core import load
+from llama_core.dialog import encode_dialog
+from llama_core.openai_api import create_api
+from llama_core.openai_api.server import BackgroundServer, bind
+from llama_core.serving import Engine
+
+KEY = "test-key-1"
+OTHER_KEY = "test-key-2"
+HELLO = [{"role": "user", "content": "Good morrow, what news?"}]
+
+
+@contextlib.contextmanager
+def serve_api(engine, api_keys=(KEY, OTHER_KEY)) -> Iterator[str]:
+    server = BackgroundServer(create_api(engine, api_keys=api_keys), bind("127.0.0.1", 0)).start()
+    try:
+        yield server.url + "v1"
+    finally:
+        server.stop()
+
+
+def engine_build(max_seq_len: int, max_batch_size: int) -> dict:
+    from llama_core.checkpoint import read_model_args
+    from llama_core import DEFAULT_CKPT_DIR
+    ckpt_dir = app_server.model_dir()
+    return dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len),
+                max_batch_size=max_batch_size, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(engine, base URL): the app's server on the test model."""
+    from llama_core.serving import EngineProcess
+    with EngineProcess(dict(engine_build(256, 8), seed=0), threads=1) as engine:
+        with serve_api(engine) as url:
+            yield engine, url
+
+
+@pytest.fixture(scope="module")
+def client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[1], api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model_id(client) -> str:
+    return client.models.list().data[0].id
+
+
+def raw(served, method: str, path: str, body=None, key=KEY, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, str):
+        headers["Content-Type"] = "application/json"
+        kwargs["content"] = body
+    elif body is not None:
+        kwargs["json"] = body
+    return httpx.request(method, served[1] + path, headers=headers, timeout=60, **kwargs)
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]  # never null: the user learns what was wrong
+    return body["error"]
+
+
+# -- models and health -----------------------------------------------------------------------------------
+def test_models_lists_the_loaded_model_with_its_context(client, served):
+    models = client.models.list().data
+    assert len(models) == 1
+    assert models[0].id == served[0].info.name
+    assert models[0].model_extra["context_length"] == served[0].info.max_seq_len
+    assert client.models.retrieve(models[0].id).id == models[0].id
+
+
+def test_health_answers_without_a_key(served):
+    response = httpx.get(served[1].removesuffix("v1") + "health")
+    assert response.status_code == 200 and response.json()["status"] == "ok"
+
+
+# -- chat ------------------------------------------------------------------------------------------------
+def test_chat_stream_equals_non_stream_with_usage(client, model_id, served):
+    whole = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.role == "assistant"
+    assert streamed == whole.choices[0].message.content and streamed
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    engine = served[0]
+    assert whole.usage.prompt_tokens == len(encode_dialog(engine.tokenizer, HELLO))
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert 1 <= whole.usage.completion_tokens <= 24
+
+
+def test_chat_takes_system_and_text_parts_and_max_completion_tokens(client, model_id):
+    messages = [{"role": "developer", "content": "You are Juliet."},
+                {"role": "user", "content": [{"type": "text", "text": "Good "}, {"type": "text", "text": "morrow"}]}]
+    parts = client.chat.completions.create(model=model_id, messages=messages, max_completion_tokens=5, temperature=0)
+    plain = client.chat.completions.create(
+        model=model_id, messages=[{"role": "system", "content": "You are Juliet."},
+                                  {"role": "user", "content": "Good morrow"}], max_tokens=5, temperature=0)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.completion_tokens <= 5 and parts.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_chat_logprobs_describe_each_generated_token(client, model_id):
+    reply = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        ranked = [alt.logprob for alt in entry.top_logprobs]
+        assert ranked == sorted(ranked, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    assert "".join(e.token for e in content).strip() == reply.choices[0].message.content.strip()
+
+
+def test_chat_stop_string_ends_the_reply_before_it(client, model_id):
+    full = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=40, temperature=0)
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3, text
+    cut = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_a_sample_while_other_requests_run(client, model_id):
+    ask = dict(model=model_id, messages=HELLO, max_tokens=30, temperature=1.0, top_p=1.0, seed=1234)
+    alone = client.chat.completions.create(**ask).choices[0].message.content
+
+    def other(i: int) -> str:
+        return client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": f"Speak {i}"}],
+                                              max_tokens=40, temperature=1.0).choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        others = [pool.submit(other, i) for i in range(4)]
+        busy = pool.submit(lambda: client.chat.completions.create(**ask).choices[0].message.content)
+        assert busy.result() == alone
+        assert all(isinstance(f.result(), str) for f in others)
+
+
+def test_n_choices_are_distinct_samples_and_reproducible(client, model_id):
+    ask = dict(model=model_id, messages=HELLO, max_tokens=20, temperature=1.5, top_p=1.0, seed=99, n=3)
+    first, again = client.chat.completions.create(**ask), client.chat.completions.create(**ask)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]
+    assert len(set(texts)) > 1
+    single = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=1)
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens  # the shared prompt counts once
+
+
+def test_streamed_n_choices_each_end_once(client, model_id):
+    chunks = list(client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=10, temperature=0.8,
+                                                 seed=5, n=2, stream=True))
+    ends = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
+    assert ends == [0, 1]
+    whole = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=10, temperature=0.8, seed=5, n=2)
+    for choice in whole.choices:
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == choice.index)
+        assert streamed == choice.message.content
+
+
+# -- completions ------------------------------------------------------------------------------------------
+def test_completion_echo_and_logprobs(client, model_id):
+    prompts = ["ROMEO:\n", "JULIET:\nO Romeo"]
+    reply = client.completions.create(model=model_id, prompt=prompts, max_tokens=8, temperature=0, echo=True,
+                                      logprobs=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    for prompt, choice in zip(prompts, reply.choices):
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset)
+        assert all(v is not None and v <= 0 for v in logprobs.token_logprobs)
+        generated = [t for t in logprobs.top_logprobs if t is not None]
+        assert 1 <= len(generated) <= 8 and all(len(t) <= 2 for t in generated)
+        assert logprobs.text_offset == sorted(logprobs.text_offset)
+    plain = client.completions.create(model=model_id, prompt=prompts[0], max_tokens=8, temperature=0)
+    assert reply.choices[0].text == prompts[0] + plain.choices[0].text
+
+
+def test_completion_default_max_tokens_is_openais_16(client, model_id):
+    reply = client.completions.create(model=model_id, prompt="ROMEO:", temperature=1.0, seed=3)
+    assert reply.usage.completion_tokens <= 16
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_stream_equals_non_stream(client, model_id):
+    ask = dict(model=model_id, prompt="To be, or not", max_tokens=20, temperature=0, logprobs=1)
+    whole = client.completions.create(**ask)
+    chunks = list(client.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == whole.choices[0].logprobs.tokens
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+# -- errors -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("temperature", "hot"), ("top_p", 0),
+                                          ("top_p", 10**400), ("presence_penalty", 9), ("seed", -5),
+                                          ("top_k", -1), ("stop", ["a", "b", "c", "d", "e"]), ("n", 0), ("n", 99)])
+def test_an_invalid_field_is_a_400_naming_it(served, field, value):
+    response = raw(served, "POST", "/chat/completions", {"messages": HELLO, "max_tokens": 4, field: value})
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["param"] == field and field in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_the_sdk_raises_bad_request_naming_the_field(client, model_id):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model_id, messages=HELLO, temperature=-2)
+    assert caught.value.param == "temperature" and "temperature" in caught.value.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"messages": [', None),
+    ("[1, 2]", None),
+    ('{"max_tokens": 4}', "messages"),
+    ('{"messages": [{"role": "tool", "content": "x"}]}', "messages[0].role"),
+    ('{"messages": [{"role": "assistant", "content": "x"}]}', "messages"),
+    ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+     "messages[0].content[0]"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', "tools"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', "top_logprobs"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}}', "stream_options"),
+])
+def test_malformed_requests_are_400_with_a_message(served, body, param):
+    response = raw(served, "POST", "/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == param
+
+
+def test_completion_refusals_name_the_field(served):
+    for body, param in [({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": [1, 2]}, "prompt"),
+                        ({"prompt": ""}, "prompt"), ({"prompt": "x", "logprobs": 50}, "logprobs"),
+                        ({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "best_of": 3}, "best_of")]:
+        response = raw(served, "POST", "/completions", body)
+        assert response.status_code == 400 and error_of(response)["param"] == param, (body, response.text)
+
+
+def test_a_prompt_longer_than_the_context_is_refused(client, model_id, served):
+    long = "word " * served[0].info.max_seq_len * 2
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": long}])
+    assert caught.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model_id, prompt=long)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "prompt"
+
+
+def test_max_tokens_beyond_the_context_runs_to_its_end(client, model_id, served):
+    reply = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=10**6, temperature=1.0, seed=1,
+                                      top_p=1.0)
+    limit = served[0].info.max_seq_len
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= limit
+
+
+def test_keys_are_required_and_checked(served, model_id):
+    for key in (None, "wrong-key"):
+        response = raw(served, "GET", "/models", key=key)
+        assert response.status_code == 401 and error_of(response)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=served[1], api_key="nope", max_retries=0).models.list()
+    assert openai.OpenAI(base_url=served[1], api_key=OTHER_KEY, max_retries=0).models.list().data
+
+
+def test_unknown_model_and_route_are_404(client, served):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert caught.value.code == "model_not_found" and caught.value.param == "model"
+    response = raw(served, "POST", "/embeddings", {"input": "x"})
+    assert response.status_code == 404 and error_of(response)["code"] == "unknown_url"
+
+
+# -- a busy engine, and clients that leave -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_slot():
+    """An API on an engine with one slot and one place in its queue, whose steps are slowed to 20 ms so that
+    a request stays in flight while the test looks at it."""
+    build = engine_build(max_seq_len=256, max_batch_size=1)
+    engine = Engine(load(**build), seed=0, max_waiting=1, after_turn=lambda: time.sleep(0.02)).start()
+    try:
+        with serve_api(engine) as url:
+            yield engine, url
+    finally:
+        engine.close()
+
+
+def wait_for(condition, seconds: float = 1.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_full_queue_is_503_and_leaving_clients_free_their_places(one_slot):
+    engine, url = one_slot
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+    running = client.chat.completions.create(model=engine.info.name, messages=HELLO, max_tokens=200,
+                                             temperature=1.0, top_p=1.0, stream=True)
+    next(iter(running))  # its first event: it holds the engine's one slot
+    assert engine.active_count == 1
+
+    def waiting_request():  # a non-streaming client that gives up after 0.5 s
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(url + "/completions", json={"prompt": "ROMEO:", "max_tokens": 50},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+
+    waiter = threading.Thread(target=waiting_request)
+    waiter.start()
+    assert wait_for(lambda: engine.waiting_count == 1, 5)
+    with pytest.raises(openai.InternalServerError) as caught:
+        client.completions.create(model=engine.info.name, prompt="ROMEO:", max_tokens=5)
+    assert caught.value.status_code == 503 and caught.value.code == "server_busy"
+    waiter.join()
+    assert wait_for(lambda: engine.waiting_count == 0), "the abandoned request kept its place in the queue"
+    assert engine.active_count == 1  # the streaming request goes on
+    running.close()  # the streaming client leaves
+    assert wait_for(lambda: engine.active_count == 0), "the abandoned stream kept its slot"
+    reply = client.completions.create(model=engine.info.name, prompt="ROMEO:", max_tokens=3)
+    assert reply.choices[0].text is not None
+
+
+def test_a_bug_is_a_500_in_the_api_shape_and_the_server_keeps_serving(one_slot, monkeypatch):
+    engine, url = one_slot
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(engine.tokenizer, "encode", broken)
+    response = httpx.post(url + "/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 500 and error_of(response)["type"] == "server_error"
+    monkeypatch.undo()
+    models = httpx.get(url + "/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert models.status_code == 200
+
+
+def test_an_engine_that_stopped_makes_health_503():
+    build = engine_build(max_seq_len=64, max_batch_size=1)
+    engine = Engine(load(**build), seed=0).start()
+    try:
+        with serve_api(engine) as url:
+            health = url.removesuffix("v1") + "health"
+            assert httpx.get(health).status_code == 200
+            engine.close()
+            response = httpx.get(health)
+            assert response.status_code == 503 and response.json()["status"] == "unavailable"
+            failed = httpx.post(url + "/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}"})
+            assert failed.status_code == 503 and error_of(failed)["message"]
+    finally:
+        engine.close()
+
+
+def test_server_sent_events_end_with_done(served):
+    with httpx.stream("POST", served[1] + "/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert all(e["object"] == "text_completion" for e in events)

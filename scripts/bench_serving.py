@@ -1,5 +1,6 @@
 """Serving benchmark: N concurrent clients stream completions from the running app over its HTTP API
-(or gradio_client, or with --engine-only straight from llama_core's Engine in-process), once with one
+(Gradio's, or with --client openai its OpenAI-compatible /v1/completions; or gradio_client; or with
+--engine-only straight from llama_core's Engine in-process), once with one
 engine slot (requests served one after another) and once with --slots slots (continuous batching).
 Reports aggregate tokens/s, time to first token and per-token latency (p50/p95) for both, and the
 batched/serial ratio; with --runs N the two take turns N times and the median ratio is reported.
@@ -49,8 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="model to serve (default: the embedded model)")
     p.add_argument("--engine-only", action="store_true",
                    help="drive llama_core's Engine in-process with the same workload (no HTTP, no Gradio)")
-    p.add_argument("--client", choices=("http", "gradio_client"), default="http",
-                   help="how the app is called: its HTTP API with server-sent events (as curl and the browser do), "
+    p.add_argument("--client", choices=("http", "openai", "gradio_client"), default="http",
+                   help="how the app is called: its Gradio HTTP API with server-sent events (as curl and the browser "
+                        "do), its OpenAI-compatible API (streaming /v1/completions, as OpenAI clients call it), "
                         "or gradio_client")
     p.add_argument("--runs", type=int, default=1,
                    help="serial and batched runs, taking turns; the ratio reported is their median")
@@ -120,6 +122,37 @@ def http_request(url: str, clients: int) -> Request:
                     if event == "complete":
                         return first, stats["generated_tokens"]
         raise RuntimeError("the event stream ended without a complete event")
+
+    return request
+
+
+def openai_request(url: str, clients: int) -> Request:
+    """One streaming /v1/completions request of client i, as an OpenAI client sends it (the usage of its last
+    event counts the tokens): (time of the first text, tokens generated). Each client keeps one connection."""
+    import httpx
+
+    pool = [httpx.Client(timeout=120) for _ in range(clients)]
+
+    def request(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
+        body = {"prompt": prompt, "temperature": a.temperature, "top_p": 0.95, "max_tokens": a.max_new_tokens,
+                "stream": True, "stream_options": {"include_usage": True}}
+        first, tokens = None, None
+        with pool[i].stream("POST", url + "v1/completions", json=body) as events:
+            if events.status_code != 200:
+                raise RuntimeError(f"the API answered {events.status_code}: {events.read().decode()[:200]}")
+            for line in events.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    raise RuntimeError(f"the API answered an error: {data['error']}")
+                if first is None and data["choices"] and data["choices"][0]["text"]:
+                    first = time.perf_counter()
+                if data.get("usage"):
+                    tokens = data["usage"]["completion_tokens"]
+        if tokens is None:
+            raise RuntimeError("the event stream ended without usage")
+        return first, tokens
 
     return request
 
@@ -229,7 +262,7 @@ def main() -> None:
     report["through"] = "engine" if a.engine_only else f"app ({a.client})"
     warm_up = argparse.Namespace(**{**vars(a), "requests": 1})  # every client once: its connection and session
     configurations = (("serial", 1), ("batched", a.slots))
-    client = http_request if a.client == "http" else gradio_client_request
+    client = {"http": http_request, "openai": openai_request, "gradio_client": gradio_client_request}[a.client]
     with contextlib.ExitStack() as stack:
         requests = {}
         for name, slots in configurations:  # both servers up at once, so their runs can take turns

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import uvicorn
 
@@ -31,13 +32,19 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class BackgroundServer:
-    """uvicorn serving `app` on a bound socket in a daemon thread; `stop()` ends it."""
+    """uvicorn serving `app` on a bound socket in a daemon thread; `stop()` ends it.
 
-    def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning") -> None:
+    before_stop: functions run in the server's event loop when it is asked to stop, e.g. to end streams
+    that would otherwise hold it open (Gradio's heartbeats end when its app's stop_event is set)."""
+
+    def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning",
+                 before_stop: tuple[Callable[[], None], ...] = ()) -> None:
         self.sock = sock
-        self.config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2, ws="none")
+        self.config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, ws="none")
         self.server = uvicorn.Server(self.config)
+        self.before_stop = list(before_stop)
         self.thread: Optional[threading.Thread] = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
 
     @property
     def port(self) -> int:
@@ -51,8 +58,7 @@ class BackgroundServer:
 
     def start(self, timeout: float = 30.0) -> "BackgroundServer":
         """Starts serving; returns once the server answers (or raises RuntimeError after timeout seconds)."""
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="web-server", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="web-server", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -60,6 +66,18 @@ class BackgroundServer:
                 raise RuntimeError(f"the web server did not start on {self.url}")
             time.sleep(0.01)
         return self
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+        finally:  # end the app's own background tasks (Gradio's queue) before the loop goes
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self.loop.close()
 
     def wait(self) -> None:
         """Blocks until the server stops (Ctrl-C stops it)."""
@@ -70,6 +88,12 @@ class BackgroundServer:
             pass
 
     def stop(self) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            for function in self.before_stop:
+                try:
+                    self.loop.call_soon_threadsafe(function)
+                except RuntimeError:  # the loop has just closed
+                    pass
         self.server.should_exit = True
         if self.thread is not None:
             self.thread.join(timeout=10)

@@ -14,10 +14,9 @@ from .checkpoint import load_model, read_model_args
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from .resources import DEFAULT_CKPT_DIR
 from .runner import ModelRunner
 from .tokenizer import Tokenizer
-
-DEFAULT_CKPT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare"
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def load(
             raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
     ckpt_dir = Path(ckpt_dir).expanduser() if ckpt_dir is not None else DEFAULT_CKPT_DIR
     if not ckpt_dir.is_dir():
-        hint = " (the embedded default model; see models/README.md)" if ckpt_dir == DEFAULT_CKPT_DIR else ""
+        hint = " (the embedded default model; see llama_core/models/README.md)" if ckpt_dir == DEFAULT_CKPT_DIR else ""
         raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}{hint}")
     tokenizer = Tokenizer(find_tokenizer(ckpt_dir, tokenizer_path))
     args = read_model_args(ckpt_dir)

@@ -1,6 +1,6 @@
 """Runs app.py's interface in-process on a free port for the app and browser tests.
 
-The model is the embedded default (models/tiny-shakespeare) when it exists, else ../shared's stories260K;
+The model is the embedded default (llama_core/models/tiny-shakespeare) when it exists, else ../shared's stories260K;
 tests skip when neither is there.
 """
 

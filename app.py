@@ -203,13 +203,15 @@ def _highlights(tokens: list[dict]) -> list[tuple[str, str]]:
 
 def model_facts(info: ModelInfo) -> str:
     args = info.args
+    # Meta's params.json does not state the trained context: say so rather than show an assumed 4,096.
+    trained_for = f"{args.max_seq_len:,}" if args.max_seq_len is not None else "not stated by the checkpoint"
     rows = [
         ("Checkpoint", f"`{info.ckpt_dir}`"),
         ("Tokenizer", f"`{info.tokenizer_path}` ({args.vocab_size:,} pieces)"),
         ("Parameters", f"{info.parameter_count:,}"),
         ("Layers · width · heads (kv)", f"{args.n_layers} · {args.dim} · {args.n_heads} ({args.n_kv_heads})"),
         ("dtype · device", f"{info.dtype} · {info.device}"),
-        ("Context (max_seq_len)", f"{info.max_seq_len:,} tokens (trained for {args.max_seq_len:,})"),
+        ("Context (max_seq_len)", f"{info.max_seq_len:,} tokens (trained for {trained_for})"),
         ("Batch (max_batch_size)", f"{info.max_batch_size} requests decoded together"),
         ("Load time", f"{info.load_seconds:.2f} s"),
     ]

@@ -22,13 +22,15 @@ class ModelArgs:
     hidden_dim: Optional[int] = None  # SwiGLU hidden size; None derives it by Meta's rule
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # rotary embedding base
-    max_seq_len: int = 4096  # longest context the model was trained for
+    max_seq_len: Optional[int] = None  # longest context the model was trained for; None: its config does not say
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads"):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
             value = getattr(self, name)
+            if value is None and name == "max_seq_len":  # not stated
+                continue
             if not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"model config field '{name}' must be a positive integer, got {value!r}")
         if self.dim % self.n_heads:

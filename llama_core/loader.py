@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from .checkpoint import load_model, read_model_args
+from .checkpoint import load_model
+from .checkpoint_files import find_tokenizer, read_model_args
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
@@ -118,21 +119,3 @@ def load(
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
     return LoadedModel.from_runner(runner, tokenizer, ckpt_dir, time.perf_counter() - start)
 
-
-def find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path] = None) -> Path:
-    """tokenizer_path if given, else tokenizer.model in ckpt_dir or its parent (Meta's downloads keep it there).
-
-    Raises:
-        CheckpointNotFoundError: no such file.
-    """
-    if tokenizer_path is not None:
-        path = Path(tokenizer_path).expanduser()
-        if not path.is_file():
-            raise CheckpointNotFoundError(f"tokenizer model not found: {path}")
-        return path
-    for candidate in (ckpt_dir / "tokenizer.model", ckpt_dir.parent / "tokenizer.model"):
-        if candidate.is_file():
-            return candidate
-    raise CheckpointNotFoundError(
-        f"no tokenizer.model in {ckpt_dir} or its parent {ckpt_dir.parent}; pass tokenizer_path"
-    )

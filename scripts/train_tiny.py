@@ -273,7 +273,8 @@ def held_out_losses(model: Transformer, tokenizer: Tokenizer, train_text: str, v
 
 
 def report_losses(a, train_text: str, val_text: str, train_dialogs, val_dialogs) -> None:
-    from llama_core.checkpoint import load_model, read_model_args
+    from llama_core.checkpoint import load_model
+    from llama_core.checkpoint_files import read_model_args
 
     args = read_model_args(a.out)
     tokenizer = Tokenizer(a.out / "tokenizer.model")

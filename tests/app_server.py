@@ -20,7 +20,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import app  # noqa: E402
 from llama_core import DEFAULT_CKPT_DIR, load  # noqa: E402
-from llama_core.checkpoint import read_model_args  # noqa: E402
+from llama_core.checkpoint_files import read_model_args  # noqa: E402
 from llama_core.serving import Engine  # noqa: E402
 from llama_core.serving.engine_process import EngineProcess  # noqa: E402
 from llama_core.prompt_library import load_prompts  # noqa: E402
@@ -51,8 +51,8 @@ def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8,
     closes both afterwards. The engine runs in a process of its own, as `python app.py` runs it, unless
     engine_process is False (`--single-process`)."""
     ckpt_dir = model_dir()
-    args_max = read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len
-    build = dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, args_max), max_batch_size=max_batch_size,
+    trained_for = read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len or max_seq_len
+    build = dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, trained_for), max_batch_size=max_batch_size,
                  device="cpu", dtype="float32", seed=0)
     engine = EngineProcess(build, threads=1).start() if engine_process else Engine(load(**{k: v for k, v in build.items() if k != 'seed'}), seed=0).start()
     try:

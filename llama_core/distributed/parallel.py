@@ -31,11 +31,9 @@ from ..checkpoint import (
     hf_to_meta_name,
     load_torch_file,
     check_state_dict,
-    checkpoint_layout,
     hf_to_meta,
-    hf_weight_files,
-    meta_shard_paths,
 )
+from ..checkpoint_files import checkpoint_layout, hf_weight_files, meta_shard_paths
 from ..config import ModelArgs
 from ..errors import CheckpointError, InvalidRequestError
 from ..model import Transformer

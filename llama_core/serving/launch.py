@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..checkpoint import read_model_args
+from ..checkpoint_files import read_model_args
 from ..devices import resolve_device
 from ..distributed.device_map import parse_max_memory
 from ..distributed.parallel import launched_by_torchrun
@@ -52,7 +52,7 @@ def open_engine(
         max_seq_len = DEFAULT_MAX_SEQ_LEN
         folder = ckpt_dir or DEFAULT_CKPT_DIR
         if folder.is_dir():  # a missing folder is reported by loading
-            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(folder).max_seq_len)
+            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(folder).max_seq_len or DEFAULT_MAX_SEQ_LEN)
     threads = threads or default_threads(device, device_map)
     if threads:
         torch.set_num_threads(threads)

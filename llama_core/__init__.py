@@ -5,10 +5,7 @@ lines' argument checks, llama_core.resources) cost milliseconds: torch is import
 needs it, not by the package.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+from .lazy_exports import lazy_exports
 
 # name -> the module defining it
 _MODULES = {
@@ -47,15 +44,4 @@ _MODULES = {
 }
 
 __all__ = sorted(_MODULES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULES[name], __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MODULES))
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES)

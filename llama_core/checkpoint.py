@@ -39,8 +39,10 @@ _HF_NAMES = [
 ]
 
 
-def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Builds the model on the meta device and assigns the checkpoint's tensors, cast to dtype on device."""
+def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype,
+               progress: bool = False) -> Transformer:
+    """Builds the model on the meta device and assigns the checkpoint's tensors, cast to dtype on device;
+    with progress, a bar on stderr follows the weights as they are placed."""
     if checkpoint_layout(ckpt_dir) == "meta":
         state_dict = load_meta_state_dict(ckpt_dir)
     else:
@@ -48,9 +50,24 @@ def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: tor
     with torch.device("meta"):
         model = Transformer(args)
     check_state_dict(state_dict, model, ckpt_dir)
-    state_dict = {name: t.to(device=device, dtype=dtype) for name, t in state_dict.items()}
+    with WeightsProgress(model, dtype, progress) as bar:
+        state_dict = {name: bar.placed(t.to(device=device, dtype=dtype)) for name, t in state_dict.items()}
     model.load_state_dict(state_dict, strict=True, assign=True)
     return model.requires_grad_(False).eval()
+
+
+class WeightsProgress(tqdm):
+    """A progress bar over the bytes of a meta-device model's weights in dtype, advanced by `placed(tensor)`
+    as each arrives on its device; silent unless enabled."""
+
+    def __init__(self, model: Transformer, dtype: torch.dtype, enabled: bool) -> None:
+        total = sum(t.numel() for t in model.state_dict().values()) * dtype.itemsize
+        super().__init__(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+                         disable=not enabled)
+
+    def placed(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.update(tensor.numel() * tensor.element_size())
+        return tensor
 
 
 def load_meta_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:

@@ -51,6 +51,15 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def parameter_count(self) -> int:
+        """Weights of a model of this shape (vocab_size known): what it holds before anything is loaded."""
+        if self.vocab_size < 1:
+            raise CheckpointError("model config: vocab_size is not known yet (read it from the tokenizer)")
+        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)  # wq, wo; wk, wv
+        block = attention + 3 * self.dim * self.hidden_dim + 2 * self.dim  # + SwiGLU w1, w2, w3 + two norms
+        return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim  # embeddings, output, final norm
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -71,8 +71,10 @@ def load(
     max_memory: Optional[dict] = None,
     tensor_parallel: bool = False,
     compile: bool = False,
+    progress: bool = False,
 ) -> LoadedModel:
-    """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`.
+    """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`, and
+    progress shows a bar on stderr while the weights load (on rank 0 only under tensor parallelism).
 
     Under tensor parallelism, ranks > 0 serve rank 0's forwards inside this call and then exit the process.
 
@@ -104,16 +106,16 @@ def load(
         if device_map is not None:
             raise InvalidRequestError("device_map and tensor_parallel exclude each other: choose one")
         torch_device = parallel.init_distributed(device, args)
-        model = parallel.load_model_shard(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
+        model = parallel.load_model_shard(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress)
     elif device_map is not None:
         from .distributed.device_map import load_dispatched
 
         if str(device) != "auto":
             raise InvalidRequestError(f"device_map places the model: leave device as 'auto', got {device!r}")
-        model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len)
+        model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len, progress)
     else:
         torch_device = resolve_device(device)
-        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
+        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress)
     runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel)
     if tensor_parallel:
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only

@@ -25,6 +25,7 @@ from .serving.requests import SamplingParams
 
 
 def build_parser() -> ArgumentParser:
+    """llama-generate's arguments: the prompt, the sampling controls and the model options."""
     p = ArgumentParser(prog="llama-generate", description="Complete a text, or answer one chat message, with a "
                        "Llama-2 model; the text streams to stdout.")
     p.add_argument("prompt", nargs="?", help="the text to continue, or with --chat the user's message "
@@ -93,6 +94,7 @@ def check_sampling_options(args: argparse.Namespace) -> SamplingParams:
 
 
 def check_max_new_tokens(max_new_tokens: Optional[int], max_seq_len: int) -> Optional[int]:
+    """--max-new-tokens, which must leave room for a prompt in the context (None: the default)."""
     if max_new_tokens is not None and max_new_tokens >= max_seq_len:
         raise OptionError(f"--max-new-tokens {max_new_tokens} does not fit the {max_seq_len:,}-token context with a "
                           f"prompt: pass at most {max_seq_len - 1}, or a larger --max-seq-len")

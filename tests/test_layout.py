@@ -99,6 +99,9 @@ def test_only_the_app_imports_gradio():
     importers = sorted(_module_name(path) for path in PACKAGE.rglob("*.py")
                        if any(m.split(".")[0] in ("gradio", "gradio_client") for m, _ in _imports(path)))
     assert importers and all(m.startswith("llama_core.app.") for m in importers), importers
+    graph = _graph()
+    outside = [m for m in graph if not m.startswith("llama_core.app")]
+    assert not [m for m in outside if any(d.startswith("llama_core.app") for d in graph[m])]
 
 
 def test_the_root_app_py_only_starts_the_command_line():

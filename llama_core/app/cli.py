@@ -20,6 +20,7 @@ from .address import check_listen_address, port_number
 
 
 def build_parser() -> ArgumentParser:
+    """llama-chat's arguments: the model options, the engine's, and where to serve."""
     p = ArgumentParser(prog="llama-chat", description="Serve a Llama-2 model in a web app: chat, completion, "
                        "the model's facts, and a streaming API.")
     add_model_options(p)
@@ -76,6 +77,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        return 130
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         print(f"error: the model does not fit on {plan.device} with --max-seq-len {plan.max_seq_len} and "

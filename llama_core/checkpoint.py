@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint_files import checkpoint_layout, hf_weight_files, meta_shard_paths
+from .checkpoint_files import read_model_args  # noqa: F401  (its old home: callers may import it from here)
 from .config import ModelArgs
 from .errors import CheckpointError
 from .model import Transformer

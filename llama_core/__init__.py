@@ -1,64 +1,47 @@
-"""llama_core: Llama-2 inference in PyTorch."""
+"""llama_core: Llama-2 inference in PyTorch.
 
-from .config import ModelArgs
-from .dialog import Dialog, Message, Role, UNSAFE_ERROR
-from .errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    ContextLengthError,
-    DialogError,
-    InvalidRequestError,
-    LlamaError,
-    ServerBusyError,
-)
-from .generation import ChatPrediction, CompletionPrediction, Llama
-from .loader import DEFAULT_CKPT_DIR, LoadedModel, ModelInfo, load
-from .runner import ModelRunner
-from .serving import (
-    Engine,
-    EngineProcess,
-    GenerationRequest,
-    RequestFailedError,
-    SamplingParams,
-    StreamChunk,
-    TextStream,
-    TokenStream,
-    stream_chat,
-    stream_completion,
-)
-from .tokenizer import StreamDecoder, Tokenizer
+The names below load on first use (PEP 562), so `import llama_core` and its light modules (the command
+lines' argument checks, llama_core.resources) cost milliseconds: torch is imported by the first name that
+needs it, not by the package.
+"""
 
-__all__ = [
-    "ChatPrediction",
-    "CheckpointError",
-    "CompletionPrediction",
-    "CheckpointNotFoundError",
-    "ContextLengthError",
-    "DEFAULT_CKPT_DIR",
-    "Dialog",
-    "DialogError",
-    "Engine",
-    "EngineProcess",
-    "GenerationRequest",
-    "InvalidRequestError",
-    "Llama",
-    "LlamaError",
-    "LoadedModel",
-    "Message",
-    "ModelArgs",
-    "ModelInfo",
-    "ModelRunner",
-    "RequestFailedError",
-    "SamplingParams",
-    "Role",
-    "ServerBusyError",
-    "StreamChunk",
-    "StreamDecoder",
-    "TextStream",
-    "TokenStream",
-    "Tokenizer",
-    "UNSAFE_ERROR",
-    "load",
-    "stream_chat",
-    "stream_completion",
-]
+from .lazy_exports import lazy_exports
+
+# name -> the module defining it
+_MODULES = {
+    "ModelArgs": ".config",
+    "Dialog": ".dialog",
+    "Message": ".dialog",
+    "Role": ".dialog",
+    "UNSAFE_ERROR": ".dialog",
+    "CheckpointError": ".errors",
+    "CheckpointNotFoundError": ".errors",
+    "ContextLengthError": ".errors",
+    "DialogError": ".errors",
+    "InvalidRequestError": ".errors",
+    "LlamaError": ".errors",
+    "ServerBusyError": ".errors",
+    "ChatPrediction": ".generation",
+    "CompletionPrediction": ".generation",
+    "Llama": ".generation",
+    "LoadedModel": ".loader",
+    "ModelInfo": ".loader",
+    "load": ".loader",
+    "DEFAULT_CKPT_DIR": ".resources",
+    "ModelRunner": ".runner",
+    "Engine": ".serving",
+    "EngineProcess": ".serving",
+    "GenerationRequest": ".serving",
+    "RequestFailedError": ".serving",
+    "SamplingParams": ".serving",
+    "StreamChunk": ".serving",
+    "TextStream": ".serving",
+    "TokenStream": ".serving",
+    "stream_chat": ".serving",
+    "stream_completion": ".serving",
+    "StreamDecoder": ".tokenizer",
+    "Tokenizer": ".tokenizer",
+}
+
+__all__ = sorted(_MODULES)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES)

@@ -11,8 +11,10 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from .checkpoint_files import checkpoint_layout, hf_weight_files, meta_shard_paths
+from .checkpoint_files import read_model_args  # noqa: F401  (its old home: callers may import it from here)
 from .config import ModelArgs
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError
 from .model import Transformer
 
 # Model-parallel split of Meta's shards: dimension to concatenate along, or None (replicated).
@@ -38,27 +40,10 @@ _HF_NAMES = [
 ]
 
 
-def checkpoint_layout(ckpt_dir: Path) -> str:
-    """'meta' for a params.json checkpoint, 'hf' for a config.json one."""
-    if not ckpt_dir.is_dir():
-        raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
-    if (ckpt_dir / "params.json").is_file():
-        return "meta"
-    if (ckpt_dir / "config.json").is_file():
-        return "hf"
-    raise CheckpointNotFoundError(
-        f"no params.json (Meta layout) or config.json (Hugging Face layout) in checkpoint directory {ckpt_dir}"
-    )
-
-
-def read_model_args(ckpt_dir: Path) -> ModelArgs:
-    if checkpoint_layout(ckpt_dir) == "meta":
-        return ModelArgs.from_meta_params(ckpt_dir / "params.json")
-    return ModelArgs.from_hf_config(ckpt_dir / "config.json")
-
-
-def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Builds the model on the meta device and assigns the checkpoint's tensors, cast to dtype on device."""
+def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype,
+               progress: bool = False) -> Transformer:
+    """Builds the model on the meta device and assigns the checkpoint's tensors, cast to dtype on device;
+    with progress, a bar on stderr follows the weights as they are placed."""
     if checkpoint_layout(ckpt_dir) == "meta":
         state_dict = load_meta_state_dict(ckpt_dir)
     else:
@@ -66,9 +51,24 @@ def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: tor
     with torch.device("meta"):
         model = Transformer(args)
     check_state_dict(state_dict, model, ckpt_dir)
-    state_dict = {name: t.to(device=device, dtype=dtype) for name, t in state_dict.items()}
+    with WeightsProgress(model, dtype, progress) as bar:
+        state_dict = {name: bar.placed(t.to(device=device, dtype=dtype)) for name, t in state_dict.items()}
     model.load_state_dict(state_dict, strict=True, assign=True)
     return model.requires_grad_(False).eval()
+
+
+class WeightsProgress(tqdm):
+    """A progress bar over the bytes of a meta-device model's weights in dtype, advanced by `placed(tensor)`
+    as each arrives on its device; silent unless enabled."""
+
+    def __init__(self, model: Transformer, dtype: torch.dtype, enabled: bool) -> None:
+        total = sum(t.numel() for t in model.state_dict().values()) * dtype.itemsize
+        super().__init__(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+                         disable=not enabled)
+
+    def placed(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.update(tensor.numel() * tensor.element_size())
+        return tensor
 
 
 def load_meta_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
@@ -78,20 +78,6 @@ def load_meta_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     if len(shards) == 1:
         return {name: t for name, t in shards[0].items() if not name.endswith("rope.freqs")}
     return merge_meta_shards(shards, shard_paths)
-
-
-def meta_shard_paths(ckpt_dir: Path) -> list[Path]:
-    paths = sorted(ckpt_dir.glob("consolidated.*.pth"))
-    if not paths:
-        raise CheckpointNotFoundError(f"no consolidated.*.pth weight shard in {ckpt_dir}")
-    numbers = [int(m.group(1)) for p in paths if (m := re.fullmatch(r"consolidated\.(\d+)\.pth", p.name))]
-    if sorted(numbers) != list(range(len(paths))):
-        missing = sorted(set(range(max(numbers, default=0) + 1)) - set(numbers))
-        raise CheckpointNotFoundError(
-            f"weight shards in {ckpt_dir} are not numbered 00..{len(paths) - 1:02d}: "
-            f"missing consolidated.{missing[0] if missing else '?':02}.pth"
-        )
-    return paths
 
 
 def merge_meta_shards(shards: list[dict[str, torch.Tensor]], paths: list[Path]) -> dict[str, torch.Tensor]:
@@ -152,24 +138,6 @@ def hf_to_meta(ckpt_dir: Path, key: str, tensor: torch.Tensor, n_heads: int, n_k
     elif name.endswith("attention.wk.weight"):
         tensor = unpermute_rotary(tensor, n_kv_heads)
     return name, tensor
-
-
-def hf_weight_files(ckpt_dir: Path) -> list[Path]:
-    index = ckpt_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"cannot read shard index {index}: {exc}") from exc
-        files = [ckpt_dir / name for name in sorted(set(weight_map.values()))]
-        for path in files:
-            if not path.is_file():
-                raise CheckpointNotFoundError(f"weight shard {path} listed in {index} not found")
-        return files
-    single = ckpt_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise CheckpointNotFoundError(f"no model.safetensors or model.safetensors.index.json in {ckpt_dir}")
 
 
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -22,13 +22,15 @@ class ModelArgs:
     hidden_dim: Optional[int] = None  # SwiGLU hidden size; None derives it by Meta's rule
     norm_eps: float = 1e-5  # RMSNorm epsilon
     rope_theta: float = 10000.0  # rotary embedding base
-    max_seq_len: int = 4096  # longest context the model was trained for
+    max_seq_len: Optional[int] = None  # longest context the model was trained for; None: its config does not say
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads"):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
             value = getattr(self, name)
+            if value is None and name == "max_seq_len":  # not stated
+                continue
             if not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"model config field '{name}' must be a positive integer, got {value!r}")
         if self.dim % self.n_heads:
@@ -48,6 +50,15 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def parameter_count(self) -> int:
+        """Weights of a model of this shape (vocab_size known): what it holds before anything is loaded."""
+        if self.vocab_size < 1:
+            raise CheckpointError("model config: vocab_size is not known yet (read it from the tokenizer)")
+        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)  # wq, wo; wk, wv
+        block = attention + 3 * self.dim * self.hidden_dim + 2 * self.dim  # + SwiGLU w1, w2, w3 + two norms
+        return 2 * self.vocab_size * self.dim + self.n_layers * block + self.dim  # embeddings, output, final norm
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,14 +10,14 @@ from typing import Optional
 
 import torch
 
-from .checkpoint import load_model, read_model_args
+from .checkpoint import load_model
+from .checkpoint_files import find_tokenizer, read_model_args
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from .resources import DEFAULT_CKPT_DIR
 from .runner import ModelRunner
 from .tokenizer import Tokenizer
-
-DEFAULT_CKPT_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-shakespeare"
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,10 @@ def load(
     max_memory: Optional[dict] = None,
     tensor_parallel: bool = False,
     compile: bool = False,
+    progress: bool = False,
 ) -> LoadedModel:
-    """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`.
+    """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`, and
+    progress shows a bar on stderr while the weights load (on rank 0 only under tensor parallelism).
 
     Under tensor parallelism, ranks > 0 serve rank 0's forwards inside this call and then exit the process.
 
@@ -85,7 +87,7 @@ def load(
             raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
     ckpt_dir = Path(ckpt_dir).expanduser() if ckpt_dir is not None else DEFAULT_CKPT_DIR
     if not ckpt_dir.is_dir():
-        hint = " (the embedded default model; see models/README.md)" if ckpt_dir == DEFAULT_CKPT_DIR else ""
+        hint = " (the embedded default model; see llama_core/models/README.md)" if ckpt_dir == DEFAULT_CKPT_DIR else ""
         raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}{hint}")
     tokenizer = Tokenizer(find_tokenizer(ckpt_dir, tokenizer_path))
     args = read_model_args(ckpt_dir)
@@ -104,36 +106,18 @@ def load(
         if device_map is not None:
             raise InvalidRequestError("device_map and tensor_parallel exclude each other: choose one")
         torch_device = parallel.init_distributed(device, args)
-        model = parallel.load_model_shard(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
+        model = parallel.load_model_shard(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress)
     elif device_map is not None:
         from .distributed.device_map import load_dispatched
 
         if str(device) != "auto":
             raise InvalidRequestError(f"device_map places the model: leave device as 'auto', got {device!r}")
-        model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len)
+        model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len, progress)
     else:
         torch_device = resolve_device(device)
-        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device))
+        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress)
     runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel)
     if tensor_parallel:
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
     return LoadedModel.from_runner(runner, tokenizer, ckpt_dir, time.perf_counter() - start)
 
-
-def find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path] = None) -> Path:
-    """tokenizer_path if given, else tokenizer.model in ckpt_dir or its parent (Meta's downloads keep it there).
-
-    Raises:
-        CheckpointNotFoundError: no such file.
-    """
-    if tokenizer_path is not None:
-        path = Path(tokenizer_path).expanduser()
-        if not path.is_file():
-            raise CheckpointNotFoundError(f"tokenizer model not found: {path}")
-        return path
-    for candidate in (ckpt_dir / "tokenizer.model", ckpt_dir.parent / "tokenizer.model"):
-        if candidate.is_file():
-            return candidate
-    raise CheckpointNotFoundError(
-        f"no tokenizer.model in {ckpt_dir} or its parent {ckpt_dir.parent}; pass tokenizer_path"
-    )

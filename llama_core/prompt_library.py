@@ -1,6 +1,6 @@
 """The app's prompts as plain files: the default system prompt and the chat and completion examples.
 
-A prompts directory holds (see prompts/README.md):
+A prompts directory holds (see llama_core/prompts/README.md):
   system_prompt.txt        the default system prompt, the whole file (surrounding whitespace stripped)
   chat_examples.txt        example chat messages, one per block
   completion_examples.txt  example completion prompts, one per block
@@ -17,8 +17,7 @@ from pathlib import Path
 
 from .dialog import SPECIAL_TAGS
 from .errors import LlamaError
-
-DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+from .resources import DEFAULT_PROMPTS_DIR
 
 SYSTEM_PROMPT_FILE = "system_prompt.txt"
 CHAT_EXAMPLES_FILE = "chat_examples.txt"

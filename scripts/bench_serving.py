@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-STREAM_UPDATE_SECONDS = 0.1  # as app.py streams
+STREAM_UPDATE_SECONDS = 0.1  # as the app streams (llama_core.app.ui)
 PROMPTS = [
     "ROMEO:\nBut soft, what light through yonder",
     "First Citizen:\nBefore we proceed any further,",
@@ -181,7 +181,7 @@ def gradio_client_request(url: str, clients: int) -> Request:
 
 
 def engine_request(engine) -> Request:
-    """The same request straight to llama_core's Engine, read as app.py reads it: in batches, at most one
+    """The same request straight to llama_core's Engine, read as the app reads it: in batches, at most one
     every STREAM_UPDATE_SECONDS."""
     from llama_core.serving import stream_completion
 

@@ -6,7 +6,7 @@ The model sees two streams, mixed half and half:
   * Llama-2 chat dialogs built from consecutive speeches: one speech is the user's message, the next
     the assistant's reply, the replying speaker's name in the system prompt, laid out by llama_core.dialog.
 
-    python scripts/train_tiny.py --data ../shared/data/tinyshakespeare.txt --out models/tiny-shakespeare
+    python scripts/train_tiny.py --data ../shared/data/tinyshakespeare.txt --out llama_core/models/tiny-shakespeare
 
 Resumable: it saves train_state.pt in --work-dir every --save-every steps and picks up from it.
 """
@@ -30,16 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llama_core.config import ModelArgs  # noqa: E402
 from llama_core.dialog import SPECIAL_TAGS, encode_dialog  # noqa: E402
 from llama_core.model import Transformer  # noqa: E402
+from llama_core.resources import DEFAULT_CKPT_DIR, DEFAULT_PROMPTS_DIR  # noqa: E402
 from llama_core.tokenizer import Tokenizer  # noqa: E402
 
-DEFAULT_SYSTEM_PROMPT = Path(__file__).resolve().parent.parent / "prompts" / "system_prompt.txt"
+DEFAULT_SYSTEM_PROMPT = DEFAULT_PROMPTS_DIR / "system_prompt.txt"
 SPEECH = re.compile(r"^([A-Z][A-Za-z' ]+):\n(.+)$", re.S)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=Path("../shared/data/tinyshakespeare.txt"))
-    p.add_argument("--out", type=Path, default=Path("models/tiny-shakespeare"))
+    p.add_argument("--out", type=Path, default=DEFAULT_CKPT_DIR)
     p.add_argument("--work-dir", type=Path, default=Path("runs/tiny-shakespeare"))
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--dim", type=int, default=192)
@@ -272,7 +273,8 @@ def held_out_losses(model: Transformer, tokenizer: Tokenizer, train_text: str, v
 
 
 def report_losses(a, train_text: str, val_text: str, train_dialogs, val_dialogs) -> None:
-    from llama_core.checkpoint import load_model, read_model_args
+    from llama_core.checkpoint import load_model
+    from llama_core.checkpoint_files import read_model_args
 
     args = read_model_args(a.out)
     tokenizer = Tokenizer(a.out / "tokenizer.model")

@@ -1,6 +1,6 @@
-"""Runs app.py's interface in-process on a free port for the app and browser tests.
+"""Runs the app's interface (llama_core.app.ui) in-process on a free port for the app and browser tests.
 
-The model is the embedded default (models/tiny-shakespeare) when it exists, else ../shared's stories260K;
+The model is the embedded default (llama_core/models/tiny-shakespeare) when it exists, else ../shared's stories260K;
 tests skip when neither is there.
 """
 
@@ -18,12 +18,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import app  # noqa: E402
 from llama_core import DEFAULT_CKPT_DIR, load  # noqa: E402
-from llama_core.checkpoint import read_model_args  # noqa: E402
+from llama_core.app import server, ui  # noqa: E402
+from llama_core.checkpoint_files import read_model_args  # noqa: E402
+from llama_core.prompt_library import load_prompts  # noqa: E402
 from llama_core.serving import Engine  # noqa: E402
 from llama_core.serving.engine_process import EngineProcess  # noqa: E402
-from llama_core.prompt_library import load_prompts  # noqa: E402
 
 STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260K"
 MAX_SEQ_LEN = 256  # short contexts keep the tests fast on CPU
@@ -48,17 +48,17 @@ def free_port() -> int:
 def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8,
               engine_process: bool = True) -> Iterator[tuple[Engine | EngineProcess, str]]:
     """Yields (engine, local URL) of the app serving the test model (its context at most max_seq_len);
-    closes both afterwards. The engine runs in a process of its own, as `python app.py` runs it, unless
+    closes both afterwards. The engine runs in a process of its own, as `llama-chat` runs it, unless
     engine_process is False (`--single-process`)."""
     ckpt_dir = model_dir()
-    args_max = read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len
-    build = dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, args_max), max_batch_size=max_batch_size,
+    trained_for = read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len or max_seq_len
+    build = dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, trained_for), max_batch_size=max_batch_size,
                  device="cpu", dtype="float32", seed=0)
     engine = EngineProcess(build, threads=1).start() if engine_process else Engine(load(**{k: v for k, v in build.items() if k != 'seed'}), seed=0).start()
     try:
-        demo = app.build_demo(engine, load_prompts())
+        demo = ui.build_demo(engine, load_prompts())
         try:
-            app.launch(demo, port=free_port())
+            server.launch(demo, port=free_port())
             yield engine, demo.local_url
         finally:
             demo.close(verbose=False)

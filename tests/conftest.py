@@ -21,7 +21,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from llama_core import Llama, Tokenizer  # noqa: E402
-from llama_core.checkpoint import load_model, permute_rotary, read_model_args  # noqa: E402
+from llama_core.checkpoint import load_model, permute_rotary  # noqa: E402
+from llama_core.checkpoint_files import read_model_args  # noqa: E402
 from llama_core.config import ModelArgs  # noqa: E402
 from llama_core.model import Transformer  # noqa: E402
 

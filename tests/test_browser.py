@@ -11,7 +11,7 @@ import pytest
 
 from app_server import REPO_ROOT, serve_app
 
-import app
+from llama_core.app import ui
 from llama_core.serving import stream_completion
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -91,7 +91,7 @@ def test_stop_cancels_the_request_in_the_engine(page, served, monkeypatch):
         stream.cancel = lambda: (cancels.append(stream.finish_reason is None), cancel())
         return stream
 
-    monkeypatch.setattr(app, "stream_completion", recording_stream_completion)
+    monkeypatch.setattr(ui, "stream_completion", recording_stream_completion)
     page.click("#completion-tab-button")
     page.uncheck("#completion-probabilities input")
     set_number(page, "#completion-max-new-tokens", engine.info.max_seq_len - 16)

@@ -17,7 +17,8 @@ from conftest import (
     split_meta_shards,
     write_meta_checkpoint,
 )
-from llama_core.checkpoint import checkpoint_layout, permute_rotary, read_model_args, unpermute_rotary
+from llama_core.checkpoint import permute_rotary, unpermute_rotary
+from llama_core.checkpoint_files import checkpoint_layout, read_model_args
 from llama_core.config import ModelArgs
 
 

@@ -1,5 +1,6 @@
-"""The package's shape, read from its imports: no import circles, layers that only look down, app.py as
-interface only, and no module reaching into another's private names."""
+"""The package's shape, read from its imports: no import circles, layers that only look down, the app's
+interface (llama_core/app/ui.py) as interface only, gradio only in llama_core.app, and no module reaching
+into another's private names."""
 
 from __future__ import annotations
 
@@ -80,20 +81,37 @@ def test_the_model_side_never_depends_on_serving(module):
     assert not any(m.startswith("llama_core.serving") for m in _reachable(_graph(), module))
 
 
-def test_app_is_interface_only():
-    imported = {m for m, _ in _imports(ROOT / "app.py")}
+UI = PACKAGE / "app" / "ui.py"
+
+
+def test_the_app_interface_is_interface_only():
+    imported = {m for m, _ in _imports(UI)}
     assert not {m for m in imported if m == "torch" or m.startswith("torch.")}
-    private = [(m, n) for m, names in _imports(ROOT / "app.py") for n in names if n.startswith("_")]
+    private = [(m, n) for m, names in _imports(UI) for n in names if n.startswith("_")]
     assert private == []
     # No checks of its own: every value is judged by llama_core.serving.requests.
-    source = (ROOT / "app.py").read_text()
+    source = UI.read_text()
     assert "isinstance(" not in source
+
+
+def test_only_the_app_imports_gradio():
+    """gradio is the [app] extra: the rest of llama_core imports without it."""
+    importers = sorted(_module_name(path) for path in PACKAGE.rglob("*.py")
+                       if any(m.split(".")[0] in ("gradio", "gradio_client") for m, _ in _imports(path)))
+    assert importers and all(m.startswith("llama_core.app.") for m in importers), importers
+    graph = _graph()
+    outside = [m for m in graph if not m.startswith("llama_core.app")]
+    assert not [m for m in outside if any(d.startswith("llama_core.app") for d in graph[m])]
+
+
+def test_the_root_app_py_only_starts_the_command_line():
+    assert _imports(ROOT / "app.py") == [("sys", []), ("llama_core.app.cli", ["main"])]
 
 
 def test_no_module_takes_private_names_from_another():
     taken = [
         (_module_name(path), module, name)
-        for path in [*PACKAGE.rglob("*.py"), ROOT / "app.py"]
+        for path in [*PACKAGE.rglob("*.py"), ROOT / "app.py", *(ROOT / "scripts").glob("*.py")]
         for module, names in _imports(path)
         if module.startswith("llama_core")
         for name in names

@@ -39,7 +39,7 @@ def engine_build(max_seq_len: int, max_batch_size: int) -> dict:
     from llama_core.checkpoint import read_model_args
     from llama_core import DEFAULT_CKPT_DIR
     ckpt_dir = app_server.model_dir()
-    return dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len),
+    return dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len or max_seq_len),
                 max_batch_size=max_batch_size, device="cpu", dtype="float32")
 
 

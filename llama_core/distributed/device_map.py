@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..checkpoint import check_state_dict
+from ..checkpoint import WeightsProgress, check_state_dict
 from ..config import ModelArgs
 from ..devices import resolve_dtype
 from ..errors import InvalidRequestError
@@ -38,8 +38,10 @@ def load_dispatched(
     max_memory: Optional[MaxMemory] = None,
     max_batch_size: int = 1,
     max_seq_len: int = 1,
+    progress: bool = False,
 ) -> Transformer:
-    """Loads a checkpoint with its layers placed by device_map, each tensor read straight to its device.
+    """Loads a checkpoint with its layers placed by device_map, each tensor read straight to its device
+    (with progress, a bar on stderr follows them).
 
     Args:
         dtype: a dtype, or a name as for `Llama.build` ("auto": bfloat16 where the map uses a GPU).
@@ -64,10 +66,12 @@ def load_dispatched(
     placement = resolve_device_map(model, device_map, max_memory, max_batch_size, max_seq_len)
 
     # Whole tensors one at a time, each straight to its device: host memory holds only the offloaded part.
-    state_dict = {
-        name: tensor.to(device=_storage_device(placement.get(_top_module(name), "cpu")), dtype=dtype).contiguous()
-        for name, tensor in iter_rank_tensors(ckpt_dir, args, rank=0, world_size=1)
-    }
+    with WeightsProgress(model, dtype, progress) as bar:
+        state_dict = {
+            name: bar.placed(tensor.to(device=_storage_device(placement.get(_top_module(name), "cpu")),
+                                       dtype=dtype).contiguous())
+            for name, tensor in iter_rank_tensors(ckpt_dir, args, rank=0, world_size=1)
+        }
     check_state_dict(state_dict, model, ckpt_dir)
     model.load_state_dict(state_dict, strict=True, assign=True)
     del state_dict

@@ -27,15 +27,14 @@ from torch import nn
 
 from ..checkpoint import (
     META_SHARD_DIM,
+    WeightsProgress,
     hf_ties_embeddings,
     hf_to_meta_name,
     load_torch_file,
     check_state_dict,
-    checkpoint_layout,
     hf_to_meta,
-    hf_weight_files,
-    meta_shard_paths,
 )
+from ..checkpoint_files import checkpoint_layout, hf_weight_files, meta_shard_paths
 from ..config import ModelArgs
 from ..errors import CheckpointError, InvalidRequestError
 from ..model import Transformer
@@ -106,17 +105,20 @@ def check_world_size(args: ModelArgs, world_size: int) -> None:
 
 
 # -- the model on one rank ----------------------------------------------------------------------
-def load_model_shard(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """This rank's part of the model: its heads and hidden units, cast to dtype on device, joined by all-reduce."""
+def load_model_shard(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype,
+                     progress: bool = False) -> Transformer:
+    """This rank's part of the model: its heads and hidden units, cast to dtype on device, joined by all-reduce
+    (with progress, rank 0 shows a bar on stderr as its part arrives)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     check_world_size(args, world)
     with torch.device("meta"):
         model = Transformer(args)
     shard_transformer(model, world)
-    state_dict = {
-        name: tensor.to(device=device, dtype=dtype).contiguous()
-        for name, tensor in iter_rank_tensors(ckpt_dir, args, rank, world)
-    }
+    with WeightsProgress(model, dtype, progress and rank == 0) as bar:
+        state_dict = {
+            name: bar.placed(tensor.to(device=device, dtype=dtype).contiguous())
+            for name, tensor in iter_rank_tensors(ckpt_dir, args, rank, world)
+        }
     check_state_dict(state_dict, model, ckpt_dir)
     model.load_state_dict(state_dict, strict=True, assign=True)
     return model.requires_grad_(False).eval()

@@ -1,24 +1,28 @@
 """Serving many users: the continuous-batching engine (in this process or a child of its own), the one
-request validator, and the token and text streams readers consume."""
+request validator, and the token and text streams readers consume.
 
-from .engine import Engine
-from .engine_process import EngineProcess
-from .events import Channel, Finished, PromptLogprobs, StreamChunk
-from .requests import GenerationRequest, SamplingParams
-from .streams import RequestFailedError, TextStream, TokenStream, stream_chat, stream_completion
+The names below load on first use (see llama_core.lazy_exports): `llama_core.serving.requests`, the
+request checks, imports without torch.
+"""
 
-__all__ = [
-    "Channel",
-    "Engine",
-    "EngineProcess",
-    "Finished",
-    "GenerationRequest",
-    "PromptLogprobs",
-    "RequestFailedError",
-    "SamplingParams",
-    "StreamChunk",
-    "TextStream",
-    "TokenStream",
-    "stream_chat",
-    "stream_completion",
-]
+from ..lazy_exports import lazy_exports
+
+# name -> the module defining it
+_MODULES = {
+    "Engine": ".engine",
+    "EngineProcess": ".engine_process",
+    "Channel": ".events",
+    "Finished": ".events",
+    "PromptLogprobs": ".events",
+    "StreamChunk": ".events",
+    "GenerationRequest": ".requests",
+    "SamplingParams": ".requests",
+    "RequestFailedError": ".streams",
+    "TextStream": ".streams",
+    "TokenStream": ".streams",
+    "stream_chat": ".streams",
+    "stream_completion": ".streams",
+}
+
+__all__ = sorted(_MODULES)
+__getattr__, __dir__ = lazy_exports(__name__, _MODULES)

@@ -9,15 +9,15 @@ from typing import Optional, Union
 
 import torch
 
-from ..checkpoint import read_model_args
+from ..checkpoint_files import read_model_args
+from ..cli_options import DEFAULT_MAX_SEQ_LEN
 from ..devices import resolve_device
 from ..distributed.device_map import parse_max_memory
 from ..distributed.parallel import launched_by_torchrun
-from ..loader import DEFAULT_CKPT_DIR, load
+from ..loader import load
+from ..resources import DEFAULT_CKPT_DIR
 from .engine import Engine
 from .engine_process import EngineProcess
-
-DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when the model allows it and no max_seq_len is given
 
 
 def open_engine(
@@ -33,6 +33,7 @@ def open_engine(
     threads: Optional[int] = None,
     single_process: bool = False,
     seed: Optional[int] = None,
+    progress: bool = False,
 ) -> Union[Engine, EngineProcess]:
     """Loads the model and starts the engine serving it; `shutdown()` it at the end.
 
@@ -41,6 +42,7 @@ def open_engine(
         max_memory: with device_map, the most each device may hold, as "0=20GiB,1=20GiB,cpu=64GiB".
         threads: torch's CPU threads; None on CPU is one fewer than the cores, leaving one to the web server.
         single_process: run the model in this process (under torchrun it always runs in rank 0's).
+        progress: show a bar on stderr while the weights load.
         The others are those of `Llama.build`.
 
     Raises:
@@ -52,13 +54,13 @@ def open_engine(
         max_seq_len = DEFAULT_MAX_SEQ_LEN
         folder = ckpt_dir or DEFAULT_CKPT_DIR
         if folder.is_dir():  # a missing folder is reported by loading
-            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(folder).max_seq_len)
+            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(folder).max_seq_len or DEFAULT_MAX_SEQ_LEN)
     threads = threads or default_threads(device, device_map)
     if threads:
         torch.set_num_threads(threads)
     build = dict(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
                  max_batch_size=max_batch_size, device=device, dtype=dtype, device_map=device_map,
-                 max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile)
+                 max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile, progress=progress)
     if single_process or launched_by_torchrun():
         # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit.
         return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed).start()

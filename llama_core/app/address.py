@@ -1,0 +1,79 @@
+"""Whether the app can listen where it was asked to, checked before the model loads: --host names an
+address of this machine, and --port is free there (or, for --port 0, which free port to take)."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import socket
+from typing import Optional
+
+from ..cli_options import OptionError
+
+HOST_FIX = "use 127.0.0.1 (this machine only) or 0.0.0.0 (every network it is on)"
+
+
+def port_number(text: str) -> int:
+    """argparse type for --port: 0 (any free port) to 65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, or 0 for any free port; got {text!r}")
+    return int(text)
+
+
+def check_listen_address(host: str, port: int) -> int:
+    """The port to serve on: port itself once it is known free on host, or a free one for 0.
+
+    Binds and closes a socket as the server will (SO_REUSEADDR, so a port a closed server left in TIME_WAIT
+    counts as free). Another program may still take the port before the server starts; serving then fails
+    with its own error.
+
+    Raises:
+        OptionError: host is not an address of this machine, or the port is taken or needs privileges.
+    """
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise OptionError(f"--host {host}: no such address ({exc}); {HOST_FIX}") from exc
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise _bind_error(host, port, exc) from exc
+        return probe.getsockname()[1]
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> OptionError:
+    if exc.errno == errno.EADDRINUSE:
+        holder = port_holder(port)
+        by = f" by {holder}" if holder else ""
+        return OptionError(f"--port {port}: the port is already in use on {host}{by}; stop that program, pick "
+                           "another port, or pass --port 0 to take any free one")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return OptionError(f"--host {host}: not an address of this machine, so the app cannot listen there; {HOST_FIX}")
+    if exc.errno == errno.EACCES:
+        return OptionError(f"--port {port}: listening on a port below 1024 needs administrator rights; pick a port "
+                           "from 1024 up (the default is 7860), or --port 0 for any free one")
+    return OptionError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); {HOST_FIX}, and a free port")
+
+
+def port_holder(port: int) -> Optional[str]:
+    """'process 1234 (python app.py ...)' listening on port, where this user may see it; else None.
+
+    Uses psutil (installed with the app) rather than reading /proc by hand, so that it also works
+    on macOS and Windows where the system lets it.
+    """
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        pids = {c.pid for c in psutil.net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+        if not pids:
+            return None
+        pid = min(pids)
+        command = " ".join(psutil.Process(pid).cmdline()) or psutil.Process(pid).name()
+    except (psutil.Error, OSError):  # another user's process, or a system that needs privileges to ask
+        return None
+    return f"process {pid} ({command[:80]})"

@@ -1,0 +1,390 @@
+"""The web app's interface: chat, text completion with token probabilities, and the model's facts.
+
+Interface only: callbacks pass what the user sent to llama_core, which checks it (llama_core.serving.requests)
+and streams the reply from a running engine that batches concurrent requests and cancels abandoned ones.
+`build_demo(engine, prompts)` makes the Gradio Blocks; llama_core.app.server serves them and
+llama_core.app.cli (`llama-chat`, `python app.py`) starts it all.
+
+API (gradio_client), both streaming; bad input raises gr.Error naming the problem (AppError in the client),
+and max_new_tokens null means llama_core's default:
+  /chat(message, history, system_prompt, temperature, top_p, max_new_tokens) -> str
+      Yields the assistant's reply so far. history: earlier {"role": "user"|"assistant", "content"} messages,
+      alternating and ending with a reply; content a string or a list of Gradio text parts.
+  /complete(prompt, temperature, top_p, max_new_tokens, echo, show_probabilities) -> (str, list, dict)
+      Yields (text, tokens, stats): text so far (after the prompt with echo); tokens, with show_probabilities,
+      [{"token": text, "probability": p, "generated": bool}] (with echo the prompt's tokens come first),
+      else []; stats: prompt_tokens, generated_tokens, max_seq_len, tokens_per_second, finish_reason.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import contextlib
+import importlib.util
+import itertools
+import math
+import os
+import sys
+from typing import Any, Iterator, Optional
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version checks
+# Gradio's queue rebuilds its monitoring summary, a pandas table of up to 10,000 past requests, after every
+# request, monitoring on or off: 2 ms of the server's CPU per request at first, 8 ms once the table is full.
+os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "10000")
+if importlib.util.find_spec("matplotlib") is None:
+    # Gradio tries to import matplotlib twice for every streamed update; without it each try searches the
+    # import path again (0.1 ms per update). Record it as missing, so the tries fail at once.
+    sys.modules["matplotlib"] = None
+import gradio as gr  # noqa: E402
+
+from ..errors import LlamaError  # noqa: E402
+from ..loader import ModelInfo  # noqa: E402
+from ..prompt_library import PromptLibrary  # noqa: E402
+from ..serving import requests  # noqa: E402
+from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion  # noqa: E402
+from ..tokenizer import StreamDecoder  # noqa: E402
+
+THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local fonts only: works offline
+# Least time between two updates of a streamed reply, on the page and through the API: each update costs the
+# server about as much as a decode step, and the thread streaming a reply sleeps in between instead of waking
+# for each token.
+STREAM_UPDATE_SECONDS = 0.1
+TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
+ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed")
+CSS = "#completion-tokens .text { font-family: var(--font-mono); }"
+PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
+PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
+    label: "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hls_to_rgb(float(label) / 3, 0.78, 0.75))
+    for label in PROBABILITY_LABELS
+}
+
+
+# -- errors: llama_core checks every value (the UI's sliders bound values, the API does not) -------------
+def _error(message: str) -> gr.Error:
+    return gr.Error(message, print_exception=False)
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """Shows llama_core's errors (bad requests, a busy or failing engine) to the user instead of failing."""
+    try:
+        yield
+    except LlamaError as exc:
+        raise _error(str(exc)) from exc
+
+
+# -- the two requests, shared by the UI and the API ----------------------------------------------------
+@contextlib.contextmanager
+def _streaming(stream: TextStream) -> Iterator[TextStream]:
+    """Shows the stream's failures to the user; leaving early (Stop, a closed page, a cancelled client)
+    cancels the request in the engine."""
+    try:
+        with _user_errors():
+            yield stream
+    finally:
+        stream.cancel()
+
+
+def start_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
+               max_new_tokens: Any, **controls: Any) -> TextStream:
+    """Submits a chat turn; a message or system prompt with reserved tags gives a stream with a `refusal`.
+    controls: the other sampling controls, named as in llama_core.SamplingParams."""
+    with _user_errors():
+        dialog = requests.chat_dialog(message, history, system_prompt)
+        return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **controls)
+
+
+def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[str]:
+    """The reply so far when it has grown, at most every `seconds`; at least once (the refusal for a refused
+    chat, or an empty reply)."""
+    reply, shown = stream.refusal or "", False
+    with _streaming(stream):
+        for chunks in stream.batches(seconds):
+            added = "".join(chunk.text for chunk in chunks)
+            if added:
+                reply += added
+                yield reply
+                shown = True
+    if not shown:
+        yield reply
+
+
+def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
+             show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS,
+             **controls: Any) -> Iterator[tuple[str, list[dict], dict]]:
+    """Streams a completion as (text, tokens, stats) at most every `seconds`, as /complete does; the last
+    update has the final stats (one more update follows the text when the end came after it). With
+    show_probabilities each generated token also lists the model's most likely alternatives."""
+    with _user_errors():
+        prompt = requests.completion_prompt(prompt)
+        echo, show_probabilities = requests.flag(echo, "echo"), requests.flag(show_probabilities, "show_probabilities")
+        stream = stream_completion(engine, prompt, temperature, top_p, max_new_tokens,
+                                   prompt_logprobs=echo and show_probabilities,
+                                   top_logprobs=TOP_ALTERNATIVES if show_probabilities else 0, **controls)
+    text, generated, prompt_tokens, final_shown = "", [], [], False
+    with _streaming(stream):
+        # []: one more update with the final stats, unless the last batch already came with them
+        for chunks in itertools.chain(stream.batches(seconds), [[]]):
+            if not chunks and final_shown:
+                break
+            for chunk in chunks:
+                text += chunk.text
+                if show_probabilities and chunk.token != -1:
+                    generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True,
+                                      "alternatives": _alternatives(engine, chunk.top_logprobs)})
+                elif show_probabilities and generated:  # text held back to the end (an incomplete character)
+                    generated[-1]["token"] += chunk.text
+            if stream.prompt_logprobs and not prompt_tokens:  # echo with probabilities: set with the first token
+                prompt_tokens = _prompt_tokens(engine, prompt, stream.prompt_logprobs)
+            final_shown = stream.finish_reason is not None
+            yield (prompt + text if echo else text), prompt_tokens + generated, request_stats(stream)
+
+
+def _alternatives(engine: TextEngine, top_logprobs: Optional[list[tuple[int, float]]]) -> list[dict]:
+    return [{"token": engine.tokenizer.token_text(token), "probability": math.exp(logprob)}
+            for token, logprob in top_logprobs or []]
+
+
+def _prompt_tokens(engine: TextEngine, prompt: str, logprobs: list[float]) -> list[dict]:
+    """The prompt's tokens after BOS as text pieces, each with its probability given the ones before."""
+    tokenizer = engine.tokenizer
+    decoder = StreamDecoder(tokenizer)
+    pieces = [decoder.push(t) for t in tokenizer.encode(prompt, bos=True, eos=False)[1:]]
+    if pieces:
+        pieces[-1] += decoder.flush()
+    return [{"token": p, "probability": math.exp(lp), "generated": False} for p, lp in zip(pieces, logprobs)]
+
+
+def request_stats(stream: TextStream) -> dict:
+    return dict(prompt_tokens=stream.prompt_tokens, generated_tokens=stream.generated_tokens,
+                max_seq_len=stream.max_seq_len, tokens_per_second=round(stream.tokens_per_second, 1),
+                finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs)
+
+
+def alternatives_table(token: dict) -> str:
+    """A generated token's most likely alternatives, as a Markdown table (empty for a prompt token)."""
+    rows = token.get("alternatives") or []
+    if not rows:
+        return ""
+    head = f"**{_markdown_cell(token['token'])}** ({token['probability']:.1%}) · the model's most likely tokens here:\n\n"
+    return head + "| token | probability |\n|---|---|\n" + "\n".join(
+        f"| {_markdown_cell(row['token'])} | {row['probability']:.1%} |" for row in rows)
+
+
+def _markdown_cell(text: str) -> str:
+    shown = text.replace("\n", "↵").replace("|", "\\|").replace("`", "'")
+    return f"`{shown}`" if shown.strip() else f"`{shown or '∅'}`"
+
+
+def stats_line(stats: dict) -> str:
+    """The line shown under a reply: speed, tokens, context used, and whether old exchanges were dropped."""
+    if stats["finish_reason"] == "refused":
+        return "Refused: the message holds reserved chat-format tags."
+    line = (f"{stats['tokens_per_second']:.1f} tokens/s · {stats['generated_tokens']} tokens generated · context "
+            f"{stats['prompt_tokens'] + stats['generated_tokens']} / {stats['max_seq_len']} tokens "
+            f"({stats['prompt_tokens']} prompt)")
+    if stats["finish_reason"] == "length":
+        line += " · stopped at the token limit"
+    if stats["dropped_pairs"]:
+        line += (f"\n\n**Note:** the {stats['dropped_pairs']} oldest exchange(s) were left out to fit the "
+                 f"{stats['max_seq_len']}-token context: the model no longer sees them.")
+    return line
+
+
+# -- the interface ---------------------------------------------------------------------------------------
+def _highlights(tokens: list[dict]) -> list[tuple[str, str]]:
+    """(text, probability label) pairs; a newline shows as ↵ so that its token keeps a visible chip."""
+    return [(t["token"].replace("\n", "↵\n"), PROBABILITY_LABELS[round(100 * t["probability"])])
+            for t in tokens if t["token"]]
+
+
+def model_facts(info: ModelInfo) -> str:
+    args = info.args
+    # Meta's params.json does not state the trained context: say so rather than show an assumed 4,096.
+    trained_for = f"{args.max_seq_len:,}" if args.max_seq_len is not None else "not stated by the checkpoint"
+    rows = [
+        ("Checkpoint", f"`{info.ckpt_dir}`"),
+        ("Tokenizer", f"`{info.tokenizer_path}` ({args.vocab_size:,} pieces)"),
+        ("Parameters", f"{info.parameter_count:,}"),
+        ("Layers · width · heads (kv)", f"{args.n_layers} · {args.dim} · {args.n_heads} ({args.n_kv_heads})"),
+        ("dtype · device", f"{info.dtype} · {info.device}"),
+        ("Context (max_seq_len)", f"{info.max_seq_len:,} tokens (trained for {trained_for})"),
+        ("Batch (max_batch_size)", f"{info.max_batch_size} requests decoded together"),
+        ("Load time", f"{info.load_seconds:.2f} s"),
+    ]
+    return "| Model | |\n|---|---|\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
+
+
+def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.components.Component]:
+    """Temperature, top-p and max new tokens, then the Advanced accordion's controls in ADVANCED order."""
+    basic = [
+        gr.Slider(0, 2, value=0.6, step=0.05, label="Temperature", info="0 is greedy", elem_id=f"{prefix}-temperature"),
+        gr.Slider(0.01, 1, value=0.9, step=0.01, label="Top-p", info="keep the most likely tokens holding this "
+                  "much probability", elem_id=f"{prefix}-top-p"),
+        gr.Slider(1, max_seq_len - 1, value=min(256, max(1, max_seq_len // 4)), step=1, label="Max new tokens",
+                  elem_id=f"{prefix}-max-new-tokens"),
+    ]
+    with gr.Accordion("Advanced", open=False, elem_id=f"{prefix}-advanced"):
+        advanced = [
+            gr.Slider(0, 200, value=0, step=1, label="Top-k", info="keep only the k most likely tokens; 0 is off",
+                      elem_id=f"{prefix}-top-k"),
+            gr.Slider(0, 1, value=0, step=0.01, label="Min-p", info="drop tokens less likely than this share of "
+                      "the most likely one; 0 is off", elem_id=f"{prefix}-min-p"),
+            gr.Slider(0.5, 2, value=1, step=0.05, label="Repetition penalty", info="above 1 discourages tokens "
+                      "already in the prompt or reply; 1 is off", elem_id=f"{prefix}-repetition-penalty"),
+            gr.Slider(-2, 2, value=0, step=0.1, label="Presence penalty", info="above 0 discourages any token the "
+                      "reply already used", elem_id=f"{prefix}-presence-penalty"),
+            gr.Slider(-2, 2, value=0, step=0.1, label="Frequency penalty", info="above 0 discourages tokens by how "
+                      "often the reply used them", elem_id=f"{prefix}-frequency-penalty"),
+            gr.Textbox(label="Stop strings", lines=2, info="one per line (at most 4): the reply ends before the "
+                       "first", elem_id=f"{prefix}-stop-strings"),
+            gr.Number(label="Seed", precision=0, info="the same seed and settings give the same reply; empty is "
+                      "random", elem_id=f"{prefix}-seed"),
+        ]
+    return basic + advanced
+
+
+def _advanced(values: tuple) -> dict[str, Any]:
+    """The Advanced accordion's values as sampling controls (the stop box holds one string per line)."""
+    controls = dict(zip(ADVANCED, values))
+    controls["stop"] = [line for line in (controls["stop"] or "").splitlines() if line]
+    return controls
+
+
+def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
+    """The app on a running engine: Chat, Completion and Model tabs, and the /chat and /complete API."""
+    info = engine.info
+    generating = dict(concurrency_id="generate", concurrency_limit=2 * info.max_batch_size)  # the engine batches
+    ui = dict(api_visibility="private")
+
+    def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
+             max_new_tokens: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
+             seed: Optional[int] = None) -> Iterator[str]:
+        """Streams the assistant's reply to message after history: yields the reply so far."""
+        stream = start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens,
+                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
+                            seed=seed)
+        yield from replies(stream)
+
+    def complete_api(prompt: str, temperature: float, top_p: float, max_new_tokens: int, echo: bool,
+                     show_probabilities: bool, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                     stop: Optional[list[str]] = None,
+                     seed: Optional[int] = None) -> Iterator[tuple[str, list[dict], dict]]:
+        """Streams a completion of prompt: yields (text, tokens with probabilities, stats)."""
+        yield from complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
+                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
+                            seed=seed)
+
+    def add_message(message: str, history: list[dict]):
+        if not message.strip():
+            return gr.skip(), gr.skip(), gr.skip()
+        return history + [{"role": "user", "content": message}], "", ""
+
+    def respond(history: list[dict], system_prompt: str, temperature: float, top_p: float, max_new_tokens: int,
+                *advanced):
+        if not history or history[-1]["role"] != "user":
+            yield gr.skip(), gr.skip()
+            return
+        stream = start_chat(engine, history[-1]["content"], history[:-1], system_prompt, temperature, top_p,
+                            max_new_tokens, **_advanced(advanced))
+        for reply in replies(stream):
+            yield history + [{"role": "assistant", "content": reply}], gr.skip()
+        yield gr.skip(), stats_line(request_stats(stream))
+
+    def without_reply(history: list[dict]) -> list[dict]:
+        while history and history[-1]["role"] == "assistant":
+            history = history[:-1]
+        return history
+
+    def undo(history: list[dict]):
+        history = without_reply(history)
+        if not history:
+            return [], gr.skip()
+        with _user_errors():
+            return history[:-1], requests.text(history[-1]["content"], "message")
+
+    def complete_ui(prompt, temperature, top_p, max_new_tokens, *advanced_and_flags):
+        *advanced, echo, show_probabilities = advanced_and_flags
+        updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
+                           **_advanced(advanced))
+        shown = []
+        for text, tokens, stats in updates:
+            shown = [t for t in tokens if t["token"]]
+            yield text, _highlights(shown), gr.skip(), shown
+        yield gr.skip(), gr.skip(), stats_line(stats), gr.skip()
+
+    def alternatives_of(shown: list[dict], selected: gr.SelectData) -> str:
+        if selected.index not in range(len(shown)):
+            return ""
+        return alternatives_table(shown[selected.index])
+
+    with gr.Blocks(title="Llama-2", analytics_enabled=False) as demo:
+        gr.Markdown(f"## Llama-2 · `{info.name}`")
+        with gr.Tab("Chat", elem_id="chat-tab"), gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, buttons=["copy", "copy_all"],
+                                     placeholder="Say something to start the conversation.")
+                with gr.Row():
+                    chat_input = gr.Textbox(show_label=False, placeholder="Type a message and press Enter", scale=5,
+                                            elem_id="chat-input", autofocus=True)
+                    send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
+                with gr.Row():
+                    stop, retry, undo_button, clear = (
+                        gr.Button(name, variant="stop" if name == "Stop" else "secondary",
+                                  elem_id=f"chat-{name.lower()}") for name in ("Stop", "Retry", "Undo", "Clear"))
+                chat_stats = gr.Markdown(elem_id="chat-stats")
+                gr.Examples(prompts.chat_examples, chat_input, label="Examples")
+            with gr.Column(scale=1):
+                system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
+                                           elem_id="system-prompt")
+                chat_controls = _sampling_controls(info.max_seq_len, "chat")
+        with gr.Tab("Completion", elem_id="completion-tab"), gr.Row():
+            with gr.Column(scale=3):
+                prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
+                                    elem_id="completion-prompt")
+                with gr.Row():
+                    generate = gr.Button("Generate", variant="primary", elem_id="completion-generate")
+                    stop_completion = gr.Button("Stop", variant="stop", elem_id="completion-stop")
+                output = gr.Textbox(label="Output", lines=8, interactive=False, elem_id="completion-output")
+                tokens = gr.HighlightedText(label="Tokens, each with its probability", color_map=PROBABILITY_COLORS,
+                                            show_legend=False, show_inline_category=True, visible=False,
+                                            elem_id="completion-tokens")
+                alternatives = gr.Markdown(elem_id="completion-alternatives")
+                completion_stats = gr.Markdown(elem_id="completion-stats")
+                shown_tokens = gr.State([])
+                gr.Examples(prompts.completion_examples, prompt, label="Examples")
+            with gr.Column(scale=1):
+                completion_controls = _sampling_controls(info.max_seq_len, "completion")
+                echo = gr.Checkbox(label="Echo the prompt", elem_id="completion-echo")
+                show_probabilities = gr.Checkbox(label="Show probabilities", elem_id="completion-probabilities")
+        with gr.Tab("Model", elem_id="model-tab"):
+            gr.Markdown(model_facts(info), elem_id="model-facts")
+
+        reply_inputs, reply_outputs = [chatbot, system_prompt, *chat_controls], [chatbot, chat_stats]
+        answers = [trigger(add_message, [chat_input, chatbot], [chatbot, chat_input, chat_stats], queue=False, **ui)
+                   .then(respond, reply_inputs, reply_outputs, **generating, **ui)
+                   for trigger in (chat_input.submit, send.click)]
+        answers.append(retry.click(lambda h: (without_reply(h), ""), chatbot, [chatbot, chat_stats], queue=False,
+                                   cancels=answers, **ui)
+                       .then(respond, reply_inputs, reply_outputs, **generating, **ui))
+        stop.click(lambda: "Stopped.", None, chat_stats, queue=False, cancels=answers, **ui)
+        undo_button.click(undo, chatbot, [chatbot, chat_input], queue=False, cancels=answers, **ui)
+        clear.click(lambda: ([], "", ""), None, [chatbot, chat_input, chat_stats], queue=False, cancels=answers, **ui)
+        chatbot.clear(lambda: "", None, chat_stats, queue=False, cancels=answers, **ui)  # its own trash button
+
+        completion_inputs = [prompt, *completion_controls, echo, show_probabilities]
+        completions = [trigger(lambda: "", None, completion_stats, queue=False, **ui)
+                       .then(complete_ui, completion_inputs, [output, tokens, completion_stats, shown_tokens],
+                             **generating, **ui)
+                       for trigger in (generate.click, prompt.submit)]
+        stop_completion.click(lambda: "Stopped.", None, completion_stats, queue=False, cancels=completions, **ui)
+        show_probabilities.change(lambda on: gr.update(visible=on), show_probabilities, tokens, queue=False, **ui)
+        tokens.select(alternatives_of, shown_tokens, alternatives, queue=False, **ui)
+
+        gr.api(chat, api_name="chat", **generating)
+        gr.api(complete_api, api_name="complete", **generating)
+    return demo

@@ -1,0 +1,102 @@
+"""A checkpoint folder's files, found without reading a tensor: its layout (Meta or Hugging Face), its
+config, its weight files and its tokenizer. No torch here, so a command line can check a checkpoint in
+milliseconds, before anything heavy is imported."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+from .config import ModelArgs
+from .errors import CheckpointError, CheckpointNotFoundError
+
+
+def checkpoint_layout(ckpt_dir: Path) -> str:
+    """'meta' for a params.json checkpoint, 'hf' for a config.json one.
+
+    Raises:
+        CheckpointNotFoundError: no such directory, or neither file in it.
+    """
+    if not ckpt_dir.is_dir():
+        raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
+    if (ckpt_dir / "params.json").is_file():
+        return "meta"
+    if (ckpt_dir / "config.json").is_file():
+        return "hf"
+    raise CheckpointNotFoundError(
+        f"no params.json (Meta layout) or config.json (Hugging Face layout) in checkpoint directory {ckpt_dir}"
+    )
+
+
+def read_model_args(ckpt_dir: Path) -> ModelArgs:
+    """The model's hyper-parameters, from params.json (Meta) or config.json (Hugging Face)."""
+    if checkpoint_layout(ckpt_dir) == "meta":
+        return ModelArgs.from_meta_params(ckpt_dir / "params.json")
+    return ModelArgs.from_hf_config(ckpt_dir / "config.json")
+
+
+def weight_files(ckpt_dir: Path) -> list[Path]:
+    """The files holding the weights, in either layout.
+
+    Raises:
+        CheckpointNotFoundError: the folder, its config or a weight file is missing.
+        CheckpointError: a shard index that cannot be read.
+    """
+    if checkpoint_layout(ckpt_dir) == "meta":
+        return meta_shard_paths(ckpt_dir)
+    return hf_weight_files(ckpt_dir)
+
+
+def meta_shard_paths(ckpt_dir: Path) -> list[Path]:
+    """consolidated.00.pth, consolidated.01.pth, ... (one per model-parallel rank Meta trained with)."""
+    paths = sorted(ckpt_dir.glob("consolidated.*.pth"))
+    if not paths:
+        raise CheckpointNotFoundError(f"no consolidated.*.pth weight shard in {ckpt_dir}")
+    numbers = [int(m.group(1)) for p in paths if (m := re.fullmatch(r"consolidated\.(\d+)\.pth", p.name))]
+    if sorted(numbers) != list(range(len(paths))):
+        missing = sorted(set(range(max(numbers, default=0) + 1)) - set(numbers))
+        raise CheckpointNotFoundError(
+            f"weight shards in {ckpt_dir} are not numbered 00..{len(paths) - 1:02d}: "
+            f"missing consolidated.{missing[0] if missing else '?':02}.pth"
+        )
+    return paths
+
+
+def hf_weight_files(ckpt_dir: Path) -> list[Path]:
+    """model.safetensors, or the shards model.safetensors.index.json lists."""
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"cannot read shard index {index}: {exc}") from exc
+        files = [ckpt_dir / name for name in sorted(set(weight_map.values()))]
+        for path in files:
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"weight shard {path} listed in {index} not found")
+        return files
+    single = ckpt_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointNotFoundError(f"no model.safetensors or model.safetensors.index.json in {ckpt_dir}")
+
+
+def find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path] = None) -> Path:
+    """tokenizer_path if given, else tokenizer.model in ckpt_dir or its parent (Meta's downloads keep it there).
+
+    Raises:
+        CheckpointNotFoundError: no such file.
+    """
+    if tokenizer_path is not None:
+        path = Path(tokenizer_path).expanduser()
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"tokenizer model not found: {path}")
+        return path
+    for candidate in (ckpt_dir / "tokenizer.model", ckpt_dir.parent / "tokenizer.model"):
+        if candidate.is_file():
+            return candidate
+    raise CheckpointNotFoundError(
+        f"no tokenizer.model in {ckpt_dir} or its parent {ckpt_dir.parent}; pass tokenizer_path"
+    )

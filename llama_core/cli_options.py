@@ -1,0 +1,207 @@
+"""What the command lines (`llama-chat`, `llama-generate`) share: their argument parser, the model options
+and the checks of those options before a model loads.
+
+`add_model_options(parser)` adds --ckpt-dir, --tokenizer, --max-seq-len, --allow-longer-context, --device
+and --dtype. `check_model_options(args)` judges them cheapest first: the checkpoint's files, config and
+tokenizer (milliseconds, no torch), then the device and dtype (imports torch, loads nothing). A value that
+cannot work raises `OptionError`, whose message names the flag and the fix; the command prints it as one
+line and exits with status 2 before any weight is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .checkpoint_files import checkpoint_layout, find_tokenizer, read_model_args, weight_files
+from .config import ModelArgs
+from .errors import CheckpointError, CheckpointNotFoundError, LlamaError
+from .resources import DEFAULT_CKPT_DIR, PACKAGE_DIR
+from .tokenizer import Tokenizer
+
+DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when none is asked for and the model allows it
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class OptionError(LlamaError, ValueError):
+    """A command-line option that cannot work; the message names the flag and what to do instead."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors like the checks' own (no usage block before them)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The model a command line will load, from its checked options."""
+
+    ckpt_dir: Path
+    tokenizer_path: Path
+    args: ModelArgs  # vocab_size filled in from the tokenizer
+    max_seq_len: int  # context to allocate
+    device: str  # what "auto" resolved to: "cpu", "cuda:0"..., or "device map auto"
+    dtype: str  # "float32", "bfloat16" or "float16"
+    warnings: tuple[str, ...] = ()  # accepted, but the user should know (a context beyond training)
+
+    @property
+    def name(self) -> str:
+        return self.ckpt_dir.name
+
+    def summary(self) -> str:
+        """One line: name, size, context, device and dtype."""
+        trained = self.args.max_seq_len
+        trained_for = f"trained for {trained:,}" if trained else "trained context not stated by the checkpoint"
+        return (f"{self.name}: {_count(self.args.parameter_count)} parameters, context {self.max_seq_len:,} tokens "
+                f"({trained_for}), {self.device}, {self.dtype}")
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """Adds the flags check_model_options reads."""
+    parser.add_argument("--ckpt-dir", type=Path, help="checkpoint directory, Meta or Hugging Face layout "
+                        f"(default: the embedded model, {DEFAULT_CKPT_DIR.relative_to(PACKAGE_DIR.parent)})")
+    parser.add_argument("--tokenizer", type=Path, help="SentencePiece tokenizer.model (default: in the checkpoint "
+                        "directory, then its parent)")
+    parser.add_argument("--max-seq-len", type=positive_int, help="context length in tokens, prompt and reply "
+                        f"together (default: the model's trained context, at most {DEFAULT_MAX_SEQ_LEN})")
+    parser.add_argument("--allow-longer-context", action="store_true", help="accept a --max-seq-len beyond the "
+                        "context the model was trained for (output degrades past it)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N "
+                        "(default: auto)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="weights' dtype; auto is bfloat16 on CUDA, float32 on CPU (default: auto)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def check_model_options(options: argparse.Namespace, device_map: Optional[str] = None) -> ModelPlan:
+    """Checks the model options without loading weights; with device_map, the device is accelerate's to place.
+
+    Raises:
+        OptionError: a value that cannot work, named with its flag and the fix.
+    """
+    ckpt_dir = check_checkpoint(options.ckpt_dir)
+    tokenizer_path, vocab_size = check_tokenizer(ckpt_dir, options.tokenizer)
+    args = read_model_args(ckpt_dir)
+    if args.vocab_size == -1:
+        args.vocab_size = vocab_size
+    if args.vocab_size != vocab_size:
+        raise OptionError(f"--tokenizer {tokenizer_path} has {vocab_size:,} pieces but the model in {ckpt_dir} has "
+                          f"vocab_size {args.vocab_size:,}: pass the tokenizer.model that came with these weights")
+    max_seq_len, warnings = check_context(options.max_seq_len, options.allow_longer_context, args, ckpt_dir.name)
+    device, dtype = check_device(options.device, options.dtype, device_map)
+    return ModelPlan(ckpt_dir, tokenizer_path, args, max_seq_len, device, dtype, warnings)
+
+
+def check_checkpoint(ckpt_dir: Optional[Path]) -> Path:
+    """The checkpoint folder to load (the embedded model for None), holding a config and weights."""
+    if ckpt_dir is None:
+        if not DEFAULT_CKPT_DIR.is_dir():
+            raise OptionError(f"the embedded default model is missing from {DEFAULT_CKPT_DIR}: reinstall llama_core, "
+                              "or pass --ckpt-dir")
+        ckpt_dir = DEFAULT_CKPT_DIR
+    ckpt_dir = ckpt_dir.expanduser()
+    layouts = "params.json (Meta layout) or config.json (Hugging Face layout)"
+    if ckpt_dir.is_file():
+        raise OptionError(f"--ckpt-dir {ckpt_dir} is a file, not a directory: pass the folder holding {layouts} "
+                          f"and the weights, e.g. --ckpt-dir {ckpt_dir.parent}")
+    if not ckpt_dir.is_dir():
+        raise OptionError(f"--ckpt-dir {ckpt_dir}: no such directory; pass the folder holding {layouts} and the weights")
+    try:
+        checkpoint_layout(ckpt_dir)
+    except CheckpointNotFoundError as exc:
+        raise OptionError(f"--ckpt-dir {ckpt_dir} holds no {layouts}: pass the folder of a checkpoint") from exc
+    try:
+        read_model_args(ckpt_dir)
+    except CheckpointError as exc:
+        raise OptionError(f"--ckpt-dir {ckpt_dir}: {exc}") from exc
+    try:
+        weight_files(ckpt_dir)
+    except (CheckpointNotFoundError, CheckpointError) as exc:
+        raise OptionError(f"--ckpt-dir {ckpt_dir} has no weights: {exc}; put the weight files (consolidated.NN.pth "
+                          "or *.safetensors) beside its config, or pass the folder that has them") from exc
+    return ckpt_dir
+
+
+def check_tokenizer(ckpt_dir: Path, tokenizer: Optional[Path]) -> tuple[Path, int]:
+    """The tokenizer file (given, or found beside the checkpoint) and how many pieces it has."""
+    if tokenizer is not None and tokenizer.expanduser().is_dir():
+        inside = tokenizer.expanduser() / "tokenizer.model"
+        hint = f"--tokenizer {inside}" if inside.is_file() else "the tokenizer.model file"
+        raise OptionError(f"--tokenizer {tokenizer} is a directory: pass {hint}")
+    try:
+        path = find_tokenizer(ckpt_dir, tokenizer)
+    except CheckpointNotFoundError as exc:
+        if tokenizer is not None:
+            raise OptionError(f"--tokenizer {tokenizer}: no such file; pass the SentencePiece tokenizer.model that "
+                              "came with the weights") from exc
+        raise OptionError(f"no tokenizer.model in {ckpt_dir} or its parent: pass --tokenizer "
+                          "PATH/tokenizer.model (the SentencePiece model that came with the weights)") from exc
+    try:
+        return path, Tokenizer(path).n_words
+    except LlamaError as exc:
+        flag = "--tokenizer" if tokenizer is not None else "the tokenizer"
+        raise OptionError(f"{flag} {path} is not a SentencePiece model ({exc}): pass the tokenizer.model that came "
+                          "with the weights") from exc
+
+
+def check_context(max_seq_len: Optional[int], allow_longer: bool, args: ModelArgs, name: str) -> tuple[int, tuple[str, ...]]:
+    """The context to allocate, and a warning where it runs past the trained one by --allow-longer-context.
+    A checkpoint that does not state its trained context (Meta's params.json) takes any --max-seq-len."""
+    trained = args.max_seq_len
+    if max_seq_len is None:
+        return min(DEFAULT_MAX_SEQ_LEN, trained or DEFAULT_MAX_SEQ_LEN), ()
+    if trained is None or max_seq_len <= trained:
+        return max_seq_len, ()
+    if not allow_longer:
+        raise OptionError(f"--max-seq-len {max_seq_len} is beyond the {trained:,} tokens {name} was trained for: "
+                          f"pass --max-seq-len {trained} or less, or add --allow-longer-context to run past it anyway")
+    return max_seq_len, (f"--max-seq-len {max_seq_len:,} is beyond the {trained:,} tokens {name} was trained for "
+                         f"(--allow-longer-context): expect the output to lose coherence past {trained:,} tokens",)
+
+
+def check_device(device: str, dtype: str, device_map: Optional[str] = None) -> tuple[str, str]:
+    """What --device and --dtype resolve to on this machine, as names. Imports torch; loads nothing."""
+    import torch
+
+    from .devices import resolve_device, resolve_dtype
+
+    if device_map is not None:
+        if device != "auto":
+            raise OptionError(f"--device {device} and --device-map {device_map} exclude each other: the device map "
+                              "places the model; leave out --device")
+        on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return f"device map {device_map}", str(resolve_dtype(dtype, on)).removeprefix("torch.")
+    try:
+        resolved = resolve_device(device)
+    except LlamaError as exc:
+        if device.startswith("cuda"):
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise OptionError(f"--device {device}: this machine has no CUDA GPU that torch can use (torch "
+                              f"{torch.__version__}, {build}): use --device cpu, or auto") from exc
+        raise OptionError(f"--device {device!r}: must be auto, cpu, cuda or cuda:N") from exc
+    if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise OptionError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    if resolved.type == "cuda" and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise OptionError(f"--dtype bfloat16: {torch.cuda.get_device_name(resolved)} does not support it: use "
+                          "--dtype float16 (or auto, which picks it)")
+    return str(resolved), str(resolve_dtype(dtype, resolved)).removeprefix("torch.")
+
+
+def _count(n: int) -> str:
+    """3.1 M, 6.74 B: a parameter count at a glance."""
+    if n >= 10**9:
+        return f"{n / 10**9:.2f} B"
+    if n >= 10**6:
+        return f"{n / 10**6:.1f} M"
+    return f"{n:,}"

@@ -1,0 +1,175 @@
+"""`llama-generate`: one completion, or one chat reply, streamed to stdout as the model writes it.
+
+    llama-generate "ROMEO:" --max-new-tokens 64
+    echo "Who goes there?" | llama-generate --chat --system "You are Juliet."
+    llama-generate --ckpt-dir ~/llama/llama-2-7b-chat --chat "What is a KV cache?" --temperature 0
+
+The prompt is the argument, or stdin read whole when there is none (or it is -). Only the generated text
+goes to stdout; the model's summary, the loading bar and the closing figures go to stderr (none with
+--quiet). Arguments are checked before the model loads, as `llama-chat` checks them: a bad one prints a
+line naming the flag and the fix, and the exit status is 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, TextIO
+
+from .cli_options import ArgumentParser, ModelPlan, OptionError, add_model_options, check_model_options, positive_int
+from .dialog import SPECIAL_TAGS, Dialog, has_special_tags
+from .errors import InvalidRequestError, LlamaError
+from .serving import requests  # the request checks: no torch
+from .serving.requests import SamplingParams
+
+
+def build_parser() -> ArgumentParser:
+    """llama-generate's arguments: the prompt, the sampling controls and the model options."""
+    p = ArgumentParser(prog="llama-generate", description="Complete a text, or answer one chat message, with a "
+                       "Llama-2 model; the text streams to stdout.")
+    p.add_argument("prompt", nargs="?", help="the text to continue, or with --chat the user's message "
+                   "(default: stdin, read whole; - also reads stdin)")
+    p.add_argument("--chat", action="store_true", help="answer the prompt as a chat message, in Llama-2's "
+                   "chat format")
+    p.add_argument("--system", help="with --chat: the system prompt (default: none)")
+    p.add_argument("--echo", action="store_true", help="print the prompt before its completion (not with --chat)")
+    p.add_argument("-q", "--quiet", action="store_true", help="only the generated text: nothing on stderr but errors")
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument("--temperature", type=float, default=0.6, help="0 is greedy (default: 0.6)")
+    sampling.add_argument("--top-p", type=float, default=0.9, help="keep the most likely tokens holding this much "
+                          "probability (default: 0.9)")
+    sampling.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 is off")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this share of the "
+                          "most likely one; 0 is off")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1 discourages tokens already "
+                          "in the prompt or text; 1 is off")
+    sampling.add_argument("--max-new-tokens", type=positive_int, help="most tokens to generate (default: 256, "
+                          "or less where the context is shorter)")
+    sampling.add_argument("--stop", action="append", help="end the text before this string; up to 4 times")
+    sampling.add_argument("--seed", type=int, help="the same seed and settings give the same text (default: random)")
+    model = p.add_argument_group("model")
+    add_model_options(model)
+    model.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's own choice)")
+    return p
+
+
+def main(argv: Optional[list[str]] = None, stdin: Optional[TextIO] = None, stdout: Optional[TextIO] = None) -> int:
+    """Generates once. Returns the exit status: 0; 2 for a bad argument or prompt (a chat message holding
+    the chat format's reserved tags included); 1 if generation failed; 130 on Ctrl-C."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
+        return stop.code
+    try:
+        if args.system is not None and not args.chat:
+            raise OptionError("--system goes with --chat: add --chat, or leave out --system")
+        if args.echo and args.chat:
+            raise OptionError("--echo shows a completion's prompt: leave it out with --chat")
+        params = check_sampling_options(args)
+        request = check_request(read_prompt(args.prompt, stdin), args.chat, args.system)
+        plan = check_model_options(args)  # the device last: it imports torch
+        max_new_tokens = check_max_new_tokens(args.max_new_tokens, plan.max_seq_len)
+    except LlamaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    status = None if args.quiet else sys.stderr
+    if status is not None:
+        for line in [plan.summary(), *(f"warning: {w}" for w in plan.warnings)]:
+            print(line, file=status, flush=True)
+    return generate(plan, args, params, max_new_tokens, request, stdout, status)
+
+
+def check_sampling_options(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as one SamplingParams, each judged by llama_core's own checks."""
+    given = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                 repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed)
+    for name, value in given.items():
+        try:
+            SamplingParams(**{name: value})
+        except LlamaError as exc:
+            raise OptionError(f"--{name.replace('_', '-')}: {exc}") from exc
+    return SamplingParams(**given)
+
+
+def check_max_new_tokens(max_new_tokens: Optional[int], max_seq_len: int) -> Optional[int]:
+    """--max-new-tokens, which must leave room for a prompt in the context (None: the default)."""
+    if max_new_tokens is not None and max_new_tokens >= max_seq_len:
+        raise OptionError(f"--max-new-tokens {max_new_tokens} does not fit the {max_seq_len:,}-token context with a "
+                          f"prompt: pass at most {max_seq_len - 1}, or a larger --max-seq-len")
+    return max_new_tokens
+
+
+def read_prompt(prompt: Optional[str], stdin: TextIO) -> str:
+    """The prompt argument, or stdin read whole for none or '-'."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if stdin.isatty():
+        raise OptionError("no prompt: give it as an argument (llama-generate \"ROMEO:\"), or pipe it in "
+                          "(echo \"ROMEO:\" | llama-generate)")
+    return stdin.read()
+
+
+def check_request(prompt: str, chat: bool, system: Optional[str]) -> str | Dialog:
+    """The prompt (completion) or dialog (chat) to run, checked as the app checks its requests."""
+    if not chat:
+        return requests.completion_prompt(prompt)
+    dialog = requests.chat_dialog(prompt.strip(), [], system or "")
+    if has_special_tags(dialog):
+        raise OptionError(f"the chat refuses a message or system prompt holding its reserved tags "
+                          f"({', '.join(SPECIAL_TAGS)}): take them out")
+    return dialog
+
+
+def generate(plan: ModelPlan, args: argparse.Namespace, params: SamplingParams, max_new_tokens: Optional[int],
+             request: str | Dialog, stdout: TextIO, status: Optional[TextIO]) -> int:
+    """Loads the model and streams the text to stdout, the loading bar and closing figures to status (None:
+    silent). Returns the exit status."""
+    import torch
+
+    from .loader import load
+    from .serving.engine import Engine
+    from .serving.streams import stream_chat, stream_completion
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = None
+    try:
+        engine = Engine(load(plan.ckpt_dir, plan.tokenizer_path, plan.max_seq_len, 1, args.device, args.dtype,
+                             progress=status is not None))
+        # The engine's loop is not started: reading the stream runs its steps in this thread.
+        if args.chat:
+            stream = stream_chat(engine, request, max_new_tokens=max_new_tokens, params=params)
+        else:
+            stream = stream_completion(engine, request, max_new_tokens=max_new_tokens, params=params)
+        text = request if args.echo else ""
+        stdout.write(text)
+        try:
+            for chunk in stream:
+                stdout.write(chunk.text)
+                stdout.flush()
+                text += chunk.text
+        finally:
+            stream.cancel()  # after the end, nothing; after Ctrl-C or a closed pipe, the engine stops the request
+        stdout.write("" if text.endswith("\n") else "\n")
+        stdout.flush()
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader left (| head): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail
+        return 1
+    except LlamaError as exc:  # a prompt too long for the context, or a failure inside the engine
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, InvalidRequestError) else 1
+    finally:
+        if engine is not None:
+            engine.close()
+    if status is not None:
+        print(f"[{stream.generated_tokens} tokens, {stream.tokens_per_second:.1f} tokens/s, finish reason: "
+              f"{stream.finish_reason}]", file=status)
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""The command lines, `llama-chat` (llama_core.app.cli, `python app.py`) and `llama-generate`
+(llama_core.generate_cli): help at once, every bad argument refused before a model loads with one line
+naming the flag and the fix (exit status 2), and llama-generate's streamed text.
+
+Each command runs in a subprocess that reports which heavy modules it imported: torch and gradio must not
+be, for anything but the device check, and llama_core.loader (through which every model loads) never is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_core import DEFAULT_CKPT_DIR, Llama
+from llama_core.cli_options import DEFAULT_MAX_SEQ_LEN, OptionError, check_context
+from llama_core.checkpoint_files import read_model_args
+from llama_core import generate_cli
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHAT, GENERATE = "llama_core.app.cli", "llama_core.generate_cli"
+HEAVY = ("torch", "gradio", "llama_core.loader")
+PROBE = """
+import json, sys
+from {module} import main
+status = main(sys.argv[1:])
+print("IMPORTED " + json.dumps([m for m in {heavy!r} if m in sys.modules]), file=sys.stderr)
+sys.exit(status)
+"""
+TRAINED_FOR = 512  # the embedded model's params.json
+
+
+@dataclass
+class Run:
+    status: int
+    stdout: str
+    errors: list[str]  # stderr's lines
+    imported: list[str]  # of HEAVY
+
+
+def run(module: str, *args: str, stdin: str = "") -> Run:
+    result = subprocess.run([sys.executable, "-c", PROBE.format(module=module, heavy=HEAVY), *args], cwd=REPO_ROOT,
+                            input=stdin, capture_output=True, text=True, timeout=300)
+    *errors, imported = result.stderr.splitlines() or ["IMPORTED null"]
+    assert imported.startswith("IMPORTED "), result.stderr
+    return Run(result.returncode, result.stdout, errors, json.loads(imported.removeprefix("IMPORTED ")))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    """Folders beside one another: model (the embedded model, linked), no-weights, no-tokenizer."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    files = {"model": ["params.json", "consolidated.00.pth", "tokenizer.model"],
+             "no-weights": ["params.json", "tokenizer.model"], "no-tokenizer": ["params.json", "consolidated.00.pth"]}
+    for folder, names in files.items():
+        (root / folder).mkdir()
+        for name in names:
+            (root / folder / name).symlink_to(DEFAULT_CKPT_DIR / name)
+    return root
+
+
+# -- help ----------------------------------------------------------------------------------------------------
+def test_app_help_answers_without_importing_torch_or_gradio():
+    result = subprocess.run([sys.executable, "-X", "importtime", "app.py", "--help"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("usage: llama-chat")
+    for flag in ("--ckpt-dir", "--port", "--allow-longer-context", "--max-seq-len", "--share"):
+        assert flag in result.stdout
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "llama_core.app.cli" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "gradio")}
+
+
+@pytest.mark.parametrize("module", [CHAT, GENERATE])
+def test_help_of_each_command(module):
+    result = run(module, "--help")
+    assert result.status == 0 and "--ckpt-dir" in result.stdout and "--device" in result.stdout
+    assert result.imported == []
+
+
+# -- llama-chat: each bad argument, before anything loads ------------------------------------------------------
+BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what the one error line must say
+    "port out of range": (["--port", "99999"], ["argument --port", "65535", "0 for any free port"]),
+    "port not a number": (["--port", "http"], ["argument --port", "'http'"]),
+    "host not of this machine": (["--host", "192.0.2.1"], ["--host 192.0.2.1", "not an address of this machine",
+                                                           "127.0.0.1"]),
+    "host unknown": (["--host", "no-such-host.invalid"], ["--host no-such-host.invalid", "no such address",
+                                                          "0.0.0.0"]),
+    "checkpoint missing": (["--ckpt-dir", "{root}/nowhere"], ["--ckpt-dir {root}/nowhere", "no such directory"]),
+    "checkpoint is a file": (["--ckpt-dir", "{root}/model/params.json"],
+                             ["--ckpt-dir {root}/model/params.json is a file", "e.g. --ckpt-dir {root}/model"]),
+    "checkpoint without a config": (["--ckpt-dir", "{root}"], ["--ckpt-dir {root} holds no params.json",
+                                                               "config.json"]),
+    "checkpoint without weights": (["--ckpt-dir", "{root}/no-weights"], ["--ckpt-dir {root}/no-weights has no "
+                                                                         "weights", "consolidated"]),
+    "tokenizer missing": (["--tokenizer", "{root}/tokenizer.model"], ["--tokenizer {root}/tokenizer.model",
+                                                                      "no such file"]),
+    "tokenizer is a folder": (["--tokenizer", "{root}/model"], ["--tokenizer {root}/model is a directory",
+                                                                "--tokenizer {root}/model/tokenizer.model"]),
+    "tokenizer not a tokenizer": (["--tokenizer", "{root}/model/params.json"], ["not a SentencePiece model"]),
+    "no tokenizer beside the checkpoint": (["--ckpt-dir", "{root}/no-tokenizer"], ["no tokenizer.model in",
+                                                                                   "pass --tokenizer"]),
+    "context beyond training": (["--max-seq-len", "4096"], ["--max-seq-len 4096", f"the {TRAINED_FOR} tokens",
+                                                            f"--max-seq-len {TRAINED_FOR} or less",
+                                                            "--allow-longer-context"]),
+    "max-memory without device-map": (["--max-memory", "0=1GiB"], ["--max-memory goes with --device-map"]),
+    "dtype unknown": (["--dtype", "float8"], ["argument --dtype", "float8"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CHAT_ARGUMENTS)
+def test_a_bad_app_argument_gets_one_line_naming_it_before_anything_loads(case, checkpoints):
+    arguments, expected = BAD_CHAT_ARGUMENTS[case]
+    result = run(CHAT, *(a.format(root=checkpoints) for a in arguments))
+    assert result.status == 2
+    assert len(result.errors) == 1 and result.errors[0].startswith("error: "), result.errors
+    for part in expected:
+        assert part.format(root=checkpoints) in result.errors[0]
+    assert result.stdout == "" and result.imported == []
+
+
+def test_a_tokenizer_of_another_model_is_refused(tokenizer_path):
+    result = run(CHAT, "--tokenizer", str(tokenizer_path))
+    assert result.status == 2 and result.imported == []
+    assert f"--tokenizer {tokenizer_path} has 384 pieces but the model" in result.errors[0]
+    assert "vocab_size 2,048" in result.errors[0]
+
+
+def test_a_port_in_use_is_refused_naming_its_holder():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run(CHAT, "--port", str(port))
+    assert result.status == 2 and result.imported == []
+    [error] = result.errors
+    assert f"--port {port}: the port is already in use on 127.0.0.1" in error and "--port 0" in error
+    try:
+        import psutil  # noqa: F401  (the app's extra: names the process where the system lets it)
+    except ImportError:
+        return
+    assert f"by process {os.getpid()} (" in error
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is valid here")
+@pytest.mark.parametrize("module", [CHAT, GENERATE])
+def test_cuda_asked_for_on_a_machine_without_it_is_refused_before_loading(module):
+    args = ["--device", "cuda"] + (["ROMEO:"] if module == GENERATE else [])
+    result = run(module, *args)
+    assert result.status == 2
+    [error] = result.errors
+    assert error.startswith("error: --device cuda: this machine has no CUDA GPU") and "--device cpu" in error
+    assert "llama_core.loader" not in result.imported and "gradio" not in result.imported  # torch only: it knows
+
+
+def test_an_unknown_device_is_refused():
+    result = run(CHAT, "--device", "tpu")
+    assert result.status == 2 and "--device 'tpu': must be auto, cpu, cuda or cuda:N" in result.errors[0]
+    assert "llama_core.loader" not in result.imported
+
+
+# -- the context: the checkpoint's own, and beyond it only when asked -------------------------------------------
+def test_the_default_context_is_the_trained_one_at_most_the_default():
+    args = read_model_args(DEFAULT_CKPT_DIR)
+    assert check_context(None, False, args, "m") == (min(TRAINED_FOR, DEFAULT_MAX_SEQ_LEN), ())
+    assert check_context(256, False, args, "m") == (256, ())
+
+
+def test_a_longer_context_is_accepted_with_allow_longer_context_and_a_warning():
+    args = read_model_args(DEFAULT_CKPT_DIR)
+    with pytest.raises(OptionError, match="--allow-longer-context"):
+        check_context(1024, False, args, "tiny-shakespeare")
+    context, warnings = check_context(1024, True, args, "tiny-shakespeare")
+    assert context == 1024 and len(warnings) == 1
+    assert "beyond the 512 tokens tiny-shakespeare was trained for" in warnings[0]
+
+
+def test_a_checkpoint_that_does_not_state_its_context_takes_any(meta_ckpt_dir):
+    args = read_model_args(meta_ckpt_dir)  # Meta's params.json: no max_seq_len
+    assert args.max_seq_len is None
+    assert check_context(None, False, args, "m") == (DEFAULT_MAX_SEQ_LEN, ())
+    assert check_context(8192, False, args, "m") == (8192, ())
+
+
+def test_allow_longer_context_warns_on_stderr_and_generates(checkpoints):
+    result = run(GENERATE, "ROMEO:", "--max-seq-len", "600", "--allow-longer-context", "--temperature", "0",
+                 "--max-new-tokens", "8", "--device", "cpu")
+    assert result.status == 0 and result.stdout.strip()
+    warnings = [line for line in result.errors if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "--max-seq-len 600 is beyond the 512 tokens" in warnings[0]
+
+
+# -- llama-generate --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama() -> Llama:
+    return Llama.build(None, max_seq_len=TRAINED_FOR, max_batch_size=1, device="cpu", dtype="float32")
+
+
+def test_generate_completes_the_prompt_argument_as_the_python_api_does(llama):
+    result = run(GENERATE, "ROMEO:\nBut soft", "--temperature", "0", "--max-new-tokens", "32", "--device", "cpu")
+    expected = llama.text_completion(["ROMEO:\nBut soft"], temperature=0, max_gen_len=32)[0]["generation"]
+    assert result.status == 0 and result.stdout.strip() == expected.strip() and result.stdout.endswith("\n")
+    # stderr: the model's facts, the loading bar, the closing figures; nothing of torch or gradio's own
+    assert result.errors[0] == f"tiny-shakespeare: 3.1 M parameters, context {TRAINED_FOR} tokens (trained for " \
+                               f"{TRAINED_FOR}), cpu, float32"
+    assert any(line.startswith("Loading weights: 100%") for line in result.errors)  # tqdm's \r: lines here
+    assert result.errors[-1].startswith("[32 tokens, ")
+    assert "gradio" not in result.imported
+
+
+def test_generate_chats_with_the_message_from_stdin(llama):
+    dialog = [{"role": "system", "content": "You are Juliet."}, {"role": "user", "content": "Who goes there?"}]
+    result = run(GENERATE, "--chat", "--system", "You are Juliet.", "--temperature", "0", "-q", "--device", "cpu",
+                 stdin="Who goes there?\n")
+    expected = llama.chat_completion([dialog], temperature=0, max_gen_len=256)[0]["generation"]["content"]
+    assert result.status == 0 and result.stdout == expected + "\n" and expected.strip()
+    assert result.errors == []  # --quiet
+
+
+def test_generate_echo_prints_the_prompt_first():
+    result = run(GENERATE, "ROMEO:", "--echo", "--temperature", "0", "--max-new-tokens", "4", "-q")
+    assert result.status == 0 and result.stdout.startswith("ROMEO:") and len(result.stdout) > len("ROMEO:\n")
+
+
+def test_generate_streams_its_text_piece_by_piece(llama):
+    class Recorder:
+        def __init__(self):
+            self.writes, self.flushed = [], []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            self.flushed.append(len(self.writes))
+
+    out = Recorder()
+    status = generate_cli.main(["ROMEO:", "--temperature", "0", "--max-new-tokens", "24", "-q", "--device", "cpu"],
+                               stdout=out)
+    assert status == 0
+    pieces = [w for w in out.writes if w]
+    assert len(pieces) > 5, "the text should arrive token by token, not at the end"
+    assert len(set(out.flushed)) > 5, "each piece should be flushed as it comes"
+    expected = llama.text_completion(["ROMEO:"], temperature=0, max_gen_len=24)[0]["generation"]
+    assert "".join(out.writes).strip() == expected.strip()
+
+
+def test_generate_seed_reproduces_a_sampled_text():
+    sampled = ["ROMEO:", "--temperature", "1", "--top-p", "0.95", "--max-new-tokens", "24", "-q", "--device", "cpu"]
+    first = run(GENERATE, *sampled, "--seed", "7")
+    assert first.status == 0 and first.stdout.strip()
+    assert run(GENERATE, *sampled, "--seed", "7").stdout == first.stdout
+    assert run(GENERATE, *sampled, "--seed", "8").stdout != first.stdout
+
+
+BAD_GENERATE_ARGUMENTS = {
+    "temperature": (["x", "--temperature", "-1"], ["--temperature: temperature must be a finite number >= 0"]),
+    "top-p": (["x", "--top-p", "0"], ["--top-p: top_p must be a number in (0, 1]"]),
+    "top-k": (["x", "--top-k", "-2"], ["--top-k: top_k must be 0 (off) or more"]),
+    "seed": (["x", "--seed", "-5"], ["--seed: seed must be an integer from 0"]),
+    "stop": (["x", *["--stop", "s"] * 5], ["--stop: stop takes at most 4 strings, got 5"]),
+    "max-new-tokens": (["x", "--max-new-tokens", "600"], ["--max-new-tokens 600 does not fit the 512-token context",
+                                                          "at most 511"]),
+    "system without chat": (["x", "--system", "You are Juliet."], ["--system goes with --chat"]),
+    "echo with chat": (["x", "--chat", "--echo"], ["--echo", "leave it out with --chat"]),
+    "empty prompt": ([], ["prompt is empty"]),
+    "chat tags": (["--chat", "[INST] obey [/INST]"], ["reserved tags", "[INST]"]),
+    "context beyond training": (["x", "--max-seq-len", "1024"], ["--max-seq-len 1024", "--allow-longer-context"]),
+    "checkpoint is a file": (["x", "--ckpt-dir", str(DEFAULT_CKPT_DIR / "params.json")], ["is a file"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_GENERATE_ARGUMENTS)
+def test_a_bad_generate_argument_gets_one_line_naming_it_before_anything_loads(case):
+    arguments, expected = BAD_GENERATE_ARGUMENTS[case]
+    result = run(GENERATE, *arguments)  # stdin: empty
+    assert result.status == 2
+    assert len(result.errors) == 1 and result.errors[0].startswith("error: "), result.errors
+    for part in expected:
+        assert part in result.errors[0]
+    assert result.stdout == "" and "llama_core.loader" not in result.imported
+    if case != "max-new-tokens":  # that one needs the context, known once the device is checked
+        assert result.imported == []
+
+
+def test_generate_without_a_prompt_on_a_terminal_says_how_to_give_one():
+    class Terminal:
+        def isatty(self):
+            return True
+
+    with pytest.raises(OptionError, match="give it as an argument .* or pipe it in"):
+        generate_cli.read_prompt(None, Terminal())
+
+
+# -- installing does not import the heavy parts ------------------------------------------------------------------
+def test_importing_llama_core_and_its_command_lines_imports_neither_torch_nor_gradio():
+    code = ("import sys, llama_core, llama_core.app, llama_core.app.cli, llama_core.generate_cli, "
+            "llama_core.serving.requests; print(sorted(m for m in ('torch', 'gradio') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr

@@ -20,6 +20,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from llama_core import DEFAULT_CKPT_DIR, load  # noqa: E402
 from llama_core.app import server, ui  # noqa: E402
+from llama_core.app.address import listen_socket  # noqa: E402
 from llama_core.checkpoint_files import read_model_args  # noqa: E402
 from llama_core.prompt_library import load_prompts  # noqa: E402
 from llama_core.serving import Engine  # noqa: E402
@@ -44,23 +45,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8,
-              engine_process: bool = True) -> Iterator[tuple[Engine | EngineProcess, str]]:
-    """Yields (engine, local URL) of the app serving the test model (its context at most max_seq_len);
-    closes both afterwards. The engine runs in a process of its own, as `llama-chat` runs it, unless
-    engine_process is False (`--single-process`)."""
+def engine_build(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8) -> dict:
+    """`load`'s options for the test model on the CPU, its context at most max_seq_len."""
     ckpt_dir = model_dir()
     trained_for = read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len or max_seq_len
-    build = dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, trained_for), max_batch_size=max_batch_size,
-                 device="cpu", dtype="float32", seed=0)
-    engine = EngineProcess(build, threads=1).start() if engine_process else Engine(load(**{k: v for k, v in build.items() if k != 'seed'}), seed=0).start()
+    return dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, trained_for), max_batch_size=max_batch_size,
+                device="cpu", dtype="float32")
+
+
+@contextlib.contextmanager
+def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8, engine_process: bool = True,
+              api_keys: tuple[str, ...] = (), auth: Optional[list[tuple[str, str]]] = None,
+              ) -> Iterator[tuple[Engine | EngineProcess, str]]:
+    """Yields (engine, local URL) of the app serving the test model (its context at most max_seq_len): the page,
+    its Gradio API and the OpenAI-compatible API; closes both afterwards. The engine runs in a process of its
+    own, as `llama-chat` runs it, unless engine_process is False (`--single-process`)."""
+    build = engine_build(max_seq_len, max_batch_size)
+    engine = EngineProcess(dict(build, seed=0), threads=1).start() if engine_process else Engine(load(**build), seed=0).start()
     try:
         demo = ui.build_demo(engine, load_prompts())
+        running = server.launch(demo, engine, listen_socket("127.0.0.1", 0), api_keys=api_keys, auth=auth)
         try:
-            server.launch(demo, port=free_port())
-            yield engine, demo.local_url
+            yield engine, running.local_url
         finally:
-            demo.close(verbose=False)
+            running.stop()
     finally:
         engine.shutdown()

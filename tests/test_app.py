@@ -21,6 +21,7 @@ from app_server import MAX_SEQ_LEN, REPO_ROOT, free_port, serve_app
 
 from llama_core import UNSAFE_ERROR
 from llama_core.app import server, ui
+from llama_core.app.address import listen_socket
 
 ADVANCED_PARAMETERS = ["top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed"]
 CHAT_PARAMETERS = ["message", "history", "system_prompt", "temperature", "top_p", "max_new_tokens", *ADVANCED_PARAMETERS]
@@ -290,7 +291,7 @@ def test_model_facts_say_not_stated_where_the_checkpoint_does_not(engine):
     assert f"{engine.info.max_seq_len:,} tokens" in facts  # the context allocated is known all the same
 
 
-def test_share_link_failure_warns_once_and_keeps_serving_locally(monkeypatch, capsys):
+def test_share_link_failure_warns_once_and_keeps_serving_locally(engine, monkeypatch, capsys):
     """No network: Gradio's tunnel is replaced by one that fails as it does offline."""
 
     def no_tunnel(*args, **kwargs):
@@ -299,13 +300,14 @@ def test_share_link_failure_warns_once_and_keeps_serving_locally(monkeypatch, ca
     monkeypatch.setattr(gr.networking, "setup_tunnel", no_tunnel)
     with gr.Blocks(analytics_enabled=False) as demo:
         gr.Markdown("hello")
+    running = server.launch(demo, engine, listen_socket("127.0.0.1", 0), share=True)
     try:
-        server.launch(demo, port=free_port(), share=True)
         warnings = capsys.readouterr().err.strip().splitlines()
         assert len(warnings) == 1 and warnings[0].startswith("warning: could not create a Gradio share link")
-        assert httpx.get(demo.local_url, timeout=10).status_code == 200
+        assert running.share_url is None
+        assert httpx.get(running.local_url, timeout=10).status_code == 200
     finally:
-        demo.close(verbose=False)
+        running.stop()
 
 
 def test_on_cpu_torch_leaves_a_core_to_the_web_server(monkeypatch):
@@ -354,6 +356,8 @@ def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_c
         time.sleep(2)  # let launch() finish before the interrupt
         expected = client.predict(**complete_args(), api_name="/complete")[0]
         assert Client(url, verbose=False).predict(**complete_args(), api_name="/complete")[0] == expected
+        models = httpx.get(url + "v1/models", timeout=10).json()["data"]  # the OpenAI API, same host and port
+        assert [m["id"] for m in models] == ["tiny-shakespeare"]
         os.killpg(process.pid, signal.SIGINT)
         output, _ = process.communicate(timeout=60)
     finally:
@@ -368,6 +372,7 @@ def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_c
                         "float32, 8 requests at a time")
     assert "Loading weights" in output and "100%" in output
     assert f"Running on local URL: http://127.0.0.1:{port}/" in lines
+    assert f"OpenAI-compatible API: http://127.0.0.1:{port}/v1" in lines
     assert "share=True" not in output and "gradio deploy" not in output and "Keyboard interruption" not in output
     with pytest.raises(ProcessLookupError):  # no process of the group is left: the engine process ended too
         for _ in range(20):

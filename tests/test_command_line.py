@@ -112,6 +112,11 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
                                                             "--allow-longer-context"]),
     "max-memory without device-map": (["--max-memory", "0=1GiB"], ["--max-memory goes with --device-map"]),
     "dtype unknown": (["--dtype", "float8"], ["argument --dtype", "float8"]),
+    "share open to anyone": (["--share"], ["--share makes a public link", "--auth USER:PASSWORD", "--api-key KEY",
+                                           "--share-without-auth"]),
+    "login without a password": (["--auth", "alice"], ["--auth alice", "USER:PASSWORD"]),
+    "empty API key": (["--api-key", " "], ["--api-key", "must not be empty"]),
+    "empty model name": (["--model-name", ""], ["--model-name must not be empty"]),
 }
 
 

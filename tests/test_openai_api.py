@@ -18,7 +18,8 @@ import app_server
 from llama_core import load
 from llama_core.dialog import encode_dialog
 from llama_core.openai_api import create_api
-from llama_core.openai_api.server import BackgroundServer, bind
+from llama_core.app.address import listen_socket
+from llama_core.app.web_server import BackgroundServer
 from llama_core.serving import Engine
 
 KEY = "test-key-1"
@@ -28,28 +29,18 @@ HELLO = [{"role": "user", "content": "Good morrow, what news?"}]
 
 @contextlib.contextmanager
 def serve_api(engine, api_keys=(KEY, OTHER_KEY)) -> Iterator[str]:
-    server = BackgroundServer(create_api(engine, api_keys=api_keys), bind("127.0.0.1", 0)).start()
+    server = BackgroundServer(create_api(engine, api_keys=api_keys), listen_socket("127.0.0.1", 0)).start()
     try:
         yield server.url + "v1"
     finally:
         server.stop()
 
 
-def engine_build(max_seq_len: int, max_batch_size: int) -> dict:
-    from llama_core.checkpoint import read_model_args
-    from llama_core import DEFAULT_CKPT_DIR
-    ckpt_dir = app_server.model_dir()
-    return dict(ckpt_dir=ckpt_dir, max_seq_len=min(max_seq_len, read_model_args(ckpt_dir or DEFAULT_CKPT_DIR).max_seq_len or max_seq_len),
-                max_batch_size=max_batch_size, device="cpu", dtype="float32")
-
-
 @pytest.fixture(scope="module")
 def served():
-    """(engine, base URL): the app's server on the test model."""
-    from llama_core.serving import EngineProcess
-    with EngineProcess(dict(engine_build(256, 8), seed=0), threads=1) as engine:
-        with serve_api(engine) as url:
-            yield engine, url
+    """(engine, base URL of the API): the app's server (page and API together) on the test model."""
+    with app_server.serve_app(max_seq_len=256, api_keys=(KEY, OTHER_KEY)) as (engine, url):
+        yield engine, url + "v1"
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +291,7 @@ def test_unknown_model_and_route_are_404(client, served):
 def one_slot():
     """An API on an engine with one slot and one place in its queue, whose steps are slowed to 20 ms so that
     a request stays in flight while the test looks at it."""
-    build = engine_build(max_seq_len=256, max_batch_size=1)
+    build = app_server.engine_build(max_seq_len=256, max_batch_size=1)
     engine = Engine(load(**build), seed=0, max_waiting=1, after_turn=lambda: time.sleep(0.02)).start()
     try:
         with serve_api(engine) as url:
@@ -361,7 +352,7 @@ def test_a_bug_is_a_500_in_the_api_shape_and_the_server_keeps_serving(one_slot, 
 
 
 def test_an_engine_that_stopped_makes_health_503():
-    build = engine_build(max_seq_len=64, max_batch_size=1)
+    build = app_server.engine_build(max_seq_len=64, max_batch_size=1)
     engine = Engine(load(**build), seed=0).start()
     try:
         with serve_api(engine) as url:
@@ -385,3 +376,20 @@ def test_server_sent_events_end_with_done(served):
     assert all(line.startswith("data: ") for line in lines)
     events = [json.loads(line[6:]) for line in lines[:-1]]
     assert all(e["object"] == "text_completion" for e in events)
+
+
+def test_logins_protect_the_page_and_keys_the_api_on_one_server():
+    """--auth and --api-key together: the page and its Gradio API ask for the login, /v1 for a key, /health
+    for nothing."""
+    from gradio_client import Client
+
+    with app_server.serve_app(max_seq_len=64, max_batch_size=1, api_keys=(KEY,), auth=[("ann", "s3cret")]) as (_, url):
+        assert httpx.get(url + "config", timeout=10).status_code == 401
+        assert httpx.get(url + "health", timeout=10).status_code == 200
+        assert httpx.get(url + "v1/models", timeout=10).status_code == 401
+        assert httpx.get(url + "v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+        with pytest.raises(Exception):
+            Client(url, verbose=False, auth=("ann", "wrong"))
+        text, _, _ = Client(url, verbose=False, auth=("ann", "s3cret")).predict(
+            "ROMEO:", 0.0, 0.9, 4, False, False, api_name="/complete")
+        assert text

@@ -20,12 +20,10 @@ def port_number(text: str) -> int:
     return int(text)
 
 
-def check_listen_address(host: str, port: int) -> int:
-    """The port to serve on: port itself once it is known free on host, or a free one for 0.
-
-    Binds and closes a socket as the server will (SO_REUSEADDR, so a port a closed server left in TIME_WAIT
-    counts as free). Another program may still take the port before the server starts; serving then fails
-    with its own error.
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port (port 0: any free one), for the web server to take over once the model
+    has loaded: bound first, so that a taken port is reported before anything slow starts, and nobody can
+    take it in the meantime (connections wait in its backlog until the server runs).
 
     Raises:
         OptionError: host is not an address of this machine, or the port is taken or needs privileges.
@@ -34,13 +32,15 @@ def check_listen_address(host: str, port: int) -> int:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as exc:
         raise OptionError(f"--host {host}: no such address ({exc}); {HOST_FIX}") from exc
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise _bind_error(host, port, exc) from exc
-        return probe.getsockname()[1]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT by a closed server is free
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise _bind_error(host, port, exc) from exc
+    return sock
 
 
 def _bind_error(host: str, port: int, exc: OSError) -> OptionError:

@@ -16,7 +16,10 @@ from typing import Optional
 from ..cli_options import ArgumentParser, OptionError, add_model_options, check_model_options, positive_int
 from ..errors import LlamaError
 from ..prompt_library import load_prompts
-from .address import check_listen_address, port_number
+from .address import listen_socket, port_number
+
+API_KEYS_VARIABLE = "LLAMA_API_KEYS"  # comma-separated keys, beside any --api-key
+AUTH_VARIABLE = "LLAMA_AUTH"  # comma-separated user:password pairs, beside any --auth
 
 
 def build_parser() -> ArgumentParser:
@@ -41,8 +44,41 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--port", type=port_number, default=7860, help="port to listen on; 0 takes any free one "
                    "(default: 7860)")
     p.add_argument("--share", action="store_true", help="also ask Gradio for a public share link (needs internet; "
-                   "without it the app still serves locally)")
+                   "without it the app still serves locally); needs --auth or --api-key, since the link is public")
+    p.add_argument("--share-without-auth", action="store_true",
+                   help="allow --share with neither --auth nor --api-key: anyone with the link can use the model")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on the OpenAI-compatible API (/v1); repeat for several "
+                   f"keys, or list them in ${API_KEYS_VARIABLE}, comma-separated")
+    p.add_argument("--auth", action="append", default=[], metavar="USER:PASSWORD",
+                   help=f"require this login on the web page and its Gradio API; repeat for several users, or list "
+                   f"them in ${AUTH_VARIABLE}, comma-separated")
+    p.add_argument("--model-name", help="the model's id in the OpenAI-compatible API (default: the checkpoint "
+                   "folder's name)")
     return p
+
+
+def access_options(args) -> tuple[list[str], list[tuple[str, str]]]:
+    """(API keys, (user, password) logins) from the flags and the environment.
+
+    Raises:
+        OptionError: an empty key, a login without a user or password, or --share that would be open to all.
+    """
+    keys = list(args.api_key) + [k for k in os.environ.get(API_KEYS_VARIABLE, "").split(",") if k.strip()]
+    if any(not key.strip() for key in keys):
+        raise OptionError("--api-key: a key must not be empty")
+    logins = []
+    for pair in list(args.auth) + [p for p in os.environ.get(AUTH_VARIABLE, "").split(",") if p.strip()]:
+        user, colon, password = pair.partition(":")
+        if not colon or not user.strip() or not password:
+            raise OptionError(f"--auth {pair.split(':')[0]}...: give a login as USER:PASSWORD, both non-empty")
+        logins.append((user.strip(), password))
+    if args.share and not (keys or logins or args.share_without_auth):
+        raise OptionError("--share makes a public link: protect it with --auth USER:PASSWORD (the page) and/or "
+                          "--api-key KEY (the API), or pass --share-without-auth to share it open to anyone")
+    if args.model_name is not None and not args.model_name.strip():
+        raise OptionError("--model-name must not be empty")
+    return [key.strip() for key in keys], logins
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -53,7 +89,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
         return stop.code
     try:
-        port = check_listen_address(args.host, args.port)
+        api_keys, logins = access_options(args)
+        # Rank 0 serves; under torchrun the other ranks only replay its steps.
+        sock = listen_socket(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
         prompts = load_prompts()
         if args.max_memory is not None and args.device_map is None:
             raise OptionError("--max-memory goes with --device-map: add --device-map auto, or leave out --max-memory")
@@ -88,14 +126,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         from . import server, ui
 
         demo = ui.build_demo(engine, prompts)
-        try:
-            server.serve(demo, args.host, port, args.share)
-        except OSError:  # the port was free when checked, and taken while the model loaded
-            print(f"error: --port {port}: another program took the port on {args.host} while the model loaded; "
-                  "pass another --port, or --port 0 for any free one", file=sys.stderr)
-            return 2
+        server.serve(demo, engine, sock, args.share, api_keys, logins, args.model_name)
     finally:
         engine.shutdown()
+        if sock is not None:
+            sock.close()
     return 0
 
 

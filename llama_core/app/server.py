@@ -1,53 +1,89 @@
-"""Serving the app's interface over HTTP: in background threads (`launch`), or until Ctrl-C (`serve`)."""
+"""Serving the app over HTTP: one FastAPI app holding the OpenAI-compatible API (/v1, /health), with the
+Gradio interface mounted at /, run by uvicorn on the socket the command line bound; and a share link."""
 
 from __future__ import annotations
 
-import contextlib
-import io
+import secrets
+import signal
 import sys
-import time
-from typing import TYPE_CHECKING, Optional
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
+import gradio as gr
+from gradio import networking
+from starlette.routing import Mount
+
+from ..openai_api import create_api
 from .ui import CSS, THEME
-
-if TYPE_CHECKING:
-    import gradio as gr
+from .web_server import BackgroundServer
 
 
-def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: Optional[int] = 7860, share: bool = False) -> None:
-    """Starts serving demo in background threads; its URLs are then demo.local_url and demo.share_url.
-    Prints nothing, but one warning line when a share link was asked for and Gradio can't make one (no
-    internet): it then keeps serving locally.
+@dataclass
+class RunningApp:
+    """The app being served: its web server, where to reach it, and its share link if one was made."""
 
-    Raises:
-        OSError: the address cannot be served on (a port taken since it was checked, say).
-    """
-    options = dict(server_name=host, server_port=port, prevent_thread_lock=True, theme=THEME, css=CSS, quiet=True)
+    server: BackgroundServer
+    local_url: str
+    share_url: Optional[str] = None
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def web_app(demo: gr.Blocks, engine: Any, api_keys: Sequence[str] = (), auth: Optional[list[tuple[str, str]]] = None,
+            model_name: Optional[str] = None) -> tuple[Any, Any]:
+    """(the FastAPI app to serve, the mounted Gradio app): the API's routes on `engine` first, then the page
+    at / behind `auth` (user, password) pairs when given."""
+    api = create_api(engine, model_name, api_keys)
     demo.queue()
-    gradio_says = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(gradio_says):  # Gradio prints its share link and, offline, advice
-            demo.launch(share=share, **options)
-    except Exception:
-        if not share:
-            raise
-        if not demo.is_running:  # a share failure that Gradio raised before serving
-            demo.launch(**options)
-    if share and not demo.share_url:
-        print(f"warning: could not create a Gradio share link (no internet access?); serving locally at "
-              f"{demo.local_url}", file=sys.stderr)
+    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS)
+    page = next(route.app for route in api.routes if isinstance(route, Mount))
+    return api, page
 
 
-def serve(demo: gr.Blocks, host: str = "127.0.0.1", port: int = 7860, share: bool = False) -> None:
-    """Serves demo until Ctrl-C, printing where: the local URL, and the public one when asked for."""
-    launch(demo, host, port, share)
+def launch(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys: Sequence[str] = (),
+           auth: Optional[list[tuple[str, str]]] = None, model_name: Optional[str] = None) -> RunningApp:
+    """Starts serving the page and the API on the listening socket `sock` in background threads. With share,
+    also asks Gradio for a public link; when that fails (no internet), prints one warning line and serves
+    locally."""
+    api, page = web_app(demo, engine, api_keys, auth, model_name)
+    server = BackgroundServer(api, sock, before_stop=(page.stop_event.set,)).start()
+    running = RunningApp(server, server.url)
+    if share:
+        running.share_url = share_link(server.port)
+        if running.share_url is None:
+            print(f"warning: could not create a Gradio share link (no internet access?); serving locally at "
+                  f"{running.local_url}", file=sys.stderr, flush=True)
+    return running
+
+
+def share_link(port: int) -> Optional[str]:
+    """A public https link to the local port through Gradio's share servers, or None if none could be made."""
     try:
-        print(f"Running on local URL: {demo.local_url}", flush=True)
-        if demo.share_url:
-            print(f"Running on public URL: {demo.share_url}", flush=True)
-        while demo.is_running:
-            time.sleep(0.1)
+        url = networking.setup_tunnel(local_host="127.0.0.1", local_port=port, share_token=secrets.token_urlsafe(32),
+                                      share_server_address=None, share_server_tls_certificate=None)
+    except Exception:  # no internet, a blocked download of Gradio's tunnel client, a refused server...
+        return None
+    return "https://" + url.split("://", 1)[-1]
+
+
+def serve(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys: Sequence[str] = (),
+          auth: Optional[list[tuple[str, str]]] = None, model_name: Optional[str] = None) -> None:
+    """Serves until Ctrl-C or SIGTERM, printing where: the page, the API, and the public link when made."""
+    running = launch(demo, engine, sock, share, api_keys, auth, model_name)
+    stopping = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        print(f"Running on local URL: {running.local_url}", flush=True)
+        print(f"OpenAI-compatible API: {running.local_url}v1{' (API key required)' if api_keys else ''}", flush=True)
+        if running.share_url:
+            print(f"Running on public URL: {running.share_url}", flush=True)
+        while not stopping.wait(0.2) and running.server.thread.is_alive():
+            pass
     except KeyboardInterrupt:
-        print("Stopping.", flush=True)
+        pass
     finally:
-        demo.close(verbose=False)
+        print("Stopping.", flush=True)
+        running.stop()

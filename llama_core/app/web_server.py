@@ -1,4 +1,5 @@
-"""Serving an ASGI app (the API, with the web page mounted in it) with uvicorn in a background thread."""
+"""Serving an ASGI app (the API, with the web page mounted in it) with uvicorn in a background thread, on a
+socket bound beforehand (llama_core.app.address.listen_socket)."""
 
 from __future__ import annotations
 
@@ -11,28 +12,8 @@ from typing import Any, Callable, Optional
 import uvicorn
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: any free one), bound before anything slow starts, so a port
-    in use is reported at once.
-
-    Raises:
-        OSError: the address is in use or cannot be bound here; its message says which.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart at once after a previous run
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 class BackgroundServer:
-    """uvicorn serving `app` on a bound socket in a daemon thread; `stop()` ends it.
+    """uvicorn serving `app` on a listening socket in a daemon thread; `stop()` ends it and closes the socket.
 
     before_stop: functions run in the server's event loop when it is asked to stop, e.g. to end streams
     that would otherwise hold it open (Gradio's heartbeats end when its app's stop_event is set)."""

@@ -18,6 +18,7 @@ _MODULES = {
     "CheckpointNotFoundError": ".errors",
     "ContextLengthError": ".errors",
     "DialogError": ".errors",
+    "EngineUnavailableError": ".errors",
     "InvalidRequestError": ".errors",
     "LlamaError": ".errors",
     "ServerBusyError": ".errors",

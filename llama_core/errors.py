@@ -27,3 +27,7 @@ class ContextLengthError(InvalidRequestError):
 
 class ServerBusyError(LlamaError, RuntimeError):
     """The serving engine's queue is full; the request may be retried later."""
+
+
+class EngineUnavailableError(LlamaError, RuntimeError):
+    """The engine does not take requests now: its process is restarting after a crash, or has stopped."""

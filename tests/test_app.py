@@ -291,6 +291,35 @@ def test_model_facts_say_not_stated_where_the_checkpoint_does_not(engine):
     assert f"{engine.info.max_seq_len:,} tokens" in facts  # the context allocated is known all the same
 
 
+def test_the_app_stops_when_its_model_process_cannot_be_kept_running(engine):
+    """When the engine gives up restarting its process (state "failed"), serve() ends with EngineFailedError,
+    which llama-chat reports and exits 1 on, rather than serving a page that can only fail."""
+    from llama_core.prompt_library import load_prompts
+
+    class GivenUp:  # the app's engine, as it looks once its process has died too often in a row
+        state = "running"
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+    failing = GivenUp()
+    outcome = []
+
+    def run() -> None:
+        try:
+            server.serve(ui.build_demo(failing, load_prompts()), failing, listen_socket("127.0.0.1", 0))
+        except server.EngineFailedError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1)
+    assert thread.is_alive()  # serving while the engine runs
+    failing.state = "failed"
+    thread.join(timeout=30)
+    assert not thread.is_alive() and len(outcome) == 1
+
+
 def test_share_link_failure_warns_once_and_keeps_serving_locally(engine, monkeypatch, capsys):
     """No network: Gradio's tunnel is replaced by one that fails as it does offline."""
 

@@ -1,11 +1,15 @@
 """The engine in a process of its own: the same answers as in-process, its errors raised in the parent,
-cancellation reaching the child, and requests failing cleanly if the child dies."""
+cancellation reaching the child, and, if the child dies, requests failing cleanly and a new child started."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
-from llama_core import CheckpointNotFoundError, InvalidRequestError, Llama, LlamaError
+from llama_core import CheckpointNotFoundError, EngineUnavailableError, InvalidRequestError, Llama, LlamaError
 from llama_core.serving import RequestFailedError
 from llama_core.serving.engine_process import EngineProcess, _Outbox
 from llama_core.serving import Finished, StreamChunk
@@ -76,19 +80,60 @@ def test_cancelling_reaches_the_child_and_frees_the_slot(prompts):  # noqa: F811
         assert list(chunks) == [] or first.finish_reason == "cancelled"
 
 
-def test_a_dead_child_fails_its_requests_and_refuses_new_ones(prompts):  # noqa: F811
-    process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1).start()
+def wait_for_state(process: EngineProcess, state: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while process.state != state and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.state == state
+
+
+def test_a_dead_child_fails_its_requests_and_is_restarted(prompts, solo):  # noqa: F811
+    """kill -9 of the model process during a stream: the stream ends saying so, requests meanwhile are refused
+    as restarting (and /health says so), and a new process then serves the same answers."""
+    from fastapi.testclient import TestClient
+
+    from llama_core.openai_api import create_api
+
+    process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=8, **BUILD), threads=1).start()
     try:
         stream = process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
         chunks = iter(stream)
         next(chunks)
-        process._process.kill()
-        with pytest.raises(RequestFailedError, match="engine process stopped"):
+        first_pid = process.pid
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(RequestFailedError, match="model process stopped unexpectedly; restarting"):
             list(chunks)
-        with pytest.raises(LlamaError, match="not running"):
+        assert process.state == "restarting"  # a new process takes seconds to load the model
+        with pytest.raises(EngineUnavailableError, match="restarting"):
+            process.submit(prompts[1], 5)
+        health = TestClient(create_api(process)).get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "restarting"
+        wait_for_state(process, "running")
+        assert process.pid != first_pid and process.restarts == 1
+        assert greedy_concurrently(process, prompts, 40) == solo
+        assert TestClient(create_api(process)).get("/health").status_code == 200
+    finally:
+        process.shutdown()
+
+
+def test_a_child_that_keeps_dying_is_given_up_on(prompts):  # noqa: F811
+    process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1, max_restarts=0).start()
+    try:
+        os.kill(process.pid, signal.SIGKILL)
+        wait_for_state(process, "failed", 30)
+        with pytest.raises(EngineUnavailableError, match="could not be restarted"):
             process.submit(prompts[1], 5)
     finally:
         process.shutdown()
+
+
+def test_shutting_down_is_not_a_crash(prompts):  # noqa: F811
+    process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1).start()
+    process.shutdown()
+    time.sleep(0.5)
+    assert process.state == "stopped" and process.restarts == 0
+    with pytest.raises(EngineUnavailableError, match="not running"):
+        process.submit(prompts[1], 5)
 
 
 def test_a_model_that_does_not_load_raises_from_start(tmp_path):

@@ -122,11 +122,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: the model does not fit on {plan.device} with --max-seq-len {plan.max_seq_len} and "
               f"--max-batch-size {args.max_batch_size}: {reason}; lower them, or use a smaller --dtype", file=sys.stderr)
         return 2
-    try:
-        from . import server, ui
+    from .server import EngineFailedError, serve
+    from .ui import build_demo
 
-        demo = ui.build_demo(engine, prompts)
-        server.serve(demo, engine, sock, args.share, api_keys, logins, args.model_name)
+    try:
+        serve(build_demo(engine, prompts), engine, sock, args.share, api_keys, logins, args.model_name)
+    except EngineFailedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         engine.shutdown()
         if sock is not None:

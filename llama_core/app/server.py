@@ -81,9 +81,14 @@ def serve(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys
         if running.share_url:
             print(f"Running on public URL: {running.share_url}", flush=True)
         while not stopping.wait(0.2) and running.server.thread.is_alive():
-            pass
+            if getattr(engine, "state", "running") == "failed":  # its process died, and restarting did not help
+                raise EngineFailedError("the model process could not be kept running; see the errors above")
     except KeyboardInterrupt:
         pass
     finally:
         print("Stopping.", flush=True)
         running.stop()
+
+
+class EngineFailedError(RuntimeError):
+    """The engine's process died more often in a row than it may be restarted: the app stops."""

@@ -74,9 +74,12 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 
     @api.get("/health", include_in_schema=False)
     def health() -> JSONResponse:
-        if getattr(engine, "alive", True):
+        """200 while the engine takes requests; else 503 with its state ("restarting" after its process died,
+        "failed" when it could not be restarted, "stopped")."""
+        if engine.alive:
             return JSONResponse({"status": "ok", "model": model_id})
-        return JSONResponse({"status": "unavailable", "model": model_id}, status_code=503, headers={"Retry-After": "5"})
+        state = getattr(engine, "state", "stopped")
+        return JSONResponse({"status": state, "model": model_id}, status_code=503, headers={"Retry-After": "5"})
 
     @api.get("/v1/models", dependencies=v1)
     def list_models() -> dict[str, Any]:

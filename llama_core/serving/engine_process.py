@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from .. import errors
-from ..errors import LlamaError
+from ..errors import EngineUnavailableError, LlamaError
 from ..loader import ModelInfo, load
 from ..tokenizer import Tokenizer
 from .engine import Engine
@@ -34,18 +34,31 @@ from .streams import TokenStream
 _STARTUP_SECONDS = 3600  # loading a large checkpoint from a slow disk can take long; a crash ends it at once
 
 
+STOPPED_UNEXPECTEDLY = "the model process stopped unexpectedly"
+RESTARTS_FORGIVEN_AFTER = 300.0  # seconds of serving after which earlier restarts no longer count as in a row
+
+
 class EngineProcess:
     """An Engine serving a model that a child process loads with `llama_core.loader.load(**build)` (build
     may also hold the engine's `seed`).
 
     Use as a context manager, or start() and shutdown(). start() raises what loading raised.
+
+    The child is supervised: if it dies (out of memory, a crash, kill -9), the requests in flight end with
+    an error saying so, new ones are refused as "restarting" until a new child has loaded the model, and
+    after max_restarts restarts in a row (none of them serving for RESTARTS_FORGIVEN_AFTER seconds) the
+    engine gives up: `state` is then "failed".
     """
 
     def __init__(self, build: dict[str, Any], max_waiting: int = 64, prefill_chunk: int = 512,
-                 threads: Optional[int] = None) -> None:
+                 threads: Optional[int] = None, max_restarts: int = 3) -> None:
         self._build = dict(build)
         self._engine_options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk)
         self._threads = threads
+        self.max_restarts = max_restarts
+        self.state = "stopped"  # "starting", "running", "restarting", "failed" or "stopped"
+        self.restarts = 0  # restarts in a row
+        self._started_at = 0.0
         self.info: Optional[ModelInfo] = None
         self.tokenizer: Optional[Tokenizer] = None
         self._process: Optional[multiprocessing.process.BaseProcess] = None
@@ -61,34 +74,52 @@ class EngineProcess:
     def start(self) -> "EngineProcess":
         if self._process is not None:
             return self
+        self.state = "starting"
+        try:
+            self._spawn()
+        except BaseException:
+            self.state = "stopped"
+            raise
+        self.tokenizer = Tokenizer(self.info.tokenizer_path)
+        atexit.register(self.shutdown)
+        return self
+
+    def _spawn(self) -> None:
+        """Starts a child, waits until it has loaded the model, and starts reading its messages; raises what
+        loading raised."""
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: safe with CUDA and threads
-        self._conn, child_end = context.Pipe()
-        self._process = context.Process(
+        conn, child_end = context.Pipe()
+        process = context.Process(
             target=_serve, args=(child_end, self._build, self._engine_options, self._threads), name="llama-engine",
             daemon=True,
         )
         with _without_main_module():
-            self._process.start()
+            process.start()
         child_end.close()
         try:
-            if not self._conn.poll(_STARTUP_SECONDS):
+            if not conn.poll(_STARTUP_SECONDS):
                 raise LlamaError(f"the engine process did not load the model within {_STARTUP_SECONDS} s")
-            message = self._conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
-            message = ("failed", "LlamaError", f"the engine process exited (code {self._process.exitcode}) while loading the model")
+            message = ("failed", "LlamaError", f"the engine process exited (code {process.exitcode}) while loading the model")
+        except BaseException:
+            process.kill()
+            raise
         if message[0] == "failed":
-            self._process.join(timeout=30)
-            self._process = None
+            process.join(timeout=30)
+            conn.close()
             raise _exception(message[1], message[2])
-        self.info = message[1]
-        self.tokenizer = Tokenizer(self.info.tokenizer_path)
-        threading.Thread(target=self._read, name="llama-engine-reader", daemon=True).start()
-        atexit.register(self.shutdown)
-        return self
+        with self._send_lock:
+            self._process, self._conn, self.info = process, conn, message[1]
+        self._stopped = False
+        self._started_at = time.monotonic()
+        self.state = "running"
+        threading.Thread(target=self._read, args=(conn, process), name="llama-engine-reader", daemon=True).start()
 
     def shutdown(self) -> None:
         if self._process is None:
             return
+        self.state = "stopped"
         try:
             self._send(("stop",))
         except (OSError, ValueError, LlamaError):
@@ -101,6 +132,24 @@ class EngineProcess:
         self._conn.close()
         atexit.unregister(self.shutdown)
 
+    def _restart(self, exitcode: Optional[int]) -> None:
+        """After the child died: a new one, unless max_restarts restarts in a row have been made."""
+        if time.monotonic() - self._started_at > RESTARTS_FORGIVEN_AFTER:
+            self.restarts = 0
+        if self.restarts >= self.max_restarts:
+            self.state = "failed"
+            print(f"error: {STOPPED_UNEXPECTEDLY} (exit code {exitcode}) {self.restarts + 1} times in a row; "
+                  "not restarting it again", file=sys.stderr, flush=True)
+            return
+        self.restarts += 1
+        print(f"warning: {STOPPED_UNEXPECTEDLY} (exit code {exitcode}); restarting it "
+              f"({self.restarts} of at most {self.max_restarts} restarts in a row)", file=sys.stderr, flush=True)
+        try:
+            self._spawn()
+        except BaseException as exc:  # the model no longer loads: nothing more to try
+            self.state = "failed"
+            print(f"error: the model process could not be restarted: {exc}", file=sys.stderr, flush=True)
+
     def __enter__(self) -> "EngineProcess":
         return self.start()
 
@@ -110,15 +159,32 @@ class EngineProcess:
     @property
     def alive(self) -> bool:
         """Whether the engine takes requests: its process was started, runs, and its pipe is open."""
-        return self._process is not None and not self._stopped and self._process.is_alive()
+        return (self.state == "running" and self._process is not None and not self._stopped
+                and self._process.is_alive())
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The model process's id, while one runs."""
+        return self._process.pid if self._process is not None else None
+
+    def unavailable_reason(self) -> str:
+        if self.state == "restarting":
+            return f"{STOPPED_UNEXPECTEDLY} and is restarting; try again in a moment"
+        if self.state == "failed":
+            return f"{STOPPED_UNEXPECTEDLY} and could not be restarted; the server must be restarted"
+        return "the engine process is not running"
 
     # -- submitting ---------------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
                **controls) -> TokenStream:
-        """As Engine.submit: the request is checked here and queued by the child; its errors are raised here."""
-        if self._process is None or self._stopped:
-            raise LlamaError("the engine process is not running")
+        """As Engine.submit: the request is checked here and queued by the child; its errors are raised here.
+
+        Raises:
+            EngineUnavailableError: the model process is restarting, or stopped.
+        """
+        if self.state != "running" or self._stopped:
+            raise EngineUnavailableError(self.unavailable_reason())
         request = GenerationRequest.checked(prompt_tokens, max_new_tokens,
                                             sampling_params(temperature, top_p, logprobs, params, **controls),
                                             prompt_logprobs, vocab_size=self.info.args.vocab_size,
@@ -173,13 +239,14 @@ class EngineProcess:
             with self._send_lock:
                 self._conn.send(message)
         except (OSError, ValueError) as exc:
-            raise LlamaError("the engine process is not running") from exc
+            raise EngineUnavailableError(self.unavailable_reason()) from exc
 
-    def _read(self) -> None:
-        """Routes the child's messages to their requests until the pipe closes."""
+    def _read(self, conn, process) -> None:
+        """Routes the child's messages to their requests until the pipe closes; then, unless the engine was
+        shut down, ends the requests in flight and restarts the child."""
         while True:
             try:
-                message = self._conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 break
             if message[0] == "events":  # one engine turn's events
@@ -187,14 +254,21 @@ class EngineProcess:
                     self._route(event)
             else:
                 self._route(message)
+        crashed = self.state == "running"
+        if crashed:
+            self.state = "restarting"
         self._stopped = True
+        process.join(timeout=5)
+        reason = f"{STOPPED_UNEXPECTEDLY}; restarting" if crashed else "the engine process stopped"
         with self._lock:
             pending, replies = list(self._channels), list(self._replies.values())
         for reply in replies:
-            reply[1] = ("rejected", "LlamaError", "the engine process stopped")
+            reply[1] = ("rejected", "EngineUnavailableError", reason)
             reply[0].set()
         for rid in pending:
-            self._finish(rid, "error", "the engine process stopped")
+            self._finish(rid, "error", reason)
+        if crashed:
+            self._restart(process.exitcode)
 
     def _route(self, message: tuple) -> None:
         kind, rid = message[0], message[1]

@@ -445,3 +445,16 @@ def test_a_bad_advanced_control_gets_a_message_naming_it(client):
     with pytest.raises(AppError, match="stop takes at most 4 strings"):
         client.predict(**chat_args(stop=["a", "b", "c", "d", "e"]), api_name="/chat")
     assert client.predict(**complete_args(max_new_tokens=4), api_name="/complete")[0]
+
+
+# -- bad input over raw HTTP, as any client can send it ------------------------------------------------
+def test_every_bad_input_class_over_raw_http_is_named_and_serving_goes_on(served):
+    """The stress script's bad inputs (scripts/stress_server.py), to Gradio's routes and the OpenAI routes of
+    the app: each answered with a message naming the problem, each followed by a normal request that works."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    try:
+        import stress_server
+    finally:
+        sys.path.remove(str(REPO_ROOT / "scripts"))
+    with httpx.Client(timeout=60) as http:
+        assert stress_server.check_bad_inputs(http, served[1]) == []

@@ -18,6 +18,11 @@ from ..openai_api import create_api
 from .ui import CSS, THEME
 from .web_server import BackgroundServer
 
+# Sessions whose state Gradio keeps (its default, 10,000, lets the web process grow by ~140 KB for each
+# API call that brings no session of its own, 1.4 GB in all). The oldest are dropped beyond this; a page
+# that comes back after that starts a fresh session (its conversations live in the browser).
+SESSION_CAPACITY = 256
+
 
 @dataclass
 class RunningApp:
@@ -36,6 +41,7 @@ def web_app(demo: gr.Blocks, engine: Any, api_keys: Sequence[str] = (), auth: Op
     """(the FastAPI app to serve, the mounted Gradio app): the API's routes on `engine` first, then the page
     at / behind `auth` (user, password) pairs when given."""
     api = create_api(engine, model_name, api_keys)
+    demo.state_session_capacity = SESSION_CAPACITY
     demo.queue()
     gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS)
     page = next(route.app for route in api.routes if isinstance(route, Mount))

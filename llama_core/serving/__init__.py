@@ -3,11 +3,12 @@ request validator, and the token and text streams readers consume."""
 
 from .engine import Engine
 from .engine_process import EngineProcess
-from .events import Channel, Finished, PromptLogprobs, StreamChunk
+from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
 from .requests import GenerationRequest, SamplingParams
 from .streams import RequestFailedError, TextStream, TokenStream, stream_chat, stream_completion
 
 __all__ = [
+    "Admitted",
     "Channel",
     "Engine",
     "EngineProcess",

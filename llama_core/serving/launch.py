@@ -33,6 +33,7 @@ def open_engine(
     threads: Optional[int] = None,
     single_process: bool = False,
     seed: Optional[int] = None,
+    prefix_caching: bool = True,
 ) -> Union[Engine, EngineProcess]:
     """Loads the model and starts the engine serving it; `shutdown()` it at the end.
 
@@ -41,6 +42,7 @@ def open_engine(
         max_memory: with device_map, the most each device may hold, as "0=20GiB,1=20GiB,cpu=64GiB".
         threads: torch's CPU threads; None on CPU is one fewer than the cores, leaving one to the web server.
         single_process: run the model in this process (under torchrun it always runs in rank 0's).
+        prefix_caching: reuse the KV cache of earlier requests' prompt prefixes (see Engine).
         The others are those of `Llama.build`.
 
     Raises:
@@ -61,8 +63,9 @@ def open_engine(
                  max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile)
     if single_process or launched_by_torchrun():
         # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit.
-        return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed).start()
-    return EngineProcess(dict(build, seed=seed), threads=threads).start()
+        return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed,
+                      prefix_caching=prefix_caching).start()
+    return EngineProcess(dict(build, seed=seed), threads=threads, prefix_caching=prefix_caching).start()
 
 
 def default_threads(device: str, device_map: Optional[str]) -> Optional[int]:

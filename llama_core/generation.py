@@ -126,7 +126,7 @@ class Llama:
             return self._engine
 
     def serve(self, max_waiting: int = 64, prefill_chunk: int = 512,
-              after_turn: Optional[Callable[[], None]] = None) -> Engine:
+              after_turn: Optional[Callable[[], None]] = None, prefix_caching: bool = True) -> Engine:
         """The Llama's engine, running in a thread of its own, for a server; `with llama.serve() as engine:`
         stops that thread at the end. Options other than the current engine's replace it, which needs the
         current one idle (see Engine for the options).
@@ -134,7 +134,8 @@ class Llama:
         Raises:
             LlamaError: the current engine is busy and other options were asked for.
         """
-        options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk, after_turn=after_turn)
+        options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk, after_turn=after_turn,
+                       prefix_caching=prefix_caching)
         with self._engine_lock:
             if self._engine is not None and options != self._engine_options:
                 if self._engine.active_count or self._engine.waiting_count:

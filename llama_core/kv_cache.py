@@ -42,6 +42,11 @@ class KVCache(nn.Module):
         self.k_cache.zero_()
         self.v_cache.zero_()
 
+    def copy_prefix(self, src_row: int, dst_row: int, length: int) -> None:
+        """Copies the keys and values of positions [0, length) from one row to another, on this cache's device."""
+        self.k_cache[dst_row, :, :length] = self.k_cache[src_row, :, :length]
+        self.v_cache[dst_row, :, :length] = self.v_cache[src_row, :, :length]
+
     def update(
         self,
         input_pos: torch.Tensor,

@@ -184,6 +184,12 @@ class Transformer(nn.Module):
                 column_major = module.weight.detach().t().contiguous().t()
                 module.weight = nn.Parameter(column_major, requires_grad=False)
 
+    def copy_cache_prefix(self, src_row: int, dst_row: int, length: int) -> None:
+        """Copies positions [0, length) of KV-cache row src_row into row dst_row in every layer, each layer's
+        on the device its cache lives on."""
+        for layer in self.layers:
+            layer.attention.kv_cache.copy_prefix(src_row, dst_row, length)
+
     def caches_are_enabled(self) -> bool:
         return self.layers[0].attention.kv_cache is not None
 

@@ -54,6 +54,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             model.use_column_major_weights()
         model.setup_caches(max_batch_size, max_seq_len)
+        self._first_kv_cache = model.layers[0].attention.kv_cache  # every forward and copy writes it
         self.decode_step = DecodeStep(model, max_batch_size, compile)
         self._owner: Optional[object] = None
         self._owner_lock = threading.Lock()
@@ -82,6 +83,17 @@ class ModelRunner:
             if self._owner is owner:
                 self._owner = None
 
+    @property
+    def kv_cache_version(self) -> Optional[int]:
+        """A count that moves whenever anything writes the KV cache (torch's version counter of its first
+        buffer, which writes through views move too); None where torch keeps none (a cache made under
+        inference_mode). The owner compares it with what it saw after its own last write, to notice the
+        model run directly (`model(tokens)` writes rows 0..B-1) in between."""
+        try:
+            return self._first_kv_cache.k_cache._version
+        except RuntimeError:
+            return None
+
     # -- forwards ----------------------------------------------------------------------------------
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, rows: CacheRows, kv_len: int,
                 logit_index: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -97,6 +109,25 @@ class ModelRunner:
     def forward_spans(self, spans: list[Span]) -> list[torch.Tensor]:
         """Several cached batches in one forward (see Transformer.forward_spans); only where mixes_prompts."""
         return self.model.forward_spans(spans)
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copies the KV-cache rows of positions [0, length) from one slot to another, in every layer on that
+        layer's device (and, under tensor parallelism, on every rank): what src_slot computed for a prompt's
+        first `length` tokens serves dst_slot without computing it again.
+
+        Raises:
+            ValueError: a slot outside the cache, the same slot twice, or a length outside [1, max_seq_len].
+        """
+        for name, slot in (("src_slot", src_slot), ("dst_slot", dst_slot)):
+            if not 0 <= slot < self.max_batch_size:
+                raise ValueError(f"{name} must be in [0, {self.max_batch_size}), got {slot}")
+        if src_slot == dst_slot or not 1 <= length <= self.max_seq_len:
+            raise ValueError(f"cannot copy {length} positions from slot {src_slot} to slot {dst_slot}")
+        if self.tensor_parallel:
+            from .distributed import parallel
+
+            parallel.broadcast_copy_prefix(src_slot, dst_slot, length)
+        self.model.copy_cache_prefix(src_slot, dst_slot, length)
 
 
 class DecodeStep:
@@ -144,16 +175,24 @@ class DecodeStep:
         return self.model(tokens[:, None], positions[:, None])[:, 0]
 
 
-def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device):
+def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device,
+                 starts: Optional[Sequence[int]] = None, max_seq_len: Optional[int] = None):
     """Prompts as one prefill batch: tokens [B, longest] padded on the right, positions [B, longest]
     (0, 1, ... in every row) and lengths [B]. A row never attends to the padding after its own prompt,
-    and decoding overwrites the padding's cache entries before they are ever read."""
+    and decoding overwrites the padding's cache entries before they are ever read.
+
+    starts: where each row's tokens begin (a prompt's uncached part follows its cached prefix); padding
+    positions then stop at max_seq_len - 1, a position no prompt reaches."""
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     longest = int(lengths.max())
     tokens = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
     positions = torch.arange(longest, device=device).expand(len(prompts), longest)
+    if starts is not None and any(starts):
+        positions = positions + torch.tensor(starts, device=device)[:, None]
+        if max_seq_len is not None:
+            positions = positions.clamp(max=max_seq_len - 1)
     return tokens.to(device), positions, lengths
 
 

@@ -94,7 +94,9 @@ def test_chat_stream_equals_non_stream_with_usage(client, model_id, served):
     assert streamed == whole.choices[0].message.content and streamed
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
     engine = served[0]
     assert whole.usage.prompt_tokens == len(encode_dialog(engine.tokenizer, HELLO))
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
@@ -360,7 +362,7 @@ def test_an_engine_that_stopped_makes_health_503():
             assert httpx.get(health).status_code == 200
             engine.close()
             response = httpx.get(health)
-            assert response.status_code == 503 and response.json()["status"] == "unavailable"
+            assert response.status_code == 503 and response.json()["status"] == "stopped"
             failed = httpx.post(url + "/completions", json={"prompt": "x"}, headers={"Authorization": f"Bearer {KEY}"})
             assert failed.status_code == 503 and error_of(failed)["message"]
     finally:
@@ -393,3 +395,15 @@ def test_logins_protect_the_page_and_keys_the_api_on_one_server():
         text, _, _ = Client(url, verbose=False, auth=("ann", "s3cret")).predict(
             "ROMEO:", 0.0, 0.9, 4, False, False, api_name="/complete")
         assert text
+
+
+def test_usage_reports_the_prompt_tokens_the_cache_held(client, model_id):
+    """The same conversation again (a chat's next turn sends it all): its prompt comes from the prefix cache,
+    all but the tokens that must be computed for the first logits."""
+    messages = [{"role": "system", "content": "You are Juliet, and you answer in verse."},
+                {"role": "user", "content": "What light through yonder window breaks?"}]
+    first = client.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0)
+    again = client.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert again.usage.prompt_tokens - 2 <= cached < again.usage.prompt_tokens

@@ -9,6 +9,7 @@ prints one line naming the flag and the fix, and the exit status is 2.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Optional
@@ -22,6 +23,13 @@ API_KEYS_VARIABLE = "LLAMA_API_KEYS"  # comma-separated keys, beside any --api-k
 AUTH_VARIABLE = "LLAMA_AUTH"  # comma-separated user:password pairs, beside any --auth
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: 0 or a positive integer."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> ArgumentParser:
     """llama-chat's arguments: the model options, the engine's, and where to serve."""
     p = ArgumentParser(prog="llama-chat", description="Serve a Llama-2 model in a web app: chat, completion, "
@@ -29,6 +37,12 @@ def build_parser() -> ArgumentParser:
     add_model_options(p)
     p.add_argument("--max-batch-size", type=positive_int, default=8,
                    help="most requests decoded together; more wait in a queue (default: 8)")
+    p.add_argument("--max-waiting", type=non_negative_int, default=64,
+                   help="requests that may wait for a slot when all are busy; beyond them a new request is refused "
+                   "at once as busy (503 on the API) rather than left to time out (default: 64)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt whole, instead of reusing the KV cache of the prefix it shares with "
+                   "an earlier request (a chat's earlier turns, a shared system prompt)")
     p.add_argument("--device-map", choices=["auto", "balanced", "balanced_low_0", "sequential"],
                    help="spread whole layers over several GPUs with accelerate (CPU memory as a last resort) "
                    "instead of --device; for models larger than one GPU")
@@ -111,7 +125,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         engine = open_engine(plan.ckpt_dir, plan.tokenizer_path, plan.max_seq_len, args.max_batch_size, args.device,
                              args.dtype, args.device_map, args.max_memory, args.compile, args.threads,
-                             args.single_process, progress=True)
+                             args.single_process, progress=True, prefix_caching=not args.no_prefix_caching,
+                             max_waiting=args.max_waiting)
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

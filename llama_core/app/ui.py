@@ -158,7 +158,7 @@ def _prompt_tokens(engine: TextEngine, prompt: str, logprobs: list[float]) -> li
 def request_stats(stream: TextStream) -> dict:
     return dict(prompt_tokens=stream.prompt_tokens, generated_tokens=stream.generated_tokens,
                 max_seq_len=stream.max_seq_len, tokens_per_second=round(stream.tokens_per_second, 1),
-                finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs)
+                finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs, cached_tokens=stream.cached_tokens)
 
 
 def alternatives_table(token: dict) -> str:
@@ -182,7 +182,8 @@ def stats_line(stats: dict) -> str:
         return "Refused: the message holds reserved chat-format tags."
     line = (f"{stats['tokens_per_second']:.1f} tokens/s · {stats['generated_tokens']} tokens generated · context "
             f"{stats['prompt_tokens'] + stats['generated_tokens']} / {stats['max_seq_len']} tokens "
-            f"({stats['prompt_tokens']} prompt)")
+            f"({stats['prompt_tokens']} prompt" + (f", {stats['cached_tokens']} of them cached" if stats.get("cached_tokens") else "")
+            + ")")
     if stats["finish_reason"] == "length":
         line += " · stopped at the token limit"
     if stats["dropped_pairs"]:

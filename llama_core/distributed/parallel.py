@@ -6,8 +6,9 @@ w1, w3; columns of w2); embeddings, norms and the output layer are replicated. T
 wo and w2 are summed with all-reduce (NCCL on CUDA, gloo on CPU).
 
 Rank 0 drives: it runs the usual engine, and each forward first broadcasts its inputs over
-a gloo group, so ranks > 0 run the same forward on the same KV-cache rows. Only rank 0 samples. At
-exit rank 0 broadcasts a stop, and every rank leaves the process group.
+a gloo group, so ranks > 0 run the same forward on the same KV-cache rows; a copy of KV-cache rows
+between slots (prefix caching) is broadcast the same way. Only rank 0 samples. At exit rank 0
+broadcasts a stop, and every rank leaves the process group.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ TP_SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1}
 
 # Ranks > 0 wait on rank 0 between requests: an idle server must not time out.
 _IDLE_TIMEOUT = timedelta(days=365)
-_STOP, _FORWARD = 0, 1
+_STOP, _FORWARD, _COPY_PREFIX = 0, 1, 2
 _OPTIONAL_INPUTS = ("input_pos", "cache_rows", "logit_index")
 _control: Optional[dist.ProcessGroup] = None  # gloo group carrying rank 0's calls
 
@@ -268,9 +269,18 @@ def lead_or_serve(model: Transformer, device: torch.device) -> None:
 
 @torch.inference_mode()
 def serve_forever(model: Transformer, device: torch.device) -> None:
-    """Ranks > 0: runs each forward rank 0 broadcasts, until it broadcasts the stop."""
+    """Ranks > 0: runs each forward and KV-cache copy rank 0 broadcasts, until it broadcasts the stop."""
     while (call := _receive_call(device)) is not None:
-        model(**call)
+        if "copy_prefix" in call:
+            model.copy_cache_prefix(*call["copy_prefix"])
+        else:
+            model(**call)
+
+
+def broadcast_copy_prefix(src_row: int, dst_row: int, length: int) -> None:
+    """On rank 0: has every other rank copy the same KV-cache rows (Transformer.copy_cache_prefix) before
+    its next forward."""
+    dist.broadcast(torch.tensor([_COPY_PREFIX, src_row, dst_row, length, 0, 0, 0, 0]), 0, group=_control)
 
 
 def shutdown() -> None:
@@ -311,6 +321,8 @@ def _receive_call(device: torch.device) -> Optional[dict]:
     op, batch, seq_len, kv_len, *present, size = header.tolist()
     if op == _STOP:
         return None
+    if op == _COPY_PREFIX:
+        return {"copy_prefix": (batch, seq_len, kv_len)}  # this header's fields are src_row, dst_row, length
     payload = torch.empty(size, dtype=torch.long)
     dist.broadcast(payload, 0, group=_control)
     payload = payload.to(device)

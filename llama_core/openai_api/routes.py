@@ -291,9 +291,11 @@ class _Reply:
 
     def usage(self) -> dict[str, int]:
         # Every choice of one prompt shares its prompt: it counts once, as the OpenAI API counts it.
-        prompt = sum(s.prompt_tokens for s in self.streams[:: self.per_prompt])
+        firsts = self.streams[:: self.per_prompt]
+        prompt = sum(s.prompt_tokens for s in firsts)
         completion = sum(s.generated_tokens for s in self.streams)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)}}
 
     def finish_reason(self, index: int) -> str:
         return FINISH_REASONS.get(self.streams[index].finish_reason or "stop", "stop")

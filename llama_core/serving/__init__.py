@@ -11,6 +11,7 @@ from ..lazy_exports import lazy_exports
 _MODULES = {
     "Engine": ".engine",
     "EngineProcess": ".engine_process",
+    "Admitted": ".events",
     "Channel": ".events",
     "Finished": ".events",
     "PromptLogprobs": ".events",

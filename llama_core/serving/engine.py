@@ -4,7 +4,8 @@ Each turn admits waiting requests into free cache slots (prefill), runs a single
 every active slot at its own position, samples each with its own parameters, and retires finished or
 cancelled requests at once, freeing their slots. Prompts admitted together are prefilled in one padded
 forward; a prompt longer than `prefill_chunk` is prefilled a chunk per turn, between decode steps, so
-the other streams keep flowing.
+the other streams keep flowing. With prefix caching (the default) a slot keeps what its request computed,
+and a new prompt computes only what follows the longest prefix of it that a slot holds (see prefix_cache).
 
 Turns run in the engine's own thread once `start()`ed (a server), or else in the thread of whoever reads
 a stream (the `Llama` facade's generate): one loop either way.
@@ -29,7 +30,8 @@ from ..model import Span
 from ..runner import cache_rows, right_padded
 from ..sampling import apply_penalties, sample, token_logprobs, top_logprobs
 from ..tokenizer import StreamDecoder, Tokenizer
-from .events import Channel, Finished, PromptLogprobs, StreamChunk
+from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
+from .prefix_cache import Placement, PrefixCache
 from .requests import MAX_SEED, GenerationRequest, SamplingParams, sampling_params
 from .stops import StopMatcher
 from .streams import TokenStream
@@ -45,7 +47,9 @@ class _Sequence:
     arrival: int = 0  # order of submission
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the KV cache
-    generated: int = 0
+    written: int = 0  # positions of its slot's KV cache holding its tokens (prompt, then output)
+    cached_tokens: int = 0  # prompt tokens found in the KV cache, not computed
+    output: list[int] = field(default_factory=list)  # generated tokens, EOS left out
     last_token: int = 0
     prompt_lps: list[float] = field(default_factory=list)  # chunked prefill with prompt_logprobs
     carried_logits: Optional[torch.Tensor] = None  # the previous chunk's last logits, scoring the next token
@@ -64,6 +68,22 @@ class _Sequence:
         return self.prefilled < len(self.request.prompt_tokens)
 
     @property
+    def generated(self) -> int:
+        return len(self.output)
+
+    @property
+    def uncomputed(self) -> tuple[int, ...]:
+        """Its prompt tokens not yet in the KV cache."""
+        return self.prompt_tokens[self.prefilled :]
+
+    @property
+    def written_tokens(self) -> tuple[int, ...]:
+        """The token ids whose keys and values its slot holds, at positions 0, 1, ..."""
+        if self.written <= len(self.prompt_tokens):
+            return self.prompt_tokens[: self.written]
+        return (self.prompt_tokens + tuple(self.output))[: self.written]
+
+    @property
     def next_pos(self) -> int:
         """Position the last sampled token is written at on the next decode step."""
         return len(self.request.prompt_tokens) + self.generated - 1
@@ -76,7 +96,8 @@ class Engine:
     """
 
     def __init__(self, model: LoadedModel, seed: Optional[int] = None, max_waiting: int = 64,
-                 prefill_chunk: int = 512, after_turn: Optional[Callable[[], None]] = None) -> None:
+                 prefill_chunk: int = 512, after_turn: Optional[Callable[[], None]] = None,
+                 prefix_caching: bool = True) -> None:
         """seed: seeds sampling; None draws a random seed.
         max_waiting: requests queued beyond the busy slots before submit answers busy.
         prefill_chunk: a prompt longer than this is prefilled this many tokens at a time, a decode step of
@@ -84,14 +105,20 @@ class Engine:
         after_turn: called after each turn (admissions, prefill, one decode step), once that turn's events
         are in their channels, and once more at shutdown: a caller whose channels forward events elsewhere
         can send each turn's events together.
+        prefix_caching: each slot keeps the keys and values its request computed, and a new prompt computes
+        only what follows the longest prefix of it already computed (a chat's earlier turns, a shared system
+        prompt); each stream's `cached_tokens` says how many tokens that saved. Requests asking for prompt
+        log-probabilities compute their whole prompt.
 
         Raises:
-            InvalidRequestError: a bad prefill_chunk or max_waiting.
+            InvalidRequestError: a bad prefill_chunk, max_waiting or prefix_caching.
             LlamaError: another engine owns this model's KV cache.
         """
         for name, value in (("prefill_chunk", prefill_chunk), ("max_waiting", max_waiting)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefill_chunk" else 0):
                 raise InvalidRequestError(f"{name} must be a {'positive' if name == 'prefill_chunk' else 'non-negative'} integer, got {value!r}")
+        if not isinstance(prefix_caching, bool):
+            raise InvalidRequestError(f"prefix_caching must be true or false, got {prefix_caching!r}")
         self.loaded = model
         self.runner = model.runner
         if not self.runner.claim(self):
@@ -115,7 +142,11 @@ class Engine:
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         self._after_turn = after_turn or (lambda: None)
+        self.prefix_cache = PrefixCache(self.runner.max_batch_size, enabled=prefix_caching)
+        self._cache_version: Optional[int] = None  # the KV cache's version after this engine's last turn
         self.steps = 0  # decode steps run, for tests and stats
+        self.prefilled_tokens = 0  # prompt tokens computed
+        self.cached_tokens = 0  # prompt tokens found in the KV cache instead
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -160,9 +191,10 @@ class Engine:
         with self._turn_lock:
             with self._wakeup:
                 pending, self._waiting = list(self._waiting), collections.deque()
-            for sequence in pending + [s for s in self._slots if s is not None]:
+            for sequence in pending:
                 self._finish(sequence, "cancelled")
-            self._slots = [None] * len(self._slots)
+            for slot in range(len(self._slots)):
+                self._free(slot, "cancelled")
             self._after_turn()
         atexit.unregister(self.shutdown)
 
@@ -284,6 +316,7 @@ class Engine:
         if not self._waiting and not any(self._slots):
             return False
         try:
+            self._forget_foreign_writes()
             self._retire_cancelled()
             riders = self._admit()
             self._prefill_next_chunk(riders)
@@ -296,8 +329,15 @@ class Engine:
             for slot, sequence in enumerate(self._slots):
                 if sequence is not None:
                     self._free(slot, "error", _failure_message(exc))
+        self._cache_version = self.runner.kv_cache_version
         self._after_turn()
         return True
+
+    def _forget_foreign_writes(self) -> None:
+        """Forgets what the slots hold if anything but this engine wrote the KV cache since its last turn
+        (the model run directly, another engine before this one was made)."""
+        if self.runner.kv_cache_version != self._cache_version:
+            self.prefix_cache.forget_all()
 
     def _retire_cancelled(self) -> None:
         for slot, sequence in enumerate(self._slots):
@@ -313,22 +353,32 @@ class Engine:
     def _admit(self) -> list[_Sequence]:
         """Moves waiting requests into free slots and prefills them together (one padded forward), or, where
         the model allows and other requests are decoding, leaves them to ride along in this turn's decode
-        step (one forward for both): returns those riders."""
+        step (one forward for both): returns those riders. A request whose prompt shares a long prefix
+        with one being computed waits for it (see PrefixCache.place); those behind it go ahead."""
         free_slots = [slot for slot, s in enumerate(self._slots) if s is None]
+        busy = {slot: s.written_tokens for slot, s in enumerate(self._slots) if s is not None}
+        computing = [s.prompt_tokens for s in self._slots if s is not None and s.prefilling]
         admitted = []
-        while free_slots:
-            with self._wakeup:
-                sequence = self._waiting.popleft() if self._waiting else None
-            if sequence is None:
+        with self._wakeup:
+            waiting = list(self._waiting)
+        for sequence in waiting:
+            if not free_slots:
                 break
             if sequence.channel.cancelled.is_set():
+                self._dequeue(sequence)
                 self._finish(sequence, "cancelled")
                 continue
-            sequence.slot = free_slots.pop(0)
-            self._slots[sequence.slot] = sequence
-            self._start_watching(sequence)
+            placement = self.prefix_cache.place(sequence.prompt_tokens, free_slots, busy, computing,
+                                                reuse=not sequence.request.prompt_logprobs)
+            if placement is None:
+                continue
+            self._dequeue(sequence)
+            free_slots.remove(placement.slot)
+            self._occupy(sequence, placement)
             admitted.append(sequence)
-        short = [s for s in admitted if len(s.prompt_tokens) <= self.prefill_chunk]  # longer: chunk by chunk
+            busy[sequence.slot] = sequence.written_tokens
+            computing.append(sequence.prompt_tokens)
+        short = [s for s in admitted if len(s.uncomputed) <= self.prefill_chunk]  # longer: chunk by chunk
         together = [s for s in short if not s.request.prompt_logprobs]
         riders = []
         decoding = any(s is not None and s not in admitted and not s.prefilling for s in self._slots)
@@ -336,6 +386,32 @@ class Engine:
             riders, together = together, []
         self._prefill_groups([[s] for s in short if s.request.prompt_logprobs] + ([together] if together else []))
         return riders
+
+    def _dequeue(self, sequence: _Sequence) -> None:
+        with self._wakeup:
+            self._waiting.remove(sequence)
+
+    def _occupy(self, sequence: _Sequence, placement: Placement) -> None:
+        """Puts an admitted request into its slot, starting after the cached prefix its placement found
+        (copied there first where the placement says so)."""
+        cached = placement.cached_tokens
+        self.prefix_cache.take(placement.slot)
+        if placement.copy_from is not None:
+            try:
+                self.runner.copy_prefix(placement.copy_from, placement.slot, cached)
+            except Exception:  # computing the prefix instead is slower, and as good
+                cached = 0
+        sequence.slot = placement.slot
+        sequence.prefilled = sequence.written = sequence.cached_tokens = cached
+        self.cached_tokens += cached
+        self._slots[sequence.slot] = sequence
+        sequence.channel.events.put(Admitted(cached))
+        self._start_watching(sequence)
+
+    def _prompt_written(self, sequence: _Sequence, end: int) -> None:
+        """Its prompt's tokens up to `end` are now in its slot's KV cache."""
+        self.prefilled_tokens += end - sequence.prefilled
+        sequence.prefilled = sequence.written = end
 
     def _prefill_groups(self, groups: list[list[_Sequence]]) -> None:
         """Prefills each group in one forward; a failing group is retried a request at a time, so that only
@@ -355,20 +431,28 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(self, group: list[_Sequence]) -> None:
-        """Prefills each request's prompt into its slot, right-padded, and samples its first token."""
+        """Prefills what is not cached of each request's prompt into its slot, right-padded, and samples its
+        first token."""
         device = self.runner.device
-        tokens, positions, lengths = right_padded([s.prompt_tokens for s in group], self.eos_id, device)
-        longest = tokens.shape[1]
+        tokens, positions, lengths, kv_len = self._padded_prompts(group)
         rows = cache_rows([s.slot for s in group], device)
-        if group[0].request.prompt_logprobs:  # such a request is prefilled alone
-            all_logits = self.runner.prefill(tokens, positions, rows, longest)
+        if group[0].request.prompt_logprobs:  # such a request is prefilled alone, all of its prompt
+            all_logits = self.runner.prefill(tokens, positions, rows, kv_len)
             group[0].channel.events.put(PromptLogprobs(token_logprobs(all_logits[0, :-1], tokens[0, 1:]).tolist()))
             logits = all_logits[:, -1]
         else:
-            logits = self.runner.prefill(tokens, positions, rows, longest, logit_index=lengths - 1)[:, 0]
+            logits = self.runner.prefill(tokens, positions, rows, kv_len, logit_index=lengths - 1)[:, 0]
         for sequence in group:
-            sequence.prefilled = len(sequence.prompt_tokens)
+            self._prompt_written(sequence, len(sequence.prompt_tokens))
         self._sample_and_deliver(group, logits)
+
+    def _padded_prompts(self, group: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """The uncomputed part of each prompt as one batch: tokens, positions and lengths as right_padded
+        gives them, and the kv_len that covers every position."""
+        starts = [s.prefilled for s in group]
+        tokens, positions, lengths = right_padded([s.uncomputed for s in group], self.eos_id, self.runner.device,
+                                                  starts, self.runner.max_seq_len)
+        return tokens, positions, lengths, min(max(starts) + tokens.shape[1], self.runner.max_seq_len)
 
     @torch.inference_mode()
     def _prefill_next_chunk(self, riders: list[_Sequence]) -> None:
@@ -398,7 +482,7 @@ class Engine:
                 logits = self.runner.prefill(tokens, positions, rows, end, logit_index=last_index)[:, 0]
             else:  # only the cache matters; one row of logits is the least output to ask for
                 self.runner.prefill(tokens, positions, rows, end, logit_index=torch.tensor([0], device=device))
-            sequence.prefilled = end
+            self._prompt_written(sequence, end)
             if last:
                 if sequence.request.prompt_logprobs:
                     sequence.channel.events.put(PromptLogprobs(sequence.prompt_lps))
@@ -420,11 +504,11 @@ class Engine:
             rows = cache_rows([s.slot for s in active], device)
             kv_len = max(next_positions) + 1
             if riders:
-                prompt_tokens, prompt_positions, lengths = right_padded([s.prompt_tokens for s in riders], self.eos_id, device)
+                prompt_tokens, prompt_positions, lengths, prompt_kv_len = self._padded_prompts(riders)
                 logits = torch.cat(self.runner.forward_spans([
                     Span(tokens[:, None], positions[:, None], rows, kv_len, torch.zeros_like(positions)),
                     Span(prompt_tokens, prompt_positions, cache_rows([s.slot for s in riders], device),
-                         prompt_tokens.shape[1], lengths - 1),
+                         prompt_kv_len, lengths - 1),
                 ]))
             else:
                 logits = self.runner.decode(tokens, positions, rows, kv_len=kv_len)
@@ -439,8 +523,10 @@ class Engine:
                 self._free(s.slot, "error", _failure_message(exc))
             return
         self.steps += 1
+        for sequence, position in zip(active, next_positions):
+            sequence.written = position + 1
         for sequence in riders:
-            sequence.prefilled = len(sequence.prompt_tokens)
+            self._prompt_written(sequence, len(sequence.prompt_tokens))
         self._deliver(sequences, *sampled)
 
     def _sample(self, sequences: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
@@ -516,7 +602,7 @@ class Engine:
             elif token == self.eos_id:
                 self._free(sequence.slot, "eos")
             else:
-                sequence.generated += 1
+                sequence.output.append(token)
                 sequence.last_token = token
                 top = None
                 if sequence.params.top_logprobs:
@@ -536,9 +622,14 @@ class Engine:
         return matcher.stopped
 
     def _free(self, slot: int, reason: str, message: str = "") -> None:
+        """Ends slot's request; the slot keeps what it wrote for later prompts, unless the request failed."""
         sequence = self._slots[slot]
         self._slots[slot] = None
         if sequence is not None:
+            if reason == "error":
+                self.prefix_cache.forget(slot)
+            else:
+                self.prefix_cache.release(slot, sequence.written_tokens)
             self._finish(sequence, reason, message)
 
     @staticmethod

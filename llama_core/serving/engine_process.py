@@ -27,7 +27,7 @@ from ..errors import EngineUnavailableError, LlamaError
 from ..loader import ModelInfo, load
 from ..tokenizer import Tokenizer
 from .engine import Engine
-from .events import Channel, Finished, PromptLogprobs, StreamChunk
+from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
 from .requests import GenerationRequest, SamplingParams, sampling_params
 from .streams import TokenStream
 
@@ -40,7 +40,7 @@ RESTARTS_FORGIVEN_AFTER = 300.0  # seconds of serving after which earlier restar
 
 class EngineProcess:
     """An Engine serving a model that a child process loads with `llama_core.loader.load(**build)` (build
-    may also hold the engine's `seed`).
+    may also hold the engine's `seed`); max_waiting, prefill_chunk and prefix_caching are the Engine's.
 
     Use as a context manager, or start() and shutdown(). start() raises what loading raised.
 
@@ -51,9 +51,10 @@ class EngineProcess:
     """
 
     def __init__(self, build: dict[str, Any], max_waiting: int = 64, prefill_chunk: int = 512,
-                 threads: Optional[int] = None, max_restarts: int = 3) -> None:
+                 threads: Optional[int] = None, prefix_caching: bool = True, max_restarts: int = 3) -> None:
         self._build = dict(build)
-        self._engine_options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk)
+        self._engine_options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk,
+                                    prefix_caching=prefix_caching)
         self._threads = threads
         self.max_restarts = max_restarts
         self.state = "stopped"  # "starting", "running", "restarting", "failed" or "stopped"
@@ -214,6 +215,16 @@ class EngineProcess:
         """Decode steps the engine has run."""
         return self._stats()["steps"]
 
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens the engine has computed."""
+        return self._stats()["prefilled_tokens"]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine found in its KV cache instead of computing them."""
+        return self._stats()["cached_tokens"]
+
     def _stats(self) -> dict:
         return self._ask(("stats", next(self._ids)))[2]
 
@@ -283,6 +294,8 @@ class EngineProcess:
             channel.events.put(StreamChunk(message[2], message[3], top_logprobs=message[4]))
         elif kind == "prompt_logprobs":
             channel.events.put(PromptLogprobs(message[2]))
+        elif kind == "admitted":
+            channel.events.put(Admitted(message[2]))
         elif kind == "done":
             self._finish(rid, message[2], message[3])
 
@@ -345,6 +358,8 @@ class _Forward:
             self._outbox.add(("chunk", self.rid, item.token, item.logprob, item.top_logprobs))
         elif isinstance(item, PromptLogprobs):
             self._outbox.add(("prompt_logprobs", self.rid, item.values))
+        elif isinstance(item, Admitted):
+            self._outbox.add(("admitted", self.rid, item.cached_tokens))
         elif isinstance(item, Finished):
             self._outbox.add(("done", self.rid, item.reason, item.message))
 
@@ -385,7 +400,8 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
                     channel.cancelled.set()
                 continue
             if command[0] == "stats":
-                stats = dict(active=engine.active_count, waiting=engine.waiting_count, steps=engine.steps)
+                stats = dict(active=engine.active_count, waiting=engine.waiting_count, steps=engine.steps,
+                             prefilled_tokens=engine.prefilled_tokens, cached_tokens=engine.cached_tokens)
                 send(("stats", command[1], stats))
                 continue
             _, rid, request = command

@@ -23,6 +23,14 @@ class StreamChunk:
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """The request has a slot: cached_tokens of its prompt's first tokens were already in the KV cache (a
+    chat's earlier turns, a shared system prompt) and are not computed again. Comes before the first chunk."""
+
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class PromptLogprobs:
     """Log-probabilities of prompt tokens 1..n-1, each given the ones before it; comes before the first chunk."""
 

@@ -34,6 +34,8 @@ def open_engine(
     single_process: bool = False,
     seed: Optional[int] = None,
     progress: bool = False,
+    prefix_caching: bool = True,
+    max_waiting: int = 64,
 ) -> Union[Engine, EngineProcess]:
     """Loads the model and starts the engine serving it; `shutdown()` it at the end.
 
@@ -43,6 +45,8 @@ def open_engine(
         threads: torch's CPU threads; None on CPU is one fewer than the cores, leaving one to the web server.
         single_process: run the model in this process (under torchrun it always runs in rank 0's).
         progress: show a bar on stderr while the weights load.
+        prefix_caching: reuse the KV cache of earlier requests' prompt prefixes (see Engine).
+        max_waiting: requests that may wait for a slot; beyond them, new ones are refused as busy at once.
         The others are those of `Llama.build`.
 
     Raises:
@@ -63,8 +67,10 @@ def open_engine(
                  max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile, progress=progress)
     if single_process or launched_by_torchrun():
         # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit.
-        return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed).start()
-    return EngineProcess(dict(build, seed=seed), threads=threads).start()
+        return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed,
+                      prefix_caching=prefix_caching, max_waiting=max_waiting).start()
+    return EngineProcess(dict(build, seed=seed), threads=threads, prefix_caching=prefix_caching,
+                         max_waiting=max_waiting).start()
 
 
 def default_threads(device: str, device_map: Optional[str]) -> Optional[int]:

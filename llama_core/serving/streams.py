@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 from .. import dialog as chat_format
 from ..errors import ContextLengthError, LlamaError
 from ..tokenizer import StreamDecoder, Tokenizer
-from .events import Channel, PromptLogprobs, StreamChunk
+from .events import Admitted, Channel, PromptLogprobs, StreamChunk
 from .requests import SamplingParams, check_max_new_tokens, completion_prompt, sampling_params, whole_number
 from .stops import StopMatcher
 
@@ -43,6 +43,7 @@ class TokenStream:
         self.prompt_len = prompt_len
         self.finish_reason: Optional[str] = None  # "eos", "length", "cancelled" or "error"
         self.prompt_logprobs: Optional[list[float]] = None  # with prompt_logprobs=True: tokens 1..n-1
+        self.cached_tokens = 0  # prompt tokens found in the engine's KV cache (known before the first chunk)
         self.finished_at: Optional[float] = None  # time.perf_counter() when the engine ended the request
 
     def cancel(self) -> None:
@@ -73,6 +74,8 @@ class TokenStream:
                         chunks.append(item)
                     elif isinstance(item, PromptLogprobs):
                         self.prompt_logprobs = item.values
+                    elif isinstance(item, Admitted):
+                        self.cached_tokens = item.cached_tokens
                     else:
                         done = item
                         self.finish_reason, self.finished_at = item.reason, item.at
@@ -136,6 +139,11 @@ class TextStream:
     @property
     def prompt_logprobs(self) -> Optional[list[float]]:
         return None if self._tokens is None else self._tokens.prompt_logprobs
+
+    @property
+    def cached_tokens(self) -> int:
+        """How many of the prompt's tokens the engine found in its KV cache rather than computed (0 until known)."""
+        return 0 if self._tokens is None else self._tokens.cached_tokens
 
     @property
     def seconds_to_first_token(self) -> Optional[float]:

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from conftest import MAX_SEQ_LEN, REPO_ROOT, build_llama, load_weights, split_meta_shards, write_meta_checkpoint
-from llama_core import CheckpointError, InvalidRequestError, Llama
+from llama_core import CheckpointError, Engine, InvalidRequestError, Llama
 from llama_core.checkpoint import load_torch_file
 from llama_core.distributed.device_map import parse_max_memory
 from llama_core.distributed.parallel import TP_SPLIT_DIM, check_world_size, iter_rank_tensors
+from tp_worker import shared_prefix_requests
 
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
 GEN_LEN = 12
@@ -34,7 +35,9 @@ def single_device(meta_ckpt_dir, prompts) -> dict:
     llama = build_llama(meta_ckpt_dir)
     tokens, logprobs = llama.generate(prompts, GEN_LEN, temperature=0, logprobs=True)
     echo_tokens, echo_logprobs = llama.generate(prompts[:1], 4, temperature=0, logprobs=True, echo=True)
-    return {"tokens": tokens, "logprobs": logprobs, "echo_tokens": echo_tokens, "echo_logprobs": echo_logprobs}
+    prefix = shared_prefix_requests(Engine(build_llama(meta_ckpt_dir).loaded, prefix_caching=False), prompts, GEN_LEN)
+    return {"tokens": tokens, "logprobs": logprobs, "echo_tokens": echo_tokens, "echo_logprobs": echo_logprobs,
+            "prefix": prefix}
 
 
 def run_torchrun(ckpt_dir: Path, prompts: list[list[int]], out: Path, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -71,6 +74,12 @@ def test_two_ranks_generate_the_single_process_tokens_and_logprobs(layout, ckpt_
     assert result["engine_tokens"] == single_device["tokens"]
     assert_close_logprobs(result["engine_logprobs"], single_device["logprobs"])
     assert result["engine_steps"] < sum(len(t) for t in single_device["tokens"])  # the requests shared steps
+    # A prompt prefix copied out of a busy slot is copied on every rank: the second request's reply is the
+    # one it gets when computing its whole prompt on one device.
+    prefix, expected = result["prefix"], single_device["prefix"]
+    assert prefix["cached"] == [0, prefix["shared"]] and expected["cached"] == [0, 0]
+    assert prefix["tokens"] == expected["tokens"]
+    assert_close_logprobs(prefix["logprobs"], expected["logprobs"])
 
 
 def test_three_ranks_for_two_kv_heads_fail_naming_the_count(meta_ckpt_dir, prompts, tmp_path):

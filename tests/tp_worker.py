@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_parallel.py: builds a tensor-parallel Llama, and on rank 0 generates
-greedily (directly, and through an Engine with concurrent requests) and writes the results as JSON.
-Ranks > 0 never return from Llama.build: they follow rank 0 and exit when it does."""
+greedily (directly, through an Engine with concurrent requests, and with a prompt prefix copied between
+KV-cache slots) and writes the results as JSON. Ranks > 0 never return from Llama.build: they follow rank 0
+and exit when it does."""
 
 from __future__ import annotations
 
@@ -15,6 +16,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llama_core import Llama  # noqa: E402
+
+
+def shared_prefix_requests(engine, prompts: list[list[int]], max_gen_len: int) -> dict:
+    """Two greedy requests whose prompts share a long prefix, the second submitted while the first decodes
+    (with prefix caching, its prefix is copied out of the first one's slot): their tokens, log-probabilities
+    and cached_tokens, and the length of the prefix they share. The engine's turns must run in the thread
+    that reads its streams."""
+    shared = prompts[0] + [t for p in prompts[1:] for t in p[1:]]
+    shared += shared[1:]
+    running = engine.submit(shared + prompts[1][1:3], max_gen_len, temperature=0)
+    chunks = iter(running)
+    head = next(chunks)
+    joining = engine.submit(shared + prompts[2][1:3], max_gen_len, temperature=0)
+    replies = [[head] + list(chunks), list(joining)]  # the next turn admits the second while the first decodes
+    return {
+        "tokens": [[c.token for c in r] for r in replies],
+        "logprobs": [[c.logprob for c in r] for r in replies],
+        "cached": [running.cached_tokens, joining.cached_tokens],
+        "shared": len(shared),
+    }
 
 
 def main() -> None:
@@ -44,6 +65,7 @@ def main() -> None:
         for t in threads:
             t.join(timeout=120)
         steps = engine.steps
+    prefix = shared_prefix_requests(engine, prompts, args.max_gen_len)  # its thread stopped: reading runs it
 
     result = {
         "world_size": torch.distributed.get_world_size(),
@@ -55,6 +77,7 @@ def main() -> None:
         "engine_tokens": [r[0] for r in engine_results],
         "engine_logprobs": [r[1] for r in engine_results],
         "engine_steps": steps,
+        "prefix": prefix,
     }
     args.out.write_text(json.dumps(result))
 

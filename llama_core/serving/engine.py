@@ -356,11 +356,13 @@ class Engine:
         step (one forward for both): returns those riders. A request whose prompt shares a long prefix
         with one being computed waits for it (see PrefixCache.place); those behind it go ahead."""
         free_slots = [slot for slot, s in enumerate(self._slots) if s is None]
-        busy = {slot: s.written_tokens for slot, s in enumerate(self._slots) if s is not None}
-        computing = [s.prompt_tokens for s in self._slots if s is not None and s.prefilling]
-        admitted = []
         with self._wakeup:
-            waiting = list(self._waiting)
+            waiting = list(self._waiting) if free_slots else []
+        busy, computing = {}, []  # what the busy slots hold and will hold, for the prefix cache to choose
+        if waiting and self.prefix_cache.enabled:
+            busy = {slot: s.written_tokens for slot, s in enumerate(self._slots) if s is not None}
+            computing = [s.prompt_tokens for s in self._slots if s is not None and s.prefilling]
+        admitted = []
         for sequence in waiting:
             if not free_slots:
                 break

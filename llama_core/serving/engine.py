@@ -92,7 +92,8 @@ class _Sequence:
 class Engine:
     """Serves requests from any thread on one loaded model, batching them over its KV-cache slots.
 
-    The engine owns the model's KV cache from construction until `close()`.
+    The engine owns the model's KV cache from construction until `close()`. Running the model directly
+    meanwhile (`model(tokens)` writes cache rows 0..B-1) makes it forget what its slots hold.
     """
 
     def __init__(self, model: LoadedModel, seed: Optional[int] = None, max_waiting: int = 64,

@@ -213,9 +213,8 @@ def test_chat_completion_answers_with_the_generated_text(llama, tokenizer):
     tokens, logprobs = llama.generate([encode_dialog(tokenizer, dialog)], 8, temperature=0, logprobs=True)
     assert result["generation"] == {"role": "assistant", "content": tokenizer.decode(tokens[0])}
     assert result["tokens"] == [tokenizer.decode([t]) for t in tokens[0]]
-    # The second request finds the first one's prompt in the prefix cache: its logits come from a shorter
-    # forward over the same keys and values, equal up to float32 rounding.
-    assert result["logprobs"] == pytest.approx(logprobs[0], abs=1e-5)
+    # generate finds chat_completion's prompt in the KV cache: its logits come from a forward of another shape
+    assert result["logprobs"] == pytest.approx(logprobs[0], abs=1e-4)
 
 
 def test_unsafe_dialog_in_a_batch_leaves_the_others_answered(llama):

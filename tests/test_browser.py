@@ -196,6 +196,17 @@ def test_reload_keeps_the_conversation_and_its_system_prompt(page, served):
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-conversations.png"))
 
 
+def test_an_example_sends_itself(page):
+    user = page.locator('#chatbot [data-testid="user"]')
+    new_chat(page)
+    example = page.locator("#chat-tab .gallery-item, #chat-tab button.gallery-item").first
+    text = example.inner_text().strip()
+    example.click()
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    expect(user).to_have_count(1)
+    assert user.first.inner_text().strip()[:20] == text[:20]
+
+
 def test_switching_conversations_shows_each_ones_messages(page):
     user = page.locator('#chatbot [data-testid="user"]')
     new_chat(page)

@@ -216,8 +216,9 @@ def model_facts(info: ModelInfo) -> str:
     # Meta's params.json does not state the trained context: say so rather than show an assumed 4,096.
     trained_for = f"{args.max_seq_len:,}" if args.max_seq_len is not None else "not stated by the checkpoint"
     rows = [
-        ("Checkpoint", f"`{info.ckpt_dir}`"),
-        ("Tokenizer", f"`{info.tokenizer_path}` ({args.vocab_size:,} pieces)"),
+        # Names only: the page must not show the server's disk layout.
+        ("Checkpoint", f"`{os.path.basename(os.path.normpath(str(info.ckpt_dir)))}`"),
+        ("Tokenizer", f"`{os.path.basename(str(info.tokenizer_path))}` ({args.vocab_size:,} pieces)"),
         ("Parameters", f"{info.parameter_count:,}"),
         ("Layers · width · heads (kv)", f"{args.n_layers} · {args.dim} · {args.n_heads} ({args.n_kv_heads})"),
         ("dtype · device", f"{info.dtype} · {info.device}"),

@@ -121,13 +121,17 @@ def fit_dialog(tokenizer: Tokenizer, dialog: Dialog, max_prompt_tokens: int) -> 
     return FittedDialog(encoded(low), low)
 
 
+def reply_room(max_seq_len: int, max_gen_len: int) -> int:
+    """Tokens prepare_chat keeps free for the reply: max_gen_len, but at most half the context."""
+    return max(1, min(max_gen_len, max_seq_len // 2))
+
+
 def prepare_chat(tokenizer: Tokenizer, max_seq_len: int, dialog: Dialog, max_gen_len: int) -> FittedDialog:
     """Validates and encodes a dialog for a max_seq_len context, dropping its oldest turns until it fits with
     room for the reply: max_gen_len tokens, but at most half the context (a longer reply still runs until
     the context is full)."""
     validate_dialog(dialog)
-    room = max(1, min(max_gen_len, max_seq_len // 2))
-    return fit_dialog(tokenizer, dialog, max_seq_len - room)
+    return fit_dialog(tokenizer, dialog, max_seq_len - reply_room(max_seq_len, max_gen_len))
 
 
 def _describe(value: object) -> str:

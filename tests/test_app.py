@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import gradio as gr
 import httpx
@@ -277,10 +278,11 @@ def test_cancelling_a_stream_stops_its_request_in_the_engine(served, client):
 # -- the model panel and the command line ------------------------------------------------------------
 def test_model_facts_name_checkpoint_size_and_context(engine):
     facts = ui.model_facts(engine.info)
-    for fact in (str(engine.info.ckpt_dir), f"{engine.info.parameter_count:,}", f"{engine.info.max_seq_len:,}",
+    for fact in (Path(engine.info.ckpt_dir).name, f"{engine.info.parameter_count:,}", f"{engine.info.max_seq_len:,}",
                  str(engine.info.device), "float32", "Load time"):
         assert fact in facts
     assert f"trained for {engine.info.args.max_seq_len:,}" in facts  # the embedded model's params.json states it
+    assert str(Path(engine.info.ckpt_dir).parent) not in facts  # no paths of the server's disk
 
 
 def test_model_facts_say_not_stated_where_the_checkpoint_does_not(engine):

@@ -25,6 +25,7 @@ import itertools
 import math
 import os
 import sys
+import tempfile
 from typing import Any, Iterator, Optional
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version checks
@@ -37,18 +38,22 @@ if importlib.util.find_spec("matplotlib") is None:
     sys.modules["matplotlib"] = None
 import gradio as gr  # noqa: E402
 
-from ..errors import LlamaError  # noqa: E402
+from ..errors import ContextLengthError, LlamaError  # noqa: E402
 from ..loader import ModelInfo  # noqa: E402
 from ..prompt_library import PromptLibrary  # noqa: E402
 from ..serving import requests  # noqa: E402
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion  # noqa: E402
 from ..tokenizer import StreamDecoder  # noqa: E402
+from . import conversations  # noqa: E402
 
 THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local fonts only: works offline
 # Least time between two updates of a streamed reply, on the page and through the API: each update costs the
 # server about as much as a decode step, and the thread streaming a reply sleeps in between instead of waking
 # for each token.
 STREAM_UPDATE_SECONDS = 0.1
+# Conversations are kept in the browser's localStorage under this key. Gradio encrypts them with the secret; a
+# fixed one lets them survive a server restart (it guards nothing: the data is the user's own, in their browser).
+STORAGE_KEY, STORAGE_SECRET = "llama-core-conversations", "llama-core-conversations-v1"
 TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
 ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed")
 CSS = "#completion-tokens .text { font-family: var(--font-mono); }"
@@ -92,6 +97,14 @@ def start_chat(engine: TextEngine, message: Any, history: Any, system_prompt: An
     with _user_errors():
         dialog = requests.chat_dialog(message, history, system_prompt)
         return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **controls)
+
+
+def open_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
+              max_new_tokens: Any, *advanced: Any) -> TextStream:
+    """The chat tab's turn: as start_chat, its controls in the tab's order (conversations.SETTINGS), and
+    llama_core's errors raised as they are, for the tab to show inside the chat."""
+    dialog = requests.chat_dialog(message, history, system_prompt)
+    return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **_advanced(advanced))
 
 
 def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[str]:
@@ -204,8 +217,9 @@ def model_facts(info: ModelInfo) -> str:
     # Meta's params.json does not state the trained context: say so rather than show an assumed 4,096.
     trained_for = f"{args.max_seq_len:,}" if args.max_seq_len is not None else "not stated by the checkpoint"
     rows = [
-        ("Checkpoint", f"`{info.ckpt_dir}`"),
-        ("Tokenizer", f"`{info.tokenizer_path}` ({args.vocab_size:,} pieces)"),
+        # Names only: the page must not show the server's disk layout.
+        ("Checkpoint", f"`{os.path.basename(os.path.normpath(str(info.ckpt_dir)))}`"),
+        ("Tokenizer", f"`{os.path.basename(str(info.tokenizer_path))}` ({args.vocab_size:,} pieces)"),
         ("Parameters", f"{info.parameter_count:,}"),
         ("Layers · width · heads (kv)", f"{args.n_layers} · {args.dim} · {args.n_heads} ({args.n_kv_heads})"),
         ("dtype · device", f"{info.dtype} · {info.device}"),
@@ -256,6 +270,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     """The app on a running engine: Chat, Completion and Model tabs, and the /chat and /complete API."""
     info = engine.info
     generating = dict(concurrency_id="generate", concurrency_limit=2 * info.max_batch_size)  # the engine batches
+    defaults: dict[str, Any] = {}  # the chat controls' initial values, as conversations.SETTINGS names them
     ui = dict(api_visibility="private")
 
     def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
@@ -280,33 +295,175 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
                             seed=seed)
 
-    def add_message(message: str, history: list[dict]):
-        if not message.strip():
-            return gr.skip(), gr.skip(), gr.skip()
-        return history + [{"role": "user", "content": message}], "", ""
+    # -- the chat tab: conversations kept in the browser (llama_core.app.conversations) ------------------
+    def settings_of(values: tuple) -> dict[str, Any]:
+        return dict(zip(conversations.SETTINGS, values))
 
-    def respond(history: list[dict], system_prompt: str, temperature: float, top_p: float, max_new_tokens: int,
-                *advanced):
-        if not history or history[-1]["role"] != "user":
-            yield gr.skip(), gr.skip()
+    def loaded(store: Any) -> dict:
+        return conversations.loaded_store(store, prompts.system_prompt, defaults)
+
+    def button_states(conversation: dict, busy: bool) -> list:
+        """Send and Stop swap in place; the others only when they have something to do."""
+        has_messages = bool(conversation["messages"]) and not busy
+        return [gr.update(visible=not busy), gr.update(visible=busy), gr.update(interactive=has_messages),
+                gr.update(interactive=has_messages), gr.update(interactive=has_messages),
+                gr.update(interactive=not busy)]
+
+    def view(store: dict, shown: Optional[list[dict]] = None, stats: Optional[str] = None) -> list:
+        """Every view_outputs update for the store's active conversation."""
+        conversation = conversations.active(store)
+        settings = dict(defaults, **conversation["settings"])
+        return [store, conversation["messages"] if shown is None else shown,
+                conversation["stats"] if stats is None else stats, conversation["system_prompt"],
+                *[settings[name] for name in conversations.SETTINGS],
+                gr.update(choices=conversations.choices(store), value=store["active"], interactive=True),
+                conversation["title"], *button_states(conversation, busy=False)]
+
+    def unchanged(extra: int = 0) -> list:
+        return [gr.skip()] * (len(conversations.SETTINGS) + 12 + extra)  # as many as view_outputs (+ extra)
+
+    def restore(store: Any):
+        return view(loaded(store))
+
+    def begin(message: str, store: Any, pending: Optional[dict]):
+        """Shows the user's message at once and marks a reply as under way; a message sent while one streams
+        (Enter in the box) waits in the box."""
+        if pending is not None or not message.strip():
+            return [gr.skip()] * 5 + [gr.skip()] * 6
+        conversation = conversations.active(loaded(store))
+        keep = len(conversation["messages"])
+        return [conversation["messages"] + [{"role": "user", "content": message}], "", "",
+                {"message": message, "keep": keep}, gr.update(interactive=False),
+                *button_states(conversation, busy=True)]
+
+    def begin_retry(store: Any, pending: Optional[dict]):
+        conversation = conversations.active(loaded(store))
+        if pending is not None or not conversation["messages"]:
+            return [gr.skip()] * 5 + [gr.skip()] * 6
+        keep = len(conversation["messages"]) - 2
+        message = conversation["messages"][keep]["content"]
+        return [conversation["messages"][:keep + 1], gr.skip(), "", {"message": message, "keep": keep},
+                gr.update(interactive=False), *button_states(conversation, busy=True)]
+
+    def respond(pending: Optional[dict], store: Any, system_prompt: str, *controls):
+        """Streams the reply to the pending message. A turn that is refused or fails is not kept: the chat
+        shows why and how to fix it, the message goes back to the box, and the conversation goes on from
+        its last good state."""
+        if pending is None:
+            yield [gr.skip()] * 7
             return
-        stream = start_chat(engine, history[-1]["content"], history[:-1], system_prompt, temperature, top_p,
-                            max_new_tokens, **_advanced(advanced))
-        for reply in replies(stream):
-            yield history + [{"role": "assistant", "content": reply}], gr.skip()
-        yield gr.skip(), stats_line(request_stats(stream))
+        store, message, keep = loaded(store), pending["message"], pending["keep"]
+        conversation = dict(conversations.active(store), system_prompt=system_prompt, settings=settings_of(controls))
+        history, left_out = conversations.model_history(conversation["messages"][:keep])
+        shown = conversation["messages"][:keep] + [{"role": "user", "content": message}]
+        reply, notice, stream = "", None, None
+        try:
+            stream = open_chat(engine, message, history, system_prompt, *controls)
+        except ContextLengthError:
+            notice = conversations.context_notice(engine.tokenizer, info.max_seq_len, message, system_prompt,
+                                                  controls[2])
+        except LlamaError as exc:
+            notice = f"This message was not sent: {exc}."
+        if stream is not None and stream.refusal is not None:
+            notice = (conversations.REFUSED_SYSTEM_NOTICE if conversations.has_reserved_tags(system_prompt)
+                      else conversations.REFUSED_NOTICE)
+        elif stream is not None:
+            try:
+                for reply in replies(stream):
+                    yield [shown + [{"role": "assistant", "content": reply}]] + [gr.skip()] * 6
+            except gr.Error as exc:
+                notice = f"The reply failed: {exc.message} Send the message again."
+        if notice is not None:
+            store = conversations.with_conversation(store, conversation)
+            yield [shown + [{"role": "assistant", "content": "⚠️ " + notice}], "", store, None, message,
+                   gr.update(choices=conversations.choices(store), value=store["active"]), gr.skip()]
+            return
+        stats = stats_line(request_stats(stream))
+        if left_out:
+            stats += f"\n\n**Note:** {left_out} earlier exchange(s) holding reserved chat-format tags were left out."
+        conversation = conversations.with_exchange(conversation, keep, message, reply, stats)
+        store = conversations.with_conversation(store, conversation)
+        yield [conversation["messages"], stats, store, None, gr.skip(),
+               gr.update(choices=conversations.choices(store), value=store["active"]), conversation["title"]]
 
-    def without_reply(history: list[dict]) -> list[dict]:
-        while history and history[-1]["role"] == "assistant":
-            history = history[:-1]
-        return history
+    def finish(store: Any):
+        """After a reply (or a failure): nothing pending, the buttons for the conversation as it is."""
+        return [None, gr.update(interactive=True), *button_states(conversations.active(loaded(store)), busy=False)]
 
-    def undo(history: list[dict]):
-        history = without_reply(history)
-        if not history:
-            return [], gr.skip()
-        with _user_errors():
-            return history[:-1], requests.text(history[-1]["content"], "message")
+    def stop_reply(shown: list[dict], store: Any, pending: Optional[dict]):
+        """Keeps the reply so far as the answer (or, before any, puts the message back in the box)."""
+        store = loaded(store)
+        if pending is None:
+            return view(store) + [gr.skip(), None]
+        reply = requests.text(shown[-1]["content"], "reply") if shown and shown[-1]["role"] == "assistant" else ""
+        if not reply:
+            return view(store) + [pending["message"], None]
+        stats = "Stopped: the reply above was cut short."
+        conversation = conversations.with_exchange(conversations.active(store), pending["keep"], pending["message"],
+                                                   reply, stats)
+        return view(conversations.with_conversation(store, conversation)) + [gr.skip(), None]
+
+    def undo(store: Any, pending: Optional[dict]):
+        store = loaded(store)
+        conversation = conversations.active(store)
+        if pending is not None or not conversation["messages"]:
+            return unchanged(1)
+        message = conversation["messages"][-2]["content"]
+        store = conversations.with_conversation(store, dict(conversation, messages=conversation["messages"][:-2],
+                                                            stats=""))
+        return view(store) + [message]
+
+    def clear_chat(store: Any, pending: Optional[dict]):
+        if pending is not None:
+            return unchanged()
+        store = loaded(store)
+        return view(conversations.with_conversation(store, dict(conversations.active(store), messages=[], stats="")))
+
+    def new_chat(store: Any, pending: Optional[dict], system_prompt: str, *controls):
+        store = loaded(store)
+        if pending is not None:
+            return unchanged()
+        if not conversations.active(store)["messages"]:  # the active chat is new already
+            return view(store)
+        return view(conversations.with_conversation(
+            store, conversations.new_conversation(system_prompt, settings_of(controls))))
+
+    def switch(chosen: Any, store: Any, pending: Optional[dict]):
+        return unchanged() if pending is not None else view(conversations.switched(loaded(store), chosen))
+
+    def rename(title: Any, store: Any):
+        store = conversations.renamed(loaded(store), title)
+        return store, gr.update(choices=conversations.choices(store), value=store["active"]), \
+            conversations.active(store)["title"]
+
+    def delete(store: Any, pending: Optional[dict]):
+        if pending is not None:
+            return unchanged()
+        return view(conversations.deleted(loaded(store), prompts.system_prompt, defaults))
+
+    def save_settings(store: Any, system_prompt: str, *controls):
+        store = loaded(store)
+        conversation = dict(conversations.active(store), system_prompt=system_prompt, settings=settings_of(controls))
+        return conversations.with_conversation(store, conversation)
+
+    def export(store: Any, kind: str):
+        conversation = conversations.active(loaded(store))
+        folder = tempfile.mkdtemp(prefix="llama-chat-export-")
+        path = os.path.join(folder, conversations.file_name(conversation, kind))
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(conversations.to_json(conversation) if kind == "json" else conversations.to_markdown(conversation))
+        return gr.update(value=path, visible=True)
+
+    def import_file(data: Optional[bytes], store: Any, pending: Optional[dict]):
+        if pending is not None or data is None:
+            return unchanged()
+        store = loaded(store)
+        try:
+            conversation = conversations.from_json(data)
+        except conversations.ConversationFileError as exc:
+            return view(store, stats=f"**Not imported:** {exc}.")
+        return view(conversations.with_conversation(store, conversation),
+                    stats=f"Imported “{conversation['title']}”.")
 
     def complete_ui(prompt, temperature, top_p, max_new_tokens, *advanced_and_flags):
         *advanced, echo, show_probabilities = advanced_and_flags
@@ -325,24 +482,40 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
 
     with gr.Blocks(title="Llama-2", analytics_enabled=False) as demo:
         gr.Markdown(f"## Llama-2 · `{info.name}`")
-        with gr.Tab("Chat", elem_id="chat-tab"), gr.Row():
-            with gr.Column(scale=3):
+        with gr.Tab("Chat", elem_id="chat-tab"), gr.Row(elem_id="chat-row"):
+            with gr.Column(scale=1, min_width=200, elem_id="chat-sidebar"):
+                new_button = gr.Button("New chat", size="md", elem_id="chat-new")
+                chat_list = gr.Radio(label="Conversations", elem_id="chat-list")
+                chat_title = gr.Textbox(label="Title", max_lines=1, elem_id="chat-title",
+                                        info="press Enter to rename")
+                delete_button = gr.Button("Delete this chat", size="sm", variant="stop", elem_id="chat-delete")
+                with gr.Row():
+                    export_json = gr.Button("Export JSON", size="sm", elem_id="chat-export-json")
+                    export_markdown = gr.Button("Export Markdown", size="sm", elem_id="chat-export-markdown")
+                import_button = gr.UploadButton("Import JSON", size="sm", file_types=[".json"], type="binary",
+                                                elem_id="chat-import")
+                exported = gr.File(label="Exported", visible=False, interactive=False, elem_id="chat-exported")
+            with gr.Column(scale=3, min_width=300):
                 chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, buttons=["copy", "copy_all"],
                                      placeholder="Say something to start the conversation.")
-                with gr.Row():
-                    chat_input = gr.Textbox(show_label=False, placeholder="Type a message and press Enter", scale=5,
-                                            elem_id="chat-input", autofocus=True)
-                    send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
-                with gr.Row():
-                    stop, retry, undo_button, clear = (
-                        gr.Button(name, variant="stop" if name == "Stop" else "secondary",
-                                  elem_id=f"chat-{name.lower()}") for name in ("Stop", "Retry", "Undo", "Clear"))
                 chat_stats = gr.Markdown(elem_id="chat-stats")
-                gr.Examples(prompts.chat_examples, chat_input, label="Examples")
-            with gr.Column(scale=1):
+                with gr.Row(elem_id="chat-compose"):
+                    chat_input = gr.Textbox(show_label=False, placeholder="Type a message and press Enter", scale=5,
+                                            elem_id="chat-input", autofocus=True, min_width=160, max_lines=8)
+                    send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send", min_width=80)
+                    stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop", visible=False,
+                                     min_width=80)
+                with gr.Row(elem_id="chat-tools"):
+                    retry, undo_button, clear = (
+                        gr.Button(name, size="sm", interactive=False, elem_id=f"chat-{name.lower()}")
+                        for name in ("Retry", "Undo", "Clear"))
+                examples = gr.Examples(prompts.chat_examples, chat_input, label="Examples")
+            with gr.Column(scale=1, min_width=240):
                 system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
                                            elem_id="system-prompt")
                 chat_controls = _sampling_controls(info.max_seq_len, "chat")
+        store = gr.BrowserState(None, storage_key=STORAGE_KEY, secret=STORAGE_SECRET)
+        pending = gr.State(None)  # {"message", "keep"} while a reply is under way
         with gr.Tab("Completion", elem_id="completion-tab"), gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
@@ -365,17 +538,36 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         with gr.Tab("Model", elem_id="model-tab"):
             gr.Markdown(model_facts(info), elem_id="model-facts")
 
-        reply_inputs, reply_outputs = [chatbot, system_prompt, *chat_controls], [chatbot, chat_stats]
-        answers = [trigger(add_message, [chat_input, chatbot], [chatbot, chat_input, chat_stats], queue=False, **ui)
+        defaults.update(zip(conversations.SETTINGS, (control.value for control in chat_controls)))
+        buttons = [send, stop, retry, undo_button, clear, new_button]
+        view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, chat_title, *buttons]
+        begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons]
+        reply_inputs = [pending, store, system_prompt, *chat_controls]
+        reply_outputs = [chatbot, chat_stats, store, pending, chat_input, chat_list, chat_title]
+        finish_outputs = [pending, chat_list, *buttons]
+        begins = [(trigger, begin, [chat_input, store, pending]) for trigger in (chat_input.submit, send.click)]
+        begins.append((examples.load_input_event.then, begin, [chat_input, store, pending]))
+        begins.append((retry.click, begin_retry, [store, pending]))
+        answers = [trigger(start, inputs, begin_outputs, queue=False, **ui)
                    .then(respond, reply_inputs, reply_outputs, **generating, **ui)
-                   for trigger in (chat_input.submit, send.click)]
-        answers.append(retry.click(lambda h: (without_reply(h), ""), chatbot, [chatbot, chat_stats], queue=False,
-                                   cancels=answers, **ui)
-                       .then(respond, reply_inputs, reply_outputs, **generating, **ui))
-        stop.click(lambda: "Stopped.", None, chat_stats, queue=False, cancels=answers, **ui)
-        undo_button.click(undo, chatbot, [chatbot, chat_input], queue=False, cancels=answers, **ui)
-        clear.click(lambda: ([], "", ""), None, [chatbot, chat_input, chat_stats], queue=False, cancels=answers, **ui)
-        chatbot.clear(lambda: "", None, chat_stats, queue=False, cancels=answers, **ui)  # its own trash button
+                   for trigger, start, inputs in begins]
+        for answer in answers:
+            answer.then(finish, store, finish_outputs, queue=False, **ui)
+        stop.click(stop_reply, [chatbot, store, pending], view_outputs + [chat_input, pending], queue=False,
+                   cancels=answers, **ui)
+        undo_button.click(undo, [store, pending], view_outputs + [chat_input], queue=False, **ui)
+        clear.click(clear_chat, [store, pending], view_outputs, queue=False, **ui)
+        chatbot.clear(clear_chat, [store, pending], view_outputs, queue=False, **ui)  # its own trash button
+        new_button.click(new_chat, [store, pending, system_prompt, *chat_controls], view_outputs, queue=False, **ui)
+        chat_list.input(switch, [chat_list, store, pending], view_outputs, queue=False, **ui)
+        chat_title.submit(rename, [chat_title, store], [store, chat_list, chat_title], queue=False, **ui)
+        delete_button.click(delete, [store, pending], view_outputs, queue=False, **ui)
+        for control in (system_prompt, *chat_controls):
+            control.input(save_settings, [store, system_prompt, *chat_controls], store, queue=False, **ui)
+        export_json.click(lambda s: export(s, "json"), store, exported, queue=False, **ui)
+        export_markdown.click(lambda s: export(s, "md"), store, exported, queue=False, **ui)
+        import_button.upload(import_file, [import_button, store, pending], view_outputs, queue=False, **ui)
+        demo.load(restore, store, view_outputs, queue=False, **ui)
 
         completion_inputs = [prompt, *completion_controls, echo, show_probabilities]
         completions = [trigger(lambda: "", None, completion_stats, queue=False, **ui)

@@ -1,0 +1,231 @@
+"""The chat tab's saved conversations: the store kept in the browser, the export file's schema (JSON and
+Markdown), its import with clear messages for bad files, and the notices shown for a turn that was not run.
+
+A conversation is a dict:
+  {"id", "title", "system_prompt", "settings": {name: value}, "messages": [{"role", "content"}], "updated"}
+its messages complete (user, assistant) exchanges. The store holds them all:
+  {"version": STORE_VERSION, "active": id, "conversations": [conversation, ...]}  (most recent first)
+Everything here returns new values and never changes its arguments (Gradio shares the values it passes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any, Optional
+
+from ..dialog import SPECIAL_TAGS, encode_dialog, reply_room
+from ..errors import LlamaError
+from ..serving.requests import whole_number
+from ..tokenizer import Tokenizer
+
+SCHEMA = "llama-core/conversation"  # an export file's "schema" field
+SCHEMA_VERSION = 1  # an export file's "version" field; import accepts this version only
+STORE_VERSION = 1
+MAX_IMPORT_BYTES = 2_000_000  # the largest export file accepted
+MAX_TITLE_CHARS = 80
+# The sampling controls a conversation keeps, as the chat tab's controls name them (stop: one string per line).
+SETTINGS = ("temperature", "top_p", "max_new_tokens", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "stop", "seed")
+NEW_TITLE = "New chat"
+
+
+class ConversationFileError(LlamaError, ValueError):
+    """An imported file is not a conversation this app exported: the message names what is wrong."""
+
+
+# -- conversations and the store ---------------------------------------------------------------------------
+def new_conversation(system_prompt: str, settings: dict[str, Any], title: str = NEW_TITLE,
+                     messages: Optional[list[dict]] = None) -> dict:
+    return {"id": uuid.uuid4().hex, "title": title, "system_prompt": system_prompt,
+            "settings": {k: v for k, v in settings.items() if k in SETTINGS}, "messages": list(messages or []),
+            "updated": time.time(), "stats": ""}
+
+
+def new_store(system_prompt: str, settings: dict[str, Any]) -> dict:
+    conversation = new_conversation(system_prompt, settings)
+    return {"version": STORE_VERSION, "active": conversation["id"], "conversations": [conversation]}
+
+
+def loaded_store(value: Any, system_prompt: str, settings: dict[str, Any]) -> dict:
+    """The store read from the browser; a new one when there is none, or it is unreadable (an older version,
+    edited by hand): the page must open whatever the browser holds. Unreadable conversations are left out."""
+    if type(value) is not dict or value.get("version") != STORE_VERSION or type(value.get("conversations")) is not list:
+        return new_store(system_prompt, settings)
+    kept = []
+    for item in value["conversations"]:
+        try:
+            kept.append(_checked_conversation(item, "conversation"))
+        except ConversationFileError:
+            continue
+    if not kept:
+        return new_store(system_prompt, settings)
+    active = value.get("active") if any(c["id"] == value.get("active") for c in kept) else kept[0]["id"]
+    return {"version": STORE_VERSION, "active": active, "conversations": kept}
+
+
+def active(store: dict) -> dict:
+    return next(c for c in store["conversations"] if c["id"] == store["active"])
+
+
+def with_conversation(store: dict, conversation: dict, *, activate: bool = True) -> dict:
+    """The store with this conversation saved (replacing the one of its id) and moved first."""
+    conversation = dict(conversation, updated=time.time())
+    others = [c for c in store["conversations"] if c["id"] != conversation["id"]]
+    return dict(store, conversations=[conversation] + others,
+                active=conversation["id"] if activate else store["active"])
+
+
+def switched(store: dict, conversation_id: Any) -> dict:
+    if not any(c["id"] == conversation_id for c in store["conversations"]):
+        return store
+    return dict(store, active=conversation_id)
+
+
+def renamed(store: dict, title: Any) -> dict:
+    return with_conversation(store, dict(active(store), title=clean_title(title)))
+
+
+def deleted(store: dict, system_prompt: str, settings: dict[str, Any]) -> dict:
+    """The store without its active conversation; the next one (or a new one) becomes active."""
+    others = [c for c in store["conversations"] if c["id"] != store["active"]]
+    if not others:
+        return new_store(system_prompt, settings)
+    return dict(store, conversations=others, active=others[0]["id"])
+
+
+def choices(store: dict) -> list[tuple[str, str]]:
+    """(title, id) for each conversation, most recent first: the sidebar's list."""
+    return [(c["title"], c["id"]) for c in store["conversations"]]
+
+
+def clean_title(title: Any, fallback: str = NEW_TITLE) -> str:
+    text = " ".join(title.split()) if type(title) is str else ""
+    if len(text) > MAX_TITLE_CHARS:
+        text = text[: MAX_TITLE_CHARS - 1].rstrip() + "…"
+    return text or fallback
+
+
+def with_exchange(conversation: dict, keep: int, message: str, reply: str, stats: str = "") -> dict:
+    """The conversation's first `keep` messages and one more (user, assistant) exchange, `stats` describing the
+    reply; a new chat takes its title from its first message."""
+    title = conversation["title"]
+    if title == NEW_TITLE and keep == 0:
+        title = clean_title(message)
+    messages = conversation["messages"][:keep] + [{"role": "user", "content": message},
+                                                  {"role": "assistant", "content": reply}]
+    return dict(conversation, title=title, messages=messages, stats=stats)
+
+
+def has_reserved_tags(text: str) -> bool:
+    return any(tag in text for tag in SPECIAL_TAGS)
+
+
+def model_history(messages: list[dict]) -> tuple[list[dict], int]:
+    """The exchanges the model is shown and how many were left out: those holding a reserved chat-format tag
+    (a reply written before replies stopped at tags, an imported file) would make every later turn refused."""
+    pairs = [messages[i : i + 2] for i in range(0, len(messages) - 1, 2)]
+    kept = [p for p in pairs if not any(has_reserved_tags(m["content"]) for m in p)]
+    return [m for pair in kept for m in pair], len(pairs) - len(kept)
+
+
+# -- notices for a turn that was not run ---------------------------------------------------------------------
+def context_notice(tokenizer: Tokenizer, max_seq_len: int, message: str, system_prompt: str,
+                   max_new_tokens: Any) -> str:
+    """too_long_notice for a message that, with the system prompt, did not fit beside the reply's room."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+    tokens = len(encode_dialog(tokenizer, system + [{"role": "user", "content": message}]))
+    return too_long_notice(tokens, max_seq_len, reply_room(max_seq_len, whole_number(max_new_tokens)), bool(system))
+
+
+def too_long_notice(message_tokens: int, max_seq_len: int, reply_room: int, with_system_prompt: bool) -> str:
+    """What to tell a user whose message (with the system prompt) leaves no room in the context."""
+    what = "This message with the system prompt is" if with_system_prompt else "This message is"
+    fits = max_seq_len - reply_room
+    return (f"{what} {message_tokens:,} tokens; the model holds {max_seq_len:,}, and keeps {reply_room:,} for the "
+            f"reply, so at most {fits:,} fit. Shorten it by about {message_tokens - fits:,} tokens"
+            + (" (or shorten the system prompt)" if with_system_prompt else "") + " and send it again.")
+
+
+REFUSED_NOTICE = ("This message holds reserved chat-format tags ([INST], [/INST], <<SYS>> or <</SYS>>) and was not "
+                  "sent. Remove them and send it again.")
+REFUSED_SYSTEM_NOTICE = ("The system prompt holds reserved chat-format tags ([INST], [/INST], <<SYS>> or <</SYS>>), "
+                         "so no message can be sent. Remove them from the system prompt.")
+
+
+# -- export and import --------------------------------------------------------------------------------------
+def to_json(conversation: dict) -> str:
+    """The conversation as an export file: our versioned schema, which from_json reads back."""
+    return json.dumps({"schema": SCHEMA, "version": SCHEMA_VERSION, "title": conversation["title"],
+                       "system_prompt": conversation["system_prompt"], "settings": conversation["settings"],
+                       "messages": conversation["messages"]}, ensure_ascii=False, indent=2) + "\n"
+
+
+def to_markdown(conversation: dict) -> str:
+    lines = [f"# {conversation['title']}", ""]
+    if conversation["system_prompt"].strip():
+        lines += ["**System prompt:**", "", _quoted(conversation["system_prompt"]), ""]
+    for message in conversation["messages"]:
+        lines += [f"**{message['role'].capitalize()}:**", "", message["content"].strip(), ""]
+    return "\n".join(lines)
+
+
+def file_name(conversation: dict, extension: str) -> str:
+    stem = re.sub(r"[^\w-]+", "-", conversation["title"]).strip("-")[:40] or "conversation"
+    return f"{stem}.{extension}"
+
+
+def from_json(data: bytes | str) -> dict:
+    """A conversation (with a new id) from an export file; ConversationFileError names what is wrong."""
+    if len(data) > MAX_IMPORT_BYTES:
+        raise ConversationFileError(f"the file is too large: {len(data):,} bytes, at most {MAX_IMPORT_BYTES:,}")
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConversationFileError(f"the file is not JSON ({exc}); choose a conversation exported as JSON") from None
+    if type(value) is not dict or value.get("schema") != SCHEMA:
+        raise ConversationFileError(f"the file is not a conversation exported by this app (its \"schema\" must be "
+                                    f"\"{SCHEMA}\")")
+    if value.get("version") != SCHEMA_VERSION:
+        raise ConversationFileError(f"the file has version {value.get('version')!r}; this app reads version "
+                                    f"{SCHEMA_VERSION}")
+    conversation = _checked_conversation(dict(value, id=uuid.uuid4().hex, updated=time.time()), "the file")
+    return conversation
+
+
+def _checked_conversation(value: Any, where: str) -> dict:
+    if type(value) is not dict:
+        raise ConversationFileError(f"{where} must be a JSON object")
+    for name in ("id", "title", "system_prompt"):
+        if type(value.get(name)) is not str:
+            raise ConversationFileError(f"{where}: \"{name}\" must be a string")
+    settings = value.get("settings", {})
+    if type(settings) is not dict:
+        raise ConversationFileError(f"{where}: \"settings\" must be an object")
+    for name, setting in settings.items():
+        if name not in SETTINGS:
+            raise ConversationFileError(f"{where}: unknown setting \"{name}\"; known: {', '.join(SETTINGS)}")
+        if setting is not None and type(setting) not in (int, float, str):
+            raise ConversationFileError(f"{where}: setting \"{name}\" must be a number or text")
+    messages = value.get("messages")
+    if type(messages) is not list:
+        raise ConversationFileError(f"{where}: \"messages\" must be a list")
+    for i, message in enumerate(messages):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if type(message) is not dict or message.get("role") != expected or type(message.get("content")) is not str:
+            raise ConversationFileError(f"{where}: message {i} must be {{\"role\": \"{expected}\", \"content\": "
+                                        "text}: messages alternate user and assistant")
+    if len(messages) % 2:
+        raise ConversationFileError(f"{where}: the last message must be the assistant's reply")
+    updated, stats = value.get("updated"), value.get("stats")
+    return {"id": value["id"], "title": clean_title(value["title"]), "system_prompt": value["system_prompt"],
+            "settings": dict(settings),
+            "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+            "updated": updated if type(updated) in (int, float) else time.time(),
+            "stats": stats if type(stats) is str else ""}
+
+
+def _quoted(text: str) -> str:
+    return "\n".join("> " + line for line in text.strip().splitlines())

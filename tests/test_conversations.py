@@ -1,0 +1,112 @@
+"""The chat tab's saved conversations (llama_core.app.conversations): the browser's store, the export file's
+schema and its import, and the notices for a turn that was not run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llama_core.app import conversations as c
+from llama_core.dialog import UNSAFE_ERROR
+
+SETTINGS = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64, "stop": "", "seed": None}
+
+
+def chat(*exchanges: tuple[str, str]) -> dict:
+    conversation = c.new_conversation("You are Juliet.", SETTINGS)
+    for message, reply in exchanges:
+        conversation = c.with_exchange(conversation, len(conversation["messages"]), message, reply, "stats")
+    return conversation
+
+
+def test_a_new_chat_takes_its_title_from_its_first_message():
+    conversation = chat(("Wherefore   art thou\nRomeo?", "Here."), ("And then?", "Gone."))
+    assert conversation["title"] == "Wherefore art thou Romeo?"
+    assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"] * 2
+
+
+def test_an_exchange_after_keep_replaces_the_later_ones():
+    conversation = chat(("one", "1"), ("two", "2"))
+    retried = c.with_exchange(conversation, 2, "two", "2 again")
+    assert [m["content"] for m in retried["messages"]] == ["one", "1", "two", "2 again"]
+    assert conversation["messages"][-1]["content"] == "2"  # unchanged
+
+
+@pytest.mark.parametrize("stored", [None, "junk", {"version": 99}, {"version": 1, "conversations": "x"},
+                                    {"version": 1, "conversations": [{"id": 3}]}])
+def test_an_unreadable_store_gives_a_new_one(stored):
+    store = c.loaded_store(stored, "sys", SETTINGS)
+    assert len(store["conversations"]) == 1 and c.active(store)["system_prompt"] == "sys"
+
+
+def test_the_store_keeps_good_conversations_and_leaves_out_bad_ones():
+    good = chat(("hi", "ho"))
+    store = c.loaded_store({"version": 1, "active": "gone", "conversations": [{"id": 1}, good]}, "", SETTINGS)
+    assert c.choices(store) == [("hi", good["id"])] and store["active"] == good["id"]
+
+
+def test_new_switch_rename_and_delete():
+    store = c.new_store("", SETTINGS)
+    first = store["active"]
+    second = c.new_conversation("", SETTINGS)
+    store = c.with_conversation(store, second)
+    assert store["active"] == second["id"] and [i for _, i in c.choices(store)] == [second["id"], first]
+    store = c.renamed(c.switched(store, first), "  Act   one ")
+    assert c.active(store)["title"] == "Act one" and store["active"] == first
+    assert c.switched(store, "no such id") == store
+    store = c.deleted(store, "", SETTINGS)
+    assert store["active"] == second["id"] and len(store["conversations"]) == 1
+    store = c.deleted(store, "fresh", SETTINGS)
+    assert len(store["conversations"]) == 1 and c.active(store)["system_prompt"] == "fresh"
+
+
+def test_exchanges_with_reserved_tags_are_left_out_of_what_the_model_sees():
+    conversation = chat(("hi", "ho"), ("obey", "[/INST] sure"), ("again", UNSAFE_ERROR))
+    history, left_out = c.model_history(conversation["messages"])
+    assert [m["content"] for m in history] == ["hi", "ho"] and left_out == 2  # the refusal names the tags
+
+
+def test_json_export_round_trips():
+    conversation = chat(("Good morrow — 你好", "Ay."), ("More?", "No."))
+    imported = c.from_json(c.to_json(conversation).encode())
+    for key in ("title", "system_prompt", "settings", "messages"):
+        assert imported[key] == conversation[key]
+    assert imported["id"] != conversation["id"]
+    assert json.loads(c.to_json(conversation))["schema"] == c.SCHEMA
+
+
+def test_markdown_export_lists_the_system_prompt_and_each_message():
+    text = c.to_markdown(chat(("Who goes there?", "A friend.")))
+    assert "You are Juliet." in text and "**User:**\n\nWho goes there?" in text and "**Assistant:**" in text
+
+
+@pytest.mark.parametrize("data, named", [
+    (b"\xff\xfe not json", "not JSON"),
+    (b"{bad", "not JSON"),
+    (b"[1, 2]", "not a conversation exported by this app"),
+    (json.dumps({"schema": c.SCHEMA, "version": 7}).encode(), "version 7"),
+    (json.dumps({"schema": c.SCHEMA, "version": 1, "title": "t", "system_prompt": "",
+                 "messages": [{"role": "assistant", "content": "x"}]}).encode(), "message 0"),
+    (json.dumps({"schema": c.SCHEMA, "version": 1, "title": "t", "system_prompt": "",
+                 "messages": [{"role": "user", "content": "x"}]}).encode(), "last message"),
+    (json.dumps({"schema": c.SCHEMA, "version": 1, "title": "t", "system_prompt": "", "messages": [],
+                 "settings": {"warp": 9}}).encode(), "unknown setting"),
+    (json.dumps({"schema": c.SCHEMA, "version": 1, "title": 5, "system_prompt": "", "messages": []}).encode(),
+     '"title" must be a string'),
+    (b" " * (c.MAX_IMPORT_BYTES + 1), "too large"),
+])
+def test_a_bad_import_file_gets_a_message_naming_what_is_wrong(data, named):
+    with pytest.raises(c.ConversationFileError, match=named):
+        c.from_json(data)
+
+
+def test_the_too_long_notice_gives_the_counts_and_the_fix():
+    notice = c.too_long_notice(2850, 2048, 256, with_system_prompt=False)
+    assert notice.startswith("This message is 2,850 tokens; the model holds 2,048")
+    assert "Shorten it by about 1,058 tokens" in notice
+
+
+def test_file_names_are_safe():
+    conversation = dict(chat(("a", "b")), title="../etc/passwd: Act I")
+    assert c.file_name(conversation, "json") == "etc-passwd-Act-I.json"

@@ -128,7 +128,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
-            gate, up = _stacked_projection(self.w13, x, [self.w13.weight.shape[0] // 2] * 2)
+            gate, up = _stacked_projection(self.w13, x, 2)
             return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
@@ -178,7 +178,8 @@ class Transformer(nn.Module):
         much faster: decoding the 15m shape's 32000 x 288 output layer takes 1.3 ms instead of 4.0 on one
         core (MKL, AVX2), all of the embedded model's projections 1.03 ms instead of 1.34 per token, and
         prefill-sized products take about as long as before. Int8 weights stay row-major: compiled, their
-        product becomes torch's int8 kernel, which needs them contiguous."""
+        product becomes torch's int8 kernel, which needs them contiguous. (Large float32 weights are packed
+        for oneDNN before this, by the ModelRunner: see llama_core.packed_linear.)"""
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
                 column_major = module.weight.detach().t().contiguous().t()
@@ -295,14 +296,17 @@ def _causal_mask(input_pos: torch.Tensor, kv_len: int, dtype: torch.dtype) -> to
 SEPARATE_PRODUCTS_FROM_ROWS = 16
 
 
-def _stacked_projection(linear: nn.Module, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """x [B, S, in] through a stacked projection, one output per stacked part. With many rows on CPU each
-    part is its own product, over a view of the stacked weight: MKL runs those faster than one wide one."""
+def _stacked_projection(linear: nn.Module, x: torch.Tensor, sizes: list[int] | int) -> list[torch.Tensor]:
+    """x [B, S, in] through a stacked projection, one output per stacked part (sizes: the parts' sizes, or
+    how many equal parts). With many rows on CPU each part of a plain weight is its own product, over a
+    view of the stacked weight: MKL runs those faster than one wide one."""
     many_rows = x.shape[0] * x.shape[1] >= SEPARATE_PRODUCTS_FROM_ROWS
     # (An offloaded linear's weight sits on the meta device until its own forward hook loads it.)
-    if many_rows and isinstance(linear, nn.Linear) and x.device.type == "cpu" and linear.weight.device.type == "cpu":
-        return [F.linear(x, part) for part in linear.weight.split(sizes)]
-    return linear(x).split(sizes, dim=-1)
+    if many_rows and type(linear) is nn.Linear and x.device.type == "cpu" and linear.weight.device.type == "cpu":
+        parts = linear.weight.split(sizes) if isinstance(sizes, list) else linear.weight.chunk(sizes)
+        return [F.linear(x, part) for part in parts]
+    out = linear(x)
+    return out.split(sizes, dim=-1) if isinstance(sizes, list) else out.chunk(sizes, dim=-1)
 
 
 def _stacked_linear(*linears: nn.Module) -> nn.Module:

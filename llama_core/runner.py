@@ -20,6 +20,7 @@ import torch
 from .devices import execution_device, on_one_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer
+from .packed_linear import PackedLinear, pack_linears
 
 CacheRows = torch.Tensor | slice
 
@@ -52,6 +53,9 @@ class ModelRunner:
         if model.layers[0].attention.wqkv is None:
             model.fuse_projections()
         if self.device.type == "cpu":
+            # The compiled step traces through plain products; oneDNN's packed weights would need freezing.
+            if not compile and not tensor_parallel and on_one_device(model):
+                pack_linears(model)
             model.use_column_major_weights()
         model.setup_caches(max_batch_size, max_seq_len)
         self._first_kv_cache = model.layers[0].attention.kv_cache  # every forward and copy writes it
@@ -61,7 +65,8 @@ class ModelRunner:
 
     @property
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        packed = sum(m.in_features * m.out_features for m in self.model.modules() if isinstance(m, PackedLinear))
+        return packed + sum(p.numel() for p in self.model.parameters())
 
     @property
     def mixes_prompts(self) -> bool:

@@ -58,10 +58,13 @@ def test_gemm_bench_prints_a_time_for_every_layout_and_row_count():
     result = _run("bench_gemm.py", "--shape", "tiny", "--rows", "1,4", "--repeats", "1", "--threads", "1")
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
-    assert "fused, column" in lines[1] and "separate, row" in lines[1]
+    from llama_core.packed_linear import packing_available
+
+    layouts = ["row", "column"] + (["onednn"] if packing_available() else [])
+    assert all(f"{stacking}, {layout}" in lines[1] for stacking in ("fused", "separate") for layout in layouts)
     rows = [line.split() for line in lines[2:]]
     assert [r[0] for r in rows] == ["1", "4"]
-    assert all(len(r) == 5 and all(float(t) > 0 for t in r[1:]) for r in rows)
+    assert all(len(r) == 1 + 2 * len(layouts) and all(float(t) > 0 for t in r[1:]) for r in rows)
 
 
 def test_bench_answers_a_bad_device_with_one_line():

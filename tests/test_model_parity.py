@@ -102,3 +102,23 @@ def test_cpu_weights_are_column_major_and_compute_the_same(meta_ckpt_dir, tokeni
                 module.weight = torch.nn.Parameter(module.weight.contiguous(), requires_grad=False)
         row_major = llama.model(prompt, kv_len=prompt.shape[1])
     torch.testing.assert_close(column_major, row_major, atol=1e-5, rtol=1e-5)
+
+
+def test_weights_packed_by_onednn_match_hf(meta_ckpt_dir, hf_model, tokenizer, monkeypatch):
+    # On CPU, weights of at least MIN_PACKED_WEIGHTS are multiplied in oneDNN's own layout; the fixture's
+    # are smaller, so pack every one here.
+    from llama_core import packed_linear
+
+    if not packed_linear.packing_available():
+        pytest.skip("this torch build has no oneDNN: weights stay in MKL's layout")
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", 0)
+    llama = build_llama(meta_ckpt_dir)
+    assert not [m for m in llama.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len([m for m in llama.model.modules() if isinstance(m, packed_linear.PackedLinear)]) > 0
+    for prompt in prompts(tokenizer):
+        expected, _ = hf_greedy(hf_model, prompt, GREEDY_TOKENS, tokenizer.eos_id)
+        tokens, logprobs = llama.generate([prompt], max_gen_len=GREEDY_TOKENS, temperature=0, logprobs=True)
+        assert tokens[0] == expected
+        reference = torch.log_softmax(hf_logits(hf_model, prompt + expected), dim=-1)
+        expected_lps = [float(reference[len(prompt) - 1 + i, t]) for i, t in enumerate(expected)]
+        torch.testing.assert_close(torch.tensor(logprobs[0]), torch.tensor(expected_lps), atol=1e-4, rtol=0)

@@ -1,0 +1,69 @@
+"""Projections for the CPU whose weights oneDNN has reordered once, at load, into its own blocked layout.
+
+MKL's products of a few rows by a plain [out, in] weight cost several times a one-row product (each row
+streams the weight again); oneDNN's kernel on its blocked layout reads the weight about once whatever the
+rows, which is what batched decoding needs. `scripts/bench_gemm.py` measures it: on the 110m shape with
+2 threads one forward's projections take 14.6 ms at 1 row and 15.6 at 8 (column-major MKL: 18.7 and 42.4).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def packing_available() -> bool:
+    """Whether this torch build has oneDNN (x86 and ARM CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T for a float32 weight W [out, in] held in oneDNN's layout (no bias).
+
+    The packed weight is an opaque tensor: `weight` gives the plain [out, in] values back (a copy) for
+    whoever needs them, e.g. to quantize."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"PackedLinear takes a 2-D float32 CPU weight, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous()),
+                             persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed_weight.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN layout"
+
+
+# A oneDNN call costs ~15 us more than MKL's: below this many weights (1 MiB of float32) MKL's product on
+# a column-major weight is the faster one (on the embedded model, only its output layer is larger).
+MIN_PACKED_WEIGHTS = 1 << 18
+
+
+def pack_linears(model: nn.Module, min_weights: Optional[int] = None) -> int:
+    """Replaces each bias-free float32 nn.Linear on the CPU in model with at least min_weights weights
+    (default MIN_PACKED_WEIGHTS) by a PackedLinear, in place; returns how many it replaced (0 where this
+    torch has no oneDNN)."""
+    if not packing_available():
+        return 0
+    if min_weights is None:
+        min_weights = MIN_PACKED_WEIGHTS
+    replaced = 0
+    for name, child in list(model.named_children()):
+        weight = getattr(child, "weight", None)
+        if (type(child) is nn.Linear and child.bias is None and weight.device.type == "cpu"
+                and weight.dtype == torch.float32 and weight.numel() >= min_weights):
+            setattr(model, name, PackedLinear(weight))
+            replaced += 1
+        else:
+            replaced += pack_linears(child, min_weights)
+    return replaced

@@ -1,0 +1,50 @@
+"""oneDNN-packed projections on the CPU: the same products as F.linear, whatever the rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama_core import packed_linear
+from llama_core.packed_linear import PackedLinear, pack_linears
+
+pytestmark = pytest.mark.skipif(not packed_linear.packing_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("shape", [(1, 96), (8, 96), (33, 96), (1, 1, 96), (4, 7, 96)])
+def test_product_equals_f_linear(shape):
+    torch.manual_seed(0)
+    weight = torch.randn(200, 96)
+    x = torch.randn(*shape)
+    torch.testing.assert_close(PackedLinear(weight)(x), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_a_row_gets_the_same_result_alone_and_in_a_batch():
+    torch.manual_seed(0)
+    layer = PackedLinear(torch.randn(512, 256))
+    rows = torch.randn(16, 256)
+    together = layer(rows)
+    alone = torch.cat([layer(rows[i : i + 1]) for i in range(16)])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_weight_gives_the_plain_values_back():
+    weight = torch.randn(64, 32)
+    layer = PackedLinear(weight)
+    assert torch.equal(layer.weight, weight)
+    assert (layer.out_features, layer.in_features) == (64, 32)
+
+
+def test_refuses_what_it_cannot_pack():
+    with pytest.raises(ValueError, match="float32"):
+        PackedLinear(torch.randn(4, 4, dtype=torch.float64))
+
+
+def test_pack_linears_replaces_large_float32_bias_free_linears_only():
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=True),
+                          nn.Linear(4, 4, bias=False), nn.Linear(64, 64, bias=False).double())
+    assert pack_linears(model, min_weights=1000) == 1
+    assert isinstance(model[0], PackedLinear)
+    assert [type(m) for m in model[1:]] == [nn.Linear] * 3

@@ -4,11 +4,14 @@ weights, in one process, side by side.
     python scripts/bench.py --shape 15m                 # CPU shapes: 15m, 110m; GPU: 7b, 13b
     python scripts/bench.py --shape 7b --device cuda --quantize int8
     python scripts/bench.py --shape custom --dim 512 --n-layers 8 --n-heads 8 --n-kv-heads 2
+    python scripts/bench.py --shape 110m --threads 2 --llama-cpp ~/.cache/llama-cpp-peer   # and llama.cpp
 
 Reports batch-1 decode tokens/s, time to first token for several prompt lengths, aggregate tokens/s
-for 8 and 32 concurrent sequences and peak memory; on CUDA also the achieved weight bandwidth and
-its share of the device-to-device copy bandwidth measured in the same run. Prints a table and
-writes the figures as JSON (--json).
+for 8 and 32 concurrent sequences (decoding only, and with their 32-token prompts' prefill included,
+32 new tokens each) and peak memory; on CUDA also the achieved weight bandwidth and its share of the
+device-to-device copy bandwidth measured in the same run. With --llama-cpp, the same weights converted to
+GGUF go through llama.cpp's llama-bench and llama-batched-bench in the same run (CPU, vocab-32000 shapes,
+with the Llama-2 tokenizer the converter needs). Prints a table and writes the figures as JSON (--json).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import platform
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -31,6 +35,9 @@ from llama_core.errors import LlamaError  # noqa: E402
 from llama_core.generation import Llama  # noqa: E402
 from llama_core.model import Transformer  # noqa: E402
 from llama_core.quantize import quantize_int8  # noqa: E402
+
+LLAMA2_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "llama2" / "tokenizer.model"
+BATCHED_PROMPT, BATCHED_NEW = 32, 32  # llama-batched-bench -npp 32 -ntg 32
 
 SHAPES = {
     "15m": dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=32000, multiple_of=32),
@@ -66,6 +73,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
+                   help="also run llama.cpp built in DIR by ../shared/peers/build_llama_cpp.sh")
+    p.add_argument("--tokenizer", type=Path, default=LLAMA2_TOKENIZER,
+                   help="Llama-2 tokenizer.model for the GGUF conversion (default: ../shared/llama2)")
     return p.parse_args()
 
 
@@ -150,7 +161,8 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
 
     n = a.decode_tokens
     short = prompts(1, 16)
-    results = {name: {"ttft_s": {}, "aggregate_tokens_per_s": {}} for name in impls}
+    results = {name: {"ttft_s": {}, "aggregate_tokens_per_s": {}, "aggregate_with_prefill_tokens_per_s": {}}
+               for name in impls}
     for generate in impls.values():
         generate(short, 2)  # warm-up
     first = best(lambda g: lambda: g(short, 1), a.repeats)
@@ -167,7 +179,46 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
         t_full = best(lambda g: lambda: g(p, n + 1), a.repeats)
         for name in impls:
             results[name]["aggregate_tokens_per_s"][batch] = batch * n / max(t_full[name] - t_first[name], 1e-9)
+        p = prompts(batch, BATCHED_PROMPT)
+        for name, t in best(lambda g: lambda: g(p, BATCHED_NEW), a.repeats).items():
+            results[name]["aggregate_with_prefill_tokens_per_s"][batch] = batch * BATCHED_NEW / t
     return results
+
+
+def export_for_llama_cpp(model: Transformer, a, folder: Path) -> Path:
+    """The float weights in Hugging Face layout with the Llama-2 tokenizer: what llama.cpp's converter reads.
+    (Before Llama.from_model, which fuses and packs the model's projections.)"""
+    import shutil
+
+    hf_dir = folder / "hf"
+    hf_model(model).save_pretrained(hf_dir, safe_serialization=True)
+    shutil.copy(a.tokenizer, hf_dir / "tokenizer.model")
+    return hf_dir
+
+
+def measure_llama_cpp(hf_dir: Path, a, report: dict) -> None:
+    """The same weights in llama.cpp, f32 (and q8_0 with --quantize int8), figures as measure() gives."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llama_cpp_peer import LlamaCpp
+
+    peer = LlamaCpp(a.llama_cpp)
+    threads = torch.get_num_threads()
+    lengths = [int(x) for x in a.prompt_lengths.split(",")]
+    batches = [int(x) for x in a.batch_sizes.split(",")]
+    for outtype in ["f32"] + (["q8_0"] if a.quantize == "int8" else []):
+        print(f"llama.cpp {outtype} ...", flush=True)
+        gguf = peer.convert(hf_dir, hf_dir.parent / f"model-{outtype}.gguf", outtype)
+        batched = peer.batched(gguf, threads, batches, BATCHED_PROMPT, BATCHED_NEW)
+        report["results"][f"llama_cpp_{outtype}"] = {
+            "decode_tokens_per_s": peer.decode_tokens_per_s(gguf, threads, a.decode_tokens, a.repeats),
+            "ttft_s": peer.prompt_seconds(gguf, threads, lengths, a.repeats),
+            "aggregate_tokens_per_s": {b: batched[b]["decode_tokens_per_s"] for b in batches},
+            "aggregate_with_prefill_tokens_per_s": {b: batched[b]["tokens_per_s_with_prefill"] for b in batches},
+        }
+        gguf.unlink()
+    report["llama_cpp"] = {"folder": str(peer.folder), "threads": threads,
+                           "commands": "llama-bench -p 0 -n N; llama-bench -p L -n 0; "
+                                       f"llama-batched-bench -npp {BATCHED_PROMPT} -ntg {BATCHED_NEW} -npl B"}
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -217,6 +268,18 @@ def main() -> None:
     device = resolve_device(a.device)
     dtype = resolve_dtype(a.dtype, device)
     args = model_args(a)
+    if a.llama_cpp is not None:
+        if args.vocab_size != 32000 or not a.tokenizer.is_file() or device.type != "cpu" or dtype != torch.float32:
+            sys.exit(f"error: --llama-cpp compares float32 on the CPU for a vocab-32000 shape, and needs the Llama-2 "
+                     f"tokenizer at {a.tokenizer} (--tokenizer)")
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from llama_cpp_peer import LlamaCpp, PeerError
+
+        try:
+            LlamaCpp(a.llama_cpp)
+        except PeerError as exc:
+            sys.exit(f"error: {exc}")
+    workdir = tempfile.TemporaryDirectory()
     max_len = max(int(x) for x in a.prompt_lengths.split(",")) + a.decode_tokens + 8
     max_batch = max(int(x) for x in a.batch_sizes.split(","))
     model = random_model(args, device, dtype)
@@ -228,6 +291,9 @@ def main() -> None:
     }
     print(f"{a.shape}: {report['parameters'] / 1e6:.1f}M parameters, {dtype}, {report['device']}, {report['threads']} threads", flush=True)
 
+    hf_dir = None
+    if a.llama_cpp is not None:
+        hf_dir = export_for_llama_cpp(model, a, Path(workdir.name))
     hf = None if a.skip_hf else hf_model(model)
     if a.quantize == "int8":
         reference = model
@@ -248,6 +314,8 @@ def main() -> None:
             report["results"].update(measure({"hf_static_compiled": impls["hf_eager"]}, a, args.vocab_size, device))
         except Exception as exc:  # compile support varies by version and device
             report["hf_compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if hf_dir is not None:
+        measure_llama_cpp(hf_dir, a, report)
     # Peak memory of the whole run (on CPU: the process's peak resident set, both models included).
     report["peak_memory_bytes"] = _peak_memory(device)
     for name, peak in peak_memory_each(impls, a, args.vocab_size, device).items():
@@ -285,8 +353,10 @@ def print_table(report: dict) -> None:
         rows.append((f"TTFT {length} tokens (ms)", lambda r, n=length: f"{1000 * r['ttft_s'][n]:.1f}"))
     for batch in next(iter(results.values()))["aggregate_tokens_per_s"]:
         rows.append((f"aggregate tok/s ({batch} seqs)", lambda r, b=batch: f"{r['aggregate_tokens_per_s'][b]:.1f}"))
+    for batch in next(iter(results.values())).get("aggregate_with_prefill_tokens_per_s", {}):
+        rows.append((f"{batch} seqs, prefill included", lambda r, b=batch: f"{r['aggregate_with_prefill_tokens_per_s'][b]:.1f}"))
     if "peak_memory_bytes" in next(iter(results.values())):
-        rows.append(("peak memory (MiB)", lambda r: f"{r['peak_memory_bytes'] / 2**20:.0f}"))
+        rows.append(("peak memory (MiB)", lambda r: f"{r['peak_memory_bytes'] / 2**20:.0f}" if "peak_memory_bytes" in r else "-"))
     if "copy_bandwidth_bytes_per_s" in report:
         rows.append(("weight bandwidth (GB/s)", lambda r: f"{r['achieved_bandwidth_bytes_per_s'] / 1e9:.0f}"))
         rows.append(("share of copy bandwidth", lambda r: f"{100 * r['share_of_copy_bandwidth']:.0f}%"))
@@ -294,9 +364,14 @@ def print_table(report: dict) -> None:
     print(f"\n{'':<{width}}  " + "  ".join(f"{n:>18}" for n in names))
     for label, cell in rows:
         print(f"{label:<{width}}  " + "  ".join(f"{cell(results[n]):>18}" for n in names))
-    if "hf_eager" in results:
-        ours, hf = results["llama_core"], results["hf_eager"]
-        print(f"\ndecode speed-up vs HF eager: {ours['decode_tokens_per_s'] / hf['decode_tokens_per_s']:.2f}x")
+    ours = results["llama_core"]
+    for peer in ("hf_eager", "llama_cpp_f32", "llama_cpp_q8_0"):
+        if peer in results:
+            other = results[peer]
+            ratios = [f"decode {ours['decode_tokens_per_s'] / other['decode_tokens_per_s']:.2f}x"]
+            for batch, figure in other.get("aggregate_with_prefill_tokens_per_s", {}).items():
+                ratios.append(f"{batch} seqs with prefill {ours['aggregate_with_prefill_tokens_per_s'][batch] / figure:.2f}x")
+            print(f"\nllama_core / {peer}: " + ", ".join(ratios))
     print(f"peak memory of the run: {report['peak_memory_bytes'] / 2**20:.0f} MiB")
     if "int8_max_logprob_deviation" in report:
         print(f"int8 max |logprob - float logprob| over 64 positions: {report['int8_max_logprob_deviation']:.4f}")

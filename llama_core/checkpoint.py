@@ -38,6 +38,11 @@ _HF_NAMES = [
     (r"model\.layers\.(\d+)\.input_layernorm\.weight", r"layers.\1.attention_norm.weight"),
     (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", r"layers.\1.ffn_norm.weight"),
 ]
+# The same table read the other way: Meta's names as patterns, HF's as replacements.
+_META_NAMES = [
+    (re.escape(meta).replace(re.escape(r"\1"), r"(\d+)"), hf.replace(r"(\d+)", r"\1").replace("\\.", "."))
+    for hf, meta in _HF_NAMES
+]
 
 
 def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype,
@@ -137,6 +142,22 @@ def hf_to_meta(ckpt_dir: Path, key: str, tensor: torch.Tensor, n_heads: int, n_k
         tensor = unpermute_rotary(tensor, n_heads)
     elif name.endswith("attention.wk.weight"):
         tensor = unpermute_rotary(tensor, n_kv_heads)
+    return name, tensor
+
+
+def meta_to_hf(key: str, tensor: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[str, torch.Tensor]:
+    """(Hugging Face name, tensor) for a tensor of Meta's layout, q and k permuted to HF's rotary layout:
+    the inverse of `hf_to_meta`."""
+    for meta_pattern, hf_replacement in _META_NAMES:
+        if re.fullmatch(meta_pattern, key):
+            name = re.sub(meta_pattern, hf_replacement, key)
+            break
+    else:
+        raise CheckpointError(f"tensor {key} has no Hugging Face name (not a Llama-2 weight)")
+    if key.endswith("attention.wq.weight"):
+        tensor = permute_rotary(tensor, n_heads)
+    elif key.endswith("attention.wk.weight"):
+        tensor = permute_rotary(tensor, n_kv_heads)
     return name, tensor
 
 

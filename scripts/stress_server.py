@@ -34,8 +34,8 @@ HUGE = 10**400
 
 # (route, data or body, what the answer must mention); Gradio routes take the data list.
 BAD_GRADIO = [
-    ("complete", ["ROMEO:"], "input values"),
-    ("complete", [], "input values"),
+    ("complete", ["ROMEO:"], "the /complete route takes 13 values (prompt, temperature, "),
+    ("complete", [], "takes 13 values"),
     ("complete", [123, *GOOD_COMPLETE[1:]], "prompt"),
     ("complete", ["", *GOOD_COMPLETE[1:]], "prompt"),
     ("complete", ["\ud800", *GOOD_COMPLETE[1:]], "prompt"),
@@ -50,7 +50,8 @@ BAD_GRADIO = [
     ("complete", [*GOOD_COMPLETE[:8], 0, *GOOD_COMPLETE[9:]], "repetition_penalty"),
     ("complete", [*GOOD_COMPLETE[:11], ["a", ""], None], "stop"),
     ("complete", [*GOOD_COMPLETE[:12], HUGE], "seed"),
-    ("chat", ["hi"], "input values"),
+    ("chat", ["hi"], "the /chat route takes 13 values (message, history, "),
+    ("chat", GOOD_CHAT[:6], "takes 13 values"),
     ("chat", [None, *GOOD_CHAT[1:]], "message"),
     ("chat", ["hi", "not a list", *GOOD_CHAT[2:]], "history"),
     ("chat", ["hi", [{"role": "user"}], *GOOD_CHAT[2:]], "history[0]"),

@@ -1,6 +1,6 @@
 """The package as users install it: requirements files that agree with pyproject.toml, and a wheel that,
 installed into a fresh virtual environment, runs the embedded model from any directory and provides the
-llama-chat and llama-generate commands.
+llama-chat, llama-generate and llama-export commands.
 
 Offline and quick: the wheel is built without build isolation (setuptools from this environment), and
 the fresh environment sees this one's packages (torch, sentencepiece...) through a .pth file, so nothing
@@ -102,10 +102,12 @@ def test_the_wheel_holds_the_package_its_data_and_the_commands(wheel):
                  "models/tiny-shakespeare/tokenizer.model", "prompts/system_prompt.txt",
                  "prompts/chat_examples.txt", "prompts/completion_examples.txt"):
         assert f"llama_core/{data}" in names
-    assert {"llama_core/app/ui.py", "llama_core/app/cli.py", "llama_core/generate_cli.py"} <= names
+    assert {"llama_core/app/ui.py", "llama_core/app/cli.py", "llama_core/generate_cli.py",
+            "llama_core/export.py"} <= names
     assert not any(n.startswith(("tests/", "scripts/", "docs/")) for n in names)
     assert "llama-chat = llama_core.app.cli:main" in entry_points
     assert "llama-generate = llama_core.generate_cli:main" in entry_points
+    assert "llama-export = llama_core.export:main" in entry_points
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +147,10 @@ def test_the_installed_llama_chat_answers_help_and_checks_its_arguments(venv, tm
     refused = subprocess.run([venv / "bin" / "llama-chat", "--port", "99999"], cwd=tmp_path, capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and refused.stderr.startswith("error: argument --port")
+
+
+def test_the_installed_llama_export_writes_the_embedded_model_in_hugging_face_layout(venv, tmp_path):
+    result = _run([venv / "bin" / "llama-export", "--to", "hf", "exported"], cwd=tmp_path)
+    assert result.stdout.startswith("wrote exported (Hugging Face layout): 3,148,224 parameters")
+    assert {p.name for p in (tmp_path / "exported").iterdir()} >= {"config.json", "model.safetensors",
+                                                                  "tokenizer.model"}

@@ -6,6 +6,11 @@ Reports aggregate tokens/s, time to first token and per-token latency (p50/p95) 
 batched/serial ratio; with --runs N the two take turns N times and the median ratio is reported.
 
     python scripts/bench_serving.py --clients 8 --slots 8 --requests 4 --max-new-tokens 64 --runs 7
+
+With --llama-server DIR the two configurations are llama.cpp's llama-server and our app, each with --slots
+slots and --threads threads, on the same model (exported, converted to GGUF f32), called by the same
+clients (llama-server through its /v1/completions); the ratio is ours over llama-server's, and with
+--temperature 0 the greedy texts of the two are compared.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 STREAM_UPDATE_SECONDS = 0.1  # as the app streams (llama_core.app.ui)
 PROMPTS = [
     "ROMEO:\nBut soft, what light through yonder",
@@ -56,6 +62,11 @@ def parse_args() -> argparse.Namespace:
                         "or gradio_client")
     p.add_argument("--runs", type=int, default=1,
                    help="serial and batched runs, taking turns; the ratio reported is their median")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="compute threads of the engine (and of llama-server); default: the app's own on CPU")
+    p.add_argument("--llama-server", type=Path, default=None, metavar="DIR",
+                   help="compare with llama.cpp's llama-server (built in DIR by ../shared/peers/build_llama_cpp.sh) "
+                        "on the same model, both with --slots slots, instead of serial against batched")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args()
 
@@ -66,9 +77,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(slots: int, ckpt_dir) -> tuple[subprocess.Popen, str]:
+def start_app(slots: int, ckpt_dir, threads: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    command = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--max-batch-size", str(slots)]
+    command = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--max-batch-size", str(slots),
+               "--threads", str(threads)]
     if ckpt_dir:
         command += ["--ckpt-dir", ckpt_dir]
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False")
@@ -87,7 +99,7 @@ def start_app(slots: int, ckpt_dir) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("app did not start within 180 s")
 
 
-Request = Callable[[int, str, argparse.Namespace], tuple[Optional[float], int]]
+Request = Callable[[int, str, argparse.Namespace], tuple[Optional[float], int, str]]  # first text at, tokens, text
 
 
 def http_request(url: str, clients: int) -> Request:
@@ -120,7 +132,7 @@ def http_request(url: str, clients: int) -> Request:
                     if first is None and text:
                         first = time.perf_counter()
                     if event == "complete":
-                        return first, stats["generated_tokens"]
+                        return first, stats["generated_tokens"], text
         raise RuntimeError("the event stream ended without a complete event")
 
     return request
@@ -128,7 +140,8 @@ def http_request(url: str, clients: int) -> Request:
 
 def openai_request(url: str, clients: int) -> Request:
     """One streaming /v1/completions request of client i, as an OpenAI client sends it (the usage of its last
-    event counts the tokens): (time of the first text, tokens generated). Each client keeps one connection."""
+    event counts the tokens, or else its events do, one token each as llama-server sends them): (time of the
+    first text, tokens generated, text). Each client keeps one connection."""
     import httpx
 
     pool = [httpx.Client(timeout=120) for _ in range(clients)]
@@ -136,7 +149,7 @@ def openai_request(url: str, clients: int) -> Request:
     def request(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
         body = {"prompt": prompt, "temperature": a.temperature, "top_p": 0.95, "max_tokens": a.max_new_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
-        first, tokens = None, None
+        first, tokens, pieces = None, None, []
         with pool[i].stream("POST", url + "v1/completions", json=body) as events:
             if events.status_code != 200:
                 raise RuntimeError(f"the API answered {events.status_code}: {events.read().decode()[:200]}")
@@ -146,13 +159,12 @@ def openai_request(url: str, clients: int) -> Request:
                 data = json.loads(line[6:])
                 if "error" in data:
                     raise RuntimeError(f"the API answered an error: {data['error']}")
-                if first is None and data["choices"] and data["choices"][0]["text"]:
-                    first = time.perf_counter()
+                if data["choices"] and data["choices"][0]["text"]:
+                    first = first or time.perf_counter()
+                    pieces.append(data["choices"][0]["text"])
                 if data.get("usage"):
                     tokens = data["usage"]["completion_tokens"]
-        if tokens is None:
-            raise RuntimeError("the event stream ended without usage")
-        return first, tokens
+        return first, len(pieces) if tokens is None else tokens, "".join(pieces)
 
     return request
 
@@ -175,7 +187,7 @@ def gradio_client_request(url: str, clients: int) -> Request:
         for text, _, _ in job:
             if first is None and text:
                 first = time.perf_counter()
-        return first, job.outputs()[-1][2]["generated_tokens"]
+        return first, job.outputs()[-1][2]["generated_tokens"], job.outputs()[-1][0]
 
     return request
 
@@ -186,12 +198,13 @@ def engine_request(engine) -> Request:
     from llama_core.serving import stream_completion
 
     def request(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
-        first = None
+        first, text = None, ""
         stream = stream_completion(engine, prompt, a.temperature, 0.95, a.max_new_tokens)
         for chunks in stream.batches(STREAM_UPDATE_SECONDS):
             if first is None and any(chunk.text for chunk in chunks):
                 first = time.perf_counter()
-        return first, stream.generated_tokens
+            text += "".join(chunk.text for chunk in chunks)
+        return first, stream.generated_tokens, text
 
     return request
 
@@ -212,14 +225,15 @@ def run_clients(request: Request, a: argparse.Namespace) -> dict:
                 return
             start = time.perf_counter()
             try:
-                first, tokens = request(index, PROMPTS[job % len(PROMPTS)], a)
+                first, tokens, text = request(index, PROMPTS[job % len(PROMPTS)], a)
             except Exception as exc:  # noqa: BLE001 - reported, not raised: one failure must not end the run
                 with lock:
                     errors.append(str(exc))
                 continue
             end = time.perf_counter()
             with lock:
-                records.append({"start": start, "first": first or end, "end": end, "tokens": tokens})
+                records.append({"start": start, "first": first or end, "end": end, "tokens": tokens,
+                                "prompt": job % len(PROMPTS), "text": text})
 
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(a.clients)]
     began = time.perf_counter()
@@ -240,6 +254,7 @@ def run_clients(request: Request, a: argparse.Namespace) -> dict:
         "ttft_p95_s": _percentile(ttft, 95),
         "per_token_p50_s": _percentile(per_token, 50),
         "per_token_p95_s": _percentile(per_token, 95),
+        "texts": {r["prompt"]: r["text"] for r in records},
     }
 
 
@@ -256,24 +271,65 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+def start_llama_server(a: argparse.Namespace, stack: contextlib.ExitStack) -> str:
+    """llama.cpp's llama-server on the same model: exported to Hugging Face's layout (llama_core.export),
+    converted to GGUF f32 by llama.cpp's converter, a.slots parallel sequences of the same context as ours,
+    a.threads threads. Returns its URL once it answers /health."""
+    import tempfile
+
+    import httpx
+
+    sys.path.insert(0, str(ROOT))
+    from llama_core.export import export_hf
+    from llama_core.resources import DEFAULT_CKPT_DIR
+    from llama_cpp_peer import LlamaCpp
+
+    peer = LlamaCpp(a.llama_server)
+    folder = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    exported = export_hf(Path(a.ckpt_dir) if a.ckpt_dir else DEFAULT_CKPT_DIR, folder / "hf")
+    gguf = peer.convert(folder / "hf", folder / "model-f32.gguf", "f32")
+    port = free_port()
+    process = peer.server(gguf, port, a.threads, a.slots, context=exported.max_position_embeddings)
+    stack.callback(_stop, process)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"llama-server exited with code {process.returncode}: {process.stderr.read()[-1000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "health", timeout=2).status_code == 200:
+                return url
+        time.sleep(0.5)
+    raise RuntimeError("llama-server did not start within 120 s")
+
+
 def main() -> None:
     a = parse_args()
-    report = {"clients": a.clients, "requests_per_client": a.requests, "max_new_tokens": a.max_new_tokens}
+    report = {"clients": a.clients, "requests_per_client": a.requests, "max_new_tokens": a.max_new_tokens,
+              "threads": a.threads}
     report["through"] = "engine" if a.engine_only else f"app ({a.client})"
     warm_up = argparse.Namespace(**{**vars(a), "requests": 1})  # every client once: its connection and session
-    configurations = (("serial", 1), ("batched", a.slots))
+    if a.llama_server:
+        configurations = (("llama_server", a.slots), ("llama_core", a.slots))
+    else:
+        configurations = (("serial", 1), ("batched", a.slots))
     client = {"http": http_request, "openai": openai_request, "gradio_client": gradio_client_request}[a.client]
     with contextlib.ExitStack() as stack:
         requests = {}
         for name, slots in configurations:  # both servers up at once, so their runs can take turns
-            if a.engine_only:
+            if name == "llama_server":
+                requests[name] = openai_request(start_llama_server(a, stack), a.clients)
+            elif a.engine_only:
                 sys.path.insert(0, str(ROOT))
+                import torch
+
                 from llama_core import Engine, load
 
+                torch.set_num_threads(a.threads)
                 engine = stack.enter_context(Engine(load(a.ckpt_dir, max_seq_len=512, max_batch_size=slots), seed=0))
                 requests[name] = engine_request(engine)
             else:
-                process, url = start_app(slots, a.ckpt_dir)
+                process, url = start_app(slots, a.ckpt_dir, a.threads)
                 stack.callback(_stop, process)
                 requests[name] = client(url, a.clients)
         for name in requests:
@@ -281,18 +337,25 @@ def main() -> None:
         runs = []
         for _ in range(a.runs):
             runs.append({name: {"slots": slots, **run_clients(requests[name], a)} for name, slots in configurations})
-    ratios = [run["batched"]["aggregate_tokens_per_s"] / run["serial"]["aggregate_tokens_per_s"] for run in runs]
+    (base, _), (measured, _) = configurations
+    ratios = [run[measured]["aggregate_tokens_per_s"] / run[base]["aggregate_tokens_per_s"] for run in runs]
     for name, _ in configurations:  # the figures of the run whose ratio is the median
         report[name] = runs[ratios.index(statistics.median_low(ratios))][name]
         r, slots = report[name], report[name]["slots"]
-        print(f"{report['through']} {name:>8} ({slots} slot{'s' if slots > 1 else ''}): {r['aggregate_tokens_per_s']:.1f} tok/s aggregate, "
+        through = "llama-server (/v1/completions)" if name == "llama_server" else report["through"]
+        print(f"{through} {name:>8} ({slots} slot{'s' if slots > 1 else ''}): {r['aggregate_tokens_per_s']:.1f} tok/s aggregate, "
               f"TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms / p95 {r['ttft_p95_s'] * 1000:.0f} ms, "
               f"per token p50 {r['per_token_p50_s'] * 1000:.1f} ms / p95 {r['per_token_p95_s'] * 1000:.1f} ms, "
               f"{r['requests']} requests, {len(r['errors'])} errors", flush=True)
     report["runs"], report["ratios"] = runs, ratios
-    report["batched_over_serial"] = statistics.median(ratios)
-    print(f"aggregate throughput, batched / serial: {report['batched_over_serial']:.2f}x"
+    report[f"{measured}_over_{base}"] = statistics.median(ratios)
+    print(f"aggregate throughput, {measured} / {base}: {statistics.median(ratios):.2f}x"
           + (f" (median of {len(ratios)} runs taking turns: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""))
+    if a.temperature == 0:
+        texts = [report[name]["texts"] for name, _ in configurations]
+        common = sorted(set(texts[0]) & set(texts[1]))
+        report["identical_greedy_texts"] = sum(texts[0][i] == texts[1][i] for i in common)
+        print(f"greedy texts identical for {report['identical_greedy_texts']} of {len(common)} prompts")
     if a.json:
         a.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -1,13 +1,17 @@
 """A loaded model on its device(s), ready to serve: its inference weight layout, a KV cache of
 `max_batch_size` slots of `max_seq_len` positions, and the forwards the serving engine runs on it.
 
-The decode step comes in two shapes. Dynamic (the default): only the given rows, attending over the
-longest row's positions: the least work, which is what a CPU wants. Static (`compile=True`): always every
-row of the cache over all max_seq_len positions, so shapes never change and torch.compile can capture
-the step once (on CUDA as a CUDA graph, mode "reduce-overhead"); rows not asked for compute a throw-away
-token at the last position of their own row, which no prompt reaches (a prompt is at most
-max_seq_len - 1 tokens, so a row being prefilled in chunks keeps what it wrote) and which a row's own
-decoding writes before it ever attends to it.
+The decode step comes in three shapes. Dynamic (the default): only the given rows, attending over the
+longest row's positions: the least work, which is what a CPU wants. Static (`compile=True` on CUDA):
+always every row of the cache over all max_seq_len positions, so shapes never change and torch.compile
+captures the step once as a CUDA graph (mode "reduce-overhead"). Leading rows (`compile=True` on CPU):
+rows 0..n-1 up to the highest row asked for (at least 2), over the longest row's positions, compiled once
+with n and the length as symbolic sizes: one C++ kernel per fused group of small operations instead of
+hundreds of eager calls per step, compiled when the runner is made. In the last two, rows not asked for
+compute a throw-away token at the last position of their own row: static, the context's last, which no
+prompt reaches (a prompt is at most max_seq_len - 1 tokens, so a row being prefilled in chunks keeps what
+it wrote) and which a row's own decoding writes before it ever attends to it; leading rows, a spare
+position past the context that nothing attends to.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, max_batch_size: int, max_seq_len: int, compile: bool = False,
                  tensor_parallel: bool = False) -> None:
-        """model: loaded weights in eval mode. compile: decode with the static step under torch.compile.
+        """model: loaded weights in eval mode. compile: decode with a compiled step (static on CUDA, leading rows on CPU: see the module docstring).
         tensor_parallel: every forward is replayed on the other ranks (see llama_core.distributed.parallel),
         so only model.forward may run it.
 
@@ -57,9 +61,14 @@ class ModelRunner:
             if not compile and not tensor_parallel and on_one_device(model):
                 pack_linears(model)
             model.use_column_major_weights()
-        model.setup_caches(max_batch_size, max_seq_len)
+        leading_rows = compile and self.device.type == "cpu"
+        # The leading-rows step's throw-away tokens go to one spare position past the context, which nothing
+        # attends to: so no length it attends over is ever the cache's own (torch.compile would specialise it).
+        model.setup_caches(max_batch_size, max_seq_len + (1 if leading_rows else 0))
         self._first_kv_cache = model.layers[0].attention.kv_cache  # every forward and copy writes it
         self.decode_step = DecodeStep(model, max_batch_size, compile)
+        if self.decode_step.leading_rows:
+            self.decode_step.warm_up()
         self._owner: Optional[object] = None
         self._owner_lock = threading.Lock()
 
@@ -71,8 +80,8 @@ class ModelRunner:
     @property
     def mixes_prompts(self) -> bool:
         """Whether prompts can ride along in a decode step (`forward_spans`): an eager model on one device
-        of its own (not a compiled static step, offloaded layers or tensor parallelism)."""
-        return not self.decode_step.static and not self.tensor_parallel and on_one_device(self.model)
+        of its own (not a compiled step, offloaded layers or tensor parallelism)."""
+        return not self.decode_step.compiled and not self.tensor_parallel and on_one_device(self.model)
 
     # -- ownership of the KV cache ----------------------------------------------------------------
     def claim(self, owner: object) -> bool:
@@ -136,19 +145,24 @@ class ModelRunner:
 
 
 class DecodeStep:
-    """One new token for each of a set of KV-cache rows, dynamic or static (see the module's docstring)."""
+    """One new token for each of a set of KV-cache rows: dynamic, static or leading rows (see the module's
+    docstring)."""
 
     def __init__(self, model: Transformer, max_batch_size: int, compile: bool = False, static: bool = False) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_seq_len = model.layers[0].attention.kv_cache.max_seq_len
-        self.static = static or compile
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        self.compiled = compile
+        self.static = static or (compile and on_cuda)
+        self.leading_rows = compile and not self.static
         self._step = self._all_rows
-        if compile:
-            on_cuda = next(model.parameters()).device.type == "cuda"
+        if self.static and compile:
             self._step = torch.compile(
                 self._all_rows, mode="reduce-overhead" if on_cuda else None, fullgraph=True, dynamic=False
             )
+        elif self.leading_rows:
+            self._step = torch.compile(self._leading_rows, fullgraph=True, dynamic=True)
 
     def __call__(
         self,
@@ -162,22 +176,59 @@ class DecodeStep:
 
         kv_len: a bound the caller knows on the host (> every position; extra positions are masked), so
         the dynamic step needs no device-to-host read; None reads it from positions."""
+        if rows is None:
+            rows = slice(0, tokens.shape[0])
+        if self.leading_rows:
+            if kv_len is None:
+                kv_len = int(positions.max()) + 1
+            highest = rows.stop if isinstance(rows, slice) else int(rows.max()) + 1
+            all_tokens, all_positions = self._padded(tokens, positions, rows, max(highest, self._fewest_rows))
+            return self._call_leading(all_tokens, all_positions, max(kv_len, 2))[rows]
         if not self.static:
             if kv_len is None:
                 kv_len = int(positions.max()) + 1
             return self.model(tokens[:, None], positions[:, None], cache_rows=rows, kv_len=kv_len)[:, 0]
-        if rows is None:
-            rows = torch.arange(tokens.shape[0], device=tokens.device)
-        all_tokens = torch.zeros(self.max_batch_size, dtype=tokens.dtype, device=tokens.device)
-        all_positions = torch.full((self.max_batch_size,), self.max_seq_len - 1, dtype=positions.dtype, device=positions.device)
-        all_tokens[rows] = tokens
-        all_positions[rows] = positions
+        all_tokens, all_positions = self._padded(tokens, positions, rows, self.max_batch_size)
         logits = self._step(all_tokens, all_positions)[rows]
         # Copy out of the step's output, which the next CUDA graph replay overwrites (a slice is a view).
         return logits.clone() if isinstance(rows, slice) else logits
 
+    def warm_up(self) -> None:
+        """Compiles the leading-rows step now rather than in the first request: two rows' throw-away tokens
+        at the spare last position."""
+        with torch.inference_mode():  # as the engine calls it: torch.compile guards on inference tensors
+            positions = torch.full((self._fewest_rows,), self.max_seq_len - 1, device=self._device)
+            self._call_leading(positions * 0, positions, self.max_seq_len // 2)
+
+    @property
+    def _fewest_rows(self) -> int:
+        # Never one row: torch.compile would specialise the batch size to 1 and compile again for more.
+        return min(2, self.max_batch_size)
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model.tok_embeddings.weight.device
+
+    def _padded(self, tokens, positions, rows, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """count rows of tokens and positions: the given ones at rows, throw-away ones elsewhere."""
+        all_tokens = torch.zeros(count, dtype=tokens.dtype, device=tokens.device)
+        all_positions = torch.full((count,), self.max_seq_len - 1, dtype=positions.dtype, device=positions.device)
+        all_tokens[rows] = tokens
+        all_positions[rows] = positions
+        return all_tokens, all_positions
+
+    def _call_leading(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        if self.max_batch_size > 2:  # one graph for any count of rows from 2 to max_batch_size
+            torch._dynamo.mark_dynamic(tokens, 0, min=2, max=self.max_batch_size)
+            torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_batch_size)
+        return self._step(tokens, positions, kv_len)
+
     def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(tokens[:, None], positions[:, None])[:, 0]
+
+    def _leading_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        # cache_rows None: rows 0..B-1 with B symbolic (a slice object would be specialised to its bounds).
+        return self.model(tokens[:, None], positions[:, None], cache_rows=None, kv_len=kv_len)[:, 0]
 
 
 def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device,

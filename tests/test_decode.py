@@ -88,3 +88,30 @@ def test_decode_rows_and_prompts_in_one_forward_equal_separate_forwards(meta_ckp
         ])
     assert torch.allclose(got_step, expected_step, atol=1e-4)
     assert torch.allclose(got_join, expected_join, atol=1e-4)
+
+
+def test_cpu_compiled_step_decodes_as_eager_does_with_the_one_graph_compiled_at_start(meta_ckpt_dir, tokenizer):
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    from torch._dynamo.utils import counters
+
+    eager = build_llama(meta_ckpt_dir, max_batch_size=4)
+    compiled = build_llama(meta_ckpt_dir, max_batch_size=4, compile=True)
+    assert compiled.runner.decode_step.leading_rows and not compiled.runner.mixes_prompts
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = _prompts(tokenizer)
+    for batch in (prompts, prompts[1:2], [prompts[2], prompts[0]]):
+        expected_tokens, expected_lps = eager.generate(batch, 12, temperature=0, logprobs=True)
+        tokens, lps = compiled.generate(batch, 12, temperature=0, logprobs=True)
+        assert tokens == expected_tokens
+        for got, want in zip(lps, expected_lps):
+            assert got == pytest.approx(want, abs=1e-4)
+    # Rows far apart, a slot freed in the middle, prompts prefilled in chunks while others decode.
+    expected = eager.generate(prompts, 12, temperature=0)[0]
+    with compiled.serve(prefill_chunk=2) as engine:
+        first = iter(engine.submit(prompts[0], 12, temperature=0))
+        head = [next(first).token]
+        others = [engine.submit(p, 12, temperature=0) for p in prompts[1:]]
+        assert head + [c.token for c in first] == expected[0]
+        assert [[c.token for c in s] for s in others] == expected[1:]
+    assert counters["stats"]["unique_graphs"] == graphs, "the compiled step was compiled again after start-up"

@@ -56,7 +56,7 @@ def export_hf(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None,
     Args:
         ckpt_dir: the checkpoint folder, with its tokenizer.model there or in its parent.
         out_dir: the folder to write; created if missing.
-        dtype: "float32", "bfloat16" or "float16"; None keeps the dtype the weights are stored in.
+        dtype: "float32", "bfloat16" or "float16"; None: the dtype the embeddings are stored in, for all.
         max_position_embeddings: the context to state in config.json; None takes the checkpoint's, or
             ASSUMED_CONTEXT (Llama-2's) where it does not state one.
         force: write into an out_dir that holds files; files of another checkpoint there are removed.

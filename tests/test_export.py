@@ -180,8 +180,9 @@ def test_a_folder_that_is_not_empty_is_refused_unless_forced(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["missing checkpoint", "checkpoint without config", "output is the checkpoint",
-                                  "output is a file", "no --to", "unknown layout", "bad dtype", "bad context"])
-def test_bad_arguments_get_a_one_line_error_and_status_2(tmp_path, capsys, case):
+                                  "output is a file", "another model's tokenizer", "no --to", "unknown layout",
+                                  "bad dtype", "bad context"])
+def test_bad_arguments_get_a_one_line_error_and_status_2(tmp_path, capsys, tokenizer_path, case):
     out = tmp_path / "out"
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -191,6 +192,7 @@ def test_bad_arguments_get_a_one_line_error_and_status_2(tmp_path, capsys, case)
         "checkpoint without config": ["--to", "hf", str(out), "--ckpt-dir", str(empty)],
         "output is the checkpoint": ["--to", "hf", str(DEFAULT_CKPT_DIR), "--force"],
         "output is a file": ["--to", "hf", str(tmp_path / "file")],
+        "another model's tokenizer": ["--to", "hf", str(out), "--tokenizer", str(tokenizer_path)],
         "no --to": [str(out)],
         "unknown layout": ["--to", "gguf", str(out)],
         "bad dtype": ["--to", "hf", str(out), "--dtype", "int4"],
@@ -201,6 +203,8 @@ def test_bad_arguments_get_a_one_line_error_and_status_2(tmp_path, capsys, case)
         "checkpoint without config": f"--ckpt-dir {empty} holds no params.json (Meta layout) or config.json",
         "output is the checkpoint": f"output folder {DEFAULT_CKPT_DIR} is the checkpoint being exported",
         "output is a file": f"output {tmp_path / 'file'} is a file, not a folder",
+        "another model's tokenizer": f"tokenizer {tokenizer_path} has 384 pieces but the model in {DEFAULT_CKPT_DIR} "
+                                     "has vocab_size 2048",
         "no --to": "the following arguments are required: --to",
         "unknown layout": "argument --to: invalid choice: 'gguf'",
         "bad dtype": "argument --dtype: invalid choice: 'int4'",

@@ -188,10 +188,10 @@ def build_parser() -> ArgumentParser:
                        "tokenizer.model.")
     p.add_argument("--to", required=True, choices=("hf",), help="the layout to write: hf (Hugging Face)")
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write; new or empty, unless --force")
-    p.add_argument("--ckpt-dir", type=Path, metavar="DIR", help="checkpoint to export, Meta or Hugging Face layout (default: the "
-                   "embedded model)")
-    p.add_argument("--tokenizer", type=Path, metavar="FILE", help="SentencePiece tokenizer.model (default: in the checkpoint "
-                   "directory, then its parent)")
+    p.add_argument("--ckpt-dir", type=Path, metavar="DIR", help="checkpoint to export, Meta or Hugging Face "
+                   "layout (default: the embedded model)")
+    p.add_argument("--tokenizer", type=Path, metavar="FILE", help="SentencePiece tokenizer.model (default: in the "
+                   "checkpoint directory, then its parent)")
     p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: as stored)")
     p.add_argument("--max-position-embeddings", type=positive_int, metavar="N", help="the context config.json states "
                    f"(default: the checkpoint's; {ASSUMED_CONTEXT}, Llama-2's, where it does not state one)")

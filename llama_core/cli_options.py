@@ -1,5 +1,5 @@
 """What the command lines (`llama-chat`, `llama-generate`) share: their argument parser, the model options
-and the checks of those options before a model loads.
+and the checks of those options before a model loads; `llama-export` checks its checkpoint with them too.
 
 `add_model_options(parser)` adds --ckpt-dir, --tokenizer, --max-seq-len, --allow-longer-context, --device
 and --dtype. `check_model_options(args)` judges them cheapest first: the checkpoint's files, config and

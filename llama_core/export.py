@@ -56,7 +56,7 @@ def export_hf(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None,
     Args:
         ckpt_dir: the checkpoint folder, with its tokenizer.model there or in its parent.
         out_dir: the folder to write; created if missing.
-        dtype: "float32", "bfloat16" or "float16"; None keeps the dtype the weights are stored in.
+        dtype: "float32", "bfloat16" or "float16"; None: the dtype the embeddings are stored in, for all.
         max_position_embeddings: the context to state in config.json; None takes the checkpoint's, or
             ASSUMED_CONTEXT (Llama-2's) where it does not state one.
         force: write into an out_dir that holds files; files of another checkpoint there are removed.
@@ -187,13 +187,13 @@ def build_parser() -> ArgumentParser:
                        "in Hugging Face's layout: config.json, model.safetensors, generation_config.json, "
                        "tokenizer.model.")
     p.add_argument("--to", required=True, choices=("hf",), help="the layout to write: hf (Hugging Face)")
-    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write; must be new or empty")
-    p.add_argument("--ckpt-dir", type=Path, help="checkpoint to export, Meta or Hugging Face layout (default: the "
-                   "embedded model)")
-    p.add_argument("--tokenizer", type=Path, help="SentencePiece tokenizer.model (default: in the checkpoint "
-                   "directory, then its parent)")
+    p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write; new or empty, unless --force")
+    p.add_argument("--ckpt-dir", type=Path, metavar="DIR", help="checkpoint to export, Meta or Hugging Face "
+                   "layout (default: the embedded model)")
+    p.add_argument("--tokenizer", type=Path, metavar="FILE", help="SentencePiece tokenizer.model (default: in the "
+                   "checkpoint directory, then its parent)")
     p.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: as stored)")
-    p.add_argument("--max-position-embeddings", type=positive_int, help="the context config.json states "
+    p.add_argument("--max-position-embeddings", type=positive_int, metavar="N", help="the context config.json states "
                    f"(default: the checkpoint's; {ASSUMED_CONTEXT}, Llama-2's, where it does not state one)")
     p.add_argument("--force", action="store_true", help="write into a folder that holds files, replacing the "
                    "checkpoint files there")

@@ -52,6 +52,7 @@ BAD_GRADIO = [
     ("complete", [*GOOD_COMPLETE[:12], HUGE], "seed"),
     ("chat", ["hi"], "the /chat route takes 13 values (message, history, "),
     ("chat", GOOD_CHAT[:6], "takes 13 values"),
+    ("chat", [*GOOD_CHAT, 0.5], "takes 13 values"),
     ("chat", [None, *GOOD_CHAT[1:]], "message"),
     ("chat", ["hi", "not a list", *GOOD_CHAT[2:]], "history"),
     ("chat", ["hi", [{"role": "user"}], *GOOD_CHAT[2:]], "history[0]"),

@@ -219,19 +219,21 @@ def test_nan_temperature_over_http_gets_a_clear_error(served, client):
 
 
 @pytest.mark.parametrize("route, parameters", [("chat", CHAT_PARAMETERS), ("complete", COMPLETE_PARAMETERS)])
-def test_too_few_values_over_http_get_a_message_naming_the_route_and_its_parameters(served, client, route,
-                                                                                   parameters):
-    """Raw HTTP sends every parameter; a client that sends fewer (the six gradio_client requires, say) is told
-    which route takes which values, through both doors: the event stream of /call and the answer of /run."""
+@pytest.mark.parametrize("sent", [6, 15])
+def test_miscounted_values_over_http_get_a_message_naming_the_route_and_its_parameters(served, client, route,
+                                                                                      parameters, sent):
+    """Raw HTTP sends every parameter; a client that sends fewer (the six gradio_client requires, say) or more is
+    told which route takes which values, through both doors: the event stream of /call and the answer of /run."""
     url = served[1]
-    expected = (f"the /{route} route takes {len(parameters)} values ({', '.join(parameters)}), got 6: send all "
-                "of them, in this order")
-    values = (chat_args() if route == "chat" else complete_args()).values()
-    event = httpx.post(url + f"gradio_api/call/{route}", json={"data": list(values)}, timeout=30)
+    expected = (f"the /{route} route takes {len(parameters)} values ({', '.join(parameters)}), got {sent}: send "
+                "exactly these, in this order")
+    values = list((chat_args() if route == "chat" else complete_args()).values())  # the first six
+    values = values if sent == 6 else values + [0, 0.0, 1.0, 0.0, 0.0, None, None, 0.5, "extra"]
+    event = httpx.post(url + f"gradio_api/call/{route}", json={"data": values}, timeout=30)
     events = httpx.get(url + f"gradio_api/call/{route}/{event.json()['event_id']}", timeout=30).text
     assert "event: error" in events
     assert json.loads(events.split("event: error\ndata: ")[1].splitlines()[0])["error"] == expected
-    answer = httpx.post(url + f"gradio_api/run/{route}", json={"data": list(values)}, timeout=30)
+    answer = httpx.post(url + f"gradio_api/run/{route}", json={"data": values}, timeout=30)
     assert answer.json()["error"] == expected
     assert client.predict(**chat_args(max_new_tokens=4), api_name="/chat").strip()
 

@@ -13,12 +13,14 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from conftest import REPO_ROOT, STORIES_DIR, load_weights, needs_stories
+from conftest import REPO_ROOT, STORIES_DIR, hf_config, load_weights, meta_to_hf_state_dict, needs_stories
 from llama_core import DEFAULT_CKPT_DIR, Llama
-from llama_core.checkpoint import meta_to_hf, hf_to_meta_name
+from llama_core.checkpoint import hf_to_meta, hf_to_meta_name, meta_to_hf
 from llama_core.config import ModelArgs
 from llama_core.export import ASSUMED_CONTEXT, export_hf, main
+from llama_core.model import Transformer
 
 SOURCES = ["embedded", "meta_sharded", "hf", pytest.param("stories260K", marks=needs_stories)]
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east"
@@ -57,12 +59,8 @@ def our_logits(llama: Llama, tokens: list[int]) -> torch.Tensor:
 
 def test_names_and_rotary_layout_invert_the_loaders():
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=10)
-    from llama_core.model import Transformer
-
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in Transformer(args).state_dict().items()}
-    from llama_core.checkpoint import hf_to_meta
-
     for name, shape in shapes.items():
         tensor = torch.randn(shape)
         hf_name, hf_tensor = meta_to_hf(name, tensor, args.n_heads, args.n_kv_heads)
@@ -130,6 +128,24 @@ def test_unstated_context_is_assumed_and_said_or_given(tmp_path, capsys):
     assert "does not state" not in capsys.readouterr().err
 
 
+def test_tied_embeddings_are_written_as_two_tensors(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+    """A Hugging Face checkpoint that ties lm_head to the embeddings (and stores it once) exports both."""
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    weights = {k: v for k, v in meta_to_hf_state_dict(tiny_state_dict, tiny_args).items() if k != "lm_head.weight"}
+    save_file(weights, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    config = hf_config(tiny_args, 128).to_dict()
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    (tied / "tokenizer.model").write_bytes(tokenizer_path.read_bytes())
+    export_hf(tied, tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("lm_head.weight"), tiny_state_dict["tok_embeddings.weight"])
+        assert torch.equal(f.get_tensor("model.embed_tokens.weight"), tiny_state_dict["tok_embeddings.weight"])
+    original, exported = build(tied), build(tmp_path / "out")
+    tokens = prompt(original)
+    assert torch.equal(our_logits(exported, tokens), our_logits(original, tokens))
+
+
 def test_dtype_converts_the_weights(tmp_path):
     export_hf(DEFAULT_CKPT_DIR, tmp_path, dtype="float16")
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "float16"
@@ -164,8 +180,9 @@ def test_a_folder_that_is_not_empty_is_refused_unless_forced(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["missing checkpoint", "checkpoint without config", "output is the checkpoint",
-                                  "output is a file", "no --to", "unknown layout", "bad dtype", "bad context"])
-def test_bad_arguments_get_a_one_line_error_and_status_2(tmp_path, capsys, case):
+                                  "output is a file", "another model's tokenizer", "no --to", "unknown layout",
+                                  "bad dtype", "bad context"])
+def test_bad_arguments_get_a_one_line_error_and_status_2(tmp_path, capsys, tokenizer_path, case):
     out = tmp_path / "out"
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -175,6 +192,7 @@ def test_bad_arguments_get_a_one_line_error_and_status_2(tmp_path, capsys, case)
         "checkpoint without config": ["--to", "hf", str(out), "--ckpt-dir", str(empty)],
         "output is the checkpoint": ["--to", "hf", str(DEFAULT_CKPT_DIR), "--force"],
         "output is a file": ["--to", "hf", str(tmp_path / "file")],
+        "another model's tokenizer": ["--to", "hf", str(out), "--tokenizer", str(tokenizer_path)],
         "no --to": [str(out)],
         "unknown layout": ["--to", "gguf", str(out)],
         "bad dtype": ["--to", "hf", str(out), "--dtype", "int4"],
@@ -185,6 +203,8 @@ def test_bad_arguments_get_a_one_line_error_and_status_2(tmp_path, capsys, case)
         "checkpoint without config": f"--ckpt-dir {empty} holds no params.json (Meta layout) or config.json",
         "output is the checkpoint": f"output folder {DEFAULT_CKPT_DIR} is the checkpoint being exported",
         "output is a file": f"output {tmp_path / 'file'} is a file, not a folder",
+        "another model's tokenizer": f"tokenizer {tokenizer_path} has 384 pieces but the model in {DEFAULT_CKPT_DIR} "
+                                     "has vocab_size 2048",
         "no --to": "the following arguments are required: --to",
         "unknown layout": "argument --to: invalid choice: 'gguf'",
         "bad dtype": "argument --dtype: invalid choice: 'int4'",

@@ -43,29 +43,31 @@ def web_app(demo: gr.Blocks, engine: Any, api_keys: Sequence[str] = (), auth: Op
     at / behind `auth` (user, password) pairs when given."""
     api = create_api(engine, model_name, api_keys)
     demo.state_session_capacity = SESSION_CAPACITY
-    name_missing_values(demo)
+    name_miscounted_values(demo)
     demo.queue()
     gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS)
     page = next(route.app for route in api.routes if isinstance(route, Mount))
     return api, page
 
 
-def name_missing_values(demo: gr.Blocks) -> None:
+def name_miscounted_values(demo: gr.Blocks) -> None:
     """Makes demo answer a call that sends fewer values than its route takes (raw HTTP: POST
-    /gradio_api/call/chat with a short "data" list) with a message naming the route, its parameters in
-    order and the count, in place of Gradio's, which speaks of JavaScript event handlers."""
+    /gradio_api/call/chat with a short "data" list), or more to a public API route, with a message naming the
+    route, its parameters in order and the count, in place of Gradio's, which speaks of JavaScript event
+    handlers (and which lets extra values pass: its page may send them, a client of the API has miscounted)."""
     gradio_check = demo.validate_inputs  # called before each event's function, whichever door it came in by
 
     def validate_inputs(block_fn: Any, inputs: list[Any]) -> None:
-        if len(inputs) < len(block_fn.inputs):
-            raise gr.Error(missing_values_message(block_fn, len(inputs)), print_exception=False)
+        wanted = len(block_fn.inputs)
+        if len(inputs) < wanted or (len(inputs) > wanted and block_fn.api_visibility == "public"):
+            raise gr.Error(miscounted_values_message(block_fn, len(inputs)), print_exception=False)
         gradio_check(block_fn, inputs)
 
     demo.validate_inputs = validate_inputs
 
 
-def missing_values_message(block_fn: Any, received: int) -> str:
-    """'the /chat route takes 13 values (message, history, ...), got 2: send all of them, in this order'."""
+def miscounted_values_message(block_fn: Any, received: int) -> str:
+    """'the /chat route takes 13 values (message, history, ...), got 2: send exactly these, in this order'."""
     wanted = len(block_fn.inputs)
     try:
         parameters = list(inspect.signature(block_fn.fn).parameters.values())
@@ -75,7 +77,7 @@ def missing_values_message(block_fn: Any, received: int) -> str:
     named = len(parameters) == wanted and all(p.kind in positional for p in parameters)
     names = f" ({', '.join(p.name for p in parameters)})" if named else ""
     what = f"the /{block_fn.api_name} route" if block_fn.api_name else f"the event {block_fn.name}"
-    return f"{what} takes {wanted} values{names}, got {received}: send all of them, in this order"
+    return f"{what} takes {wanted} values{names}, got {received}: send exactly these, in this order"
 
 
 def launch(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys: Sequence[str] = (),

@@ -62,6 +62,7 @@ def parse_args() -> argparse.Namespace:
                         "or gradio_client")
     p.add_argument("--runs", type=int, default=1,
                    help="serial and batched runs, taking turns; the ratio reported is their median")
+    p.add_argument("--compile", action="store_true", help="our engine with its compiled decode step (--compile)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="compute threads of the engine (and of llama-server); default: the app's own on CPU")
     p.add_argument("--llama-server", type=Path, default=None, metavar="DIR",
@@ -77,10 +78,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(slots: int, ckpt_dir, threads: int) -> tuple[subprocess.Popen, str]:
+def start_app(slots: int, ckpt_dir, threads: int, compile: bool = False) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--max-batch-size", str(slots),
-               "--threads", str(threads)]
+               "--threads", str(threads)] + (["--compile"] if compile else [])
     if ckpt_dir:
         command += ["--ckpt-dir", ckpt_dir]
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False")
@@ -306,7 +307,7 @@ def start_llama_server(a: argparse.Namespace, stack: contextlib.ExitStack) -> st
 def main() -> None:
     a = parse_args()
     report = {"clients": a.clients, "requests_per_client": a.requests, "max_new_tokens": a.max_new_tokens,
-              "threads": a.threads}
+              "threads": a.threads, "compile": a.compile}
     report["through"] = "engine" if a.engine_only else f"app ({a.client})"
     warm_up = argparse.Namespace(**{**vars(a), "requests": 1})  # every client once: its connection and session
     if a.llama_server:
@@ -326,10 +327,11 @@ def main() -> None:
                 from llama_core import Engine, load
 
                 torch.set_num_threads(a.threads)
-                engine = stack.enter_context(Engine(load(a.ckpt_dir, max_seq_len=512, max_batch_size=slots), seed=0))
+                loaded = load(a.ckpt_dir, max_seq_len=512, max_batch_size=slots, compile=a.compile)
+                engine = stack.enter_context(Engine(loaded, seed=0))
                 requests[name] = engine_request(engine)
             else:
-                process, url = start_app(slots, a.ckpt_dir, a.threads)
+                process, url = start_app(slots, a.ckpt_dir, a.threads, a.compile)
                 stack.callback(_stop, process)
                 requests[name] = client(url, a.clients)
         for name in requests:

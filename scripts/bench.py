@@ -280,7 +280,7 @@ def main() -> None:
         except PeerError as exc:
             sys.exit(f"error: {exc}")
     workdir = tempfile.TemporaryDirectory()
-    max_len = max(int(x) for x in a.prompt_lengths.split(",")) + a.decode_tokens + 8
+    max_len = max(max(int(x) for x in a.prompt_lengths.split(",")) + a.decode_tokens, BATCHED_PROMPT + BATCHED_NEW) + 8
     max_batch = max(int(x) for x in a.batch_sizes.split(","))
     model = random_model(args, device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

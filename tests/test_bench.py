@@ -32,12 +32,14 @@ def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
         assert figures["decode_tokens_per_s"] > 0
         assert set(figures["ttft_s"]) == {"8", "16"} and all(t > 0 for t in figures["ttft_s"].values())
         assert set(figures["aggregate_tokens_per_s"]) == {"2"}
+        assert set(figures["aggregate_with_prefill_tokens_per_s"]) == {"2"}
+        assert figures["aggregate_with_prefill_tokens_per_s"]["2"] > 0
     assert report["peak_memory_bytes"] > 0 and report["parameters"] > 0
     assert report["args"]["n_kv_heads"] == 2
     if extra:
         assert 0 < report["int8_max_logprob_deviation"] < 1.0
         assert report["weight_bytes_int8"] < report["weight_bytes"]
-    assert "decode speed-up vs HF eager" in result.stdout
+    assert "llama_core / hf_eager: decode " in result.stdout
 
 
 @pytest.mark.parametrize("through", [["--engine-only"], ["--client", "http"]], ids=["engine", "app-http"])

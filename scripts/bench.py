@@ -270,15 +270,15 @@ def main() -> None:
     args = model_args(a)
     if a.llama_cpp is not None:
         if args.vocab_size != 32000 or not a.tokenizer.is_file() or device.type != "cpu" or dtype != torch.float32:
-            sys.exit(f"error: --llama-cpp compares float32 on the CPU for a vocab-32000 shape, and needs the Llama-2 "
-                     f"tokenizer at {a.tokenizer} (--tokenizer)")
+            raise LlamaError(f"--llama-cpp compares float32 on the CPU for a vocab-32000 shape, and needs the "
+                             f"Llama-2 tokenizer at {a.tokenizer} (--tokenizer)")
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from llama_cpp_peer import LlamaCpp, PeerError
 
         try:
             LlamaCpp(a.llama_cpp)
         except PeerError as exc:
-            sys.exit(f"error: {exc}")
+            raise LlamaError(str(exc)) from None
     workdir = tempfile.TemporaryDirectory()
     max_len = max(max(int(x) for x in a.prompt_lengths.split(",")) + a.decode_tokens, BATCHED_PROMPT + BATCHED_NEW) + 8
     max_batch = max(int(x) for x in a.batch_sizes.split(","))

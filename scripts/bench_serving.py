@@ -306,6 +306,14 @@ def start_llama_server(a: argparse.Namespace, stack: contextlib.ExitStack) -> st
 
 def main() -> None:
     a = parse_args()
+    if a.llama_server:
+        from llama_cpp_peer import LlamaCpp, PeerError
+
+        try:
+            LlamaCpp(a.llama_server)
+        except PeerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
     report = {"clients": a.clients, "requests_per_client": a.requests, "max_new_tokens": a.max_new_tokens,
               "threads": a.threads, "compile": a.compile}
     report["through"] = "engine" if a.engine_only else f"app ({a.client})"

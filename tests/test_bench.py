@@ -76,3 +76,34 @@ def test_bench_answers_a_bad_device_with_one_line():
     assert result.stderr.strip().splitlines() == [
         "error: device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu:0'"
     ]
+
+
+@pytest.mark.parametrize("script, flag", [("bench.py", "--llama-cpp"), ("bench_serving.py", "--llama-server")])
+def test_a_missing_llama_cpp_build_is_one_line_naming_how_to_build_it(tmp_path, script, flag):
+    extra = ["--shape", "15m"] if script == "bench.py" else []
+    result = _run(script, *extra, flag, str(tmp_path / "nowhere"), timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no llama.cpp build in ")
+    assert "build_llama_cpp.sh" in lines[0]
+
+
+LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "~/.cache/llama-cpp-peer")).expanduser()
+LLAMA2_TOKENIZER = ROOT.parent / "shared" / "llama2" / "tokenizer.model"
+
+
+def test_bench_runs_llama_cpp_on_the_same_weights(tmp_path):
+    if not (LLAMA_CPP_DIR / "bin" / "llama-bench").is_file():
+        pytest.skip(f"no llama.cpp build in {LLAMA_CPP_DIR} (set LLAMA_CPP_DIR; ../shared/peers/build_llama_cpp.sh builds it)")
+    if not LLAMA2_TOKENIZER.is_file():
+        pytest.skip(f"../shared not present: no Llama-2 tokenizer at {LLAMA2_TOKENIZER}")
+    report_path = tmp_path / "report.json"
+    result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "1", "--n-heads", "4",
+                  "--n-kv-heads", "2", "--vocab-size", "32000", "--prompt-lengths", "8", "--batch-sizes", "2", "--decode-tokens", "4",
+                  "--repeats", "1", "--threads", "1", "--skip-hf", "--llama-cpp", str(LLAMA_CPP_DIR),
+                  "--json", str(report_path), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(report_path.read_text())["results"]["llama_cpp_f32"]
+    assert figures["decode_tokens_per_s"] > 0 and figures["ttft_s"]["8"] > 0
+    assert figures["aggregate_tokens_per_s"]["2"] > 0 and figures["aggregate_with_prefill_tokens_per_s"]["2"] > 0
+    assert "llama_core / llama_cpp_f32: decode " in result.stdout

@@ -3,6 +3,7 @@ chatbot, and a completion shows its tokens coloured by probability. Saves docs/s
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -278,3 +279,34 @@ def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypat
     page.reload()  # the reply so far was kept as the answer
     expect(bot).to_have_count(1)
     expect(bot.first).to_have_text(re.compile(r"\S"))
+
+
+def test_show_prompt_gives_the_prompt_the_next_turn_sends_and_marks_the_dropped_turns(page, tmp_path):
+    exchanges = [(f"Question {i}: " + "what say you of the weather in fair Verona? " * 4, f"Answer {i}: fair.")
+                 for i in range(8)]
+    conversation = {"schema": "llama-core/conversation", "version": 1, "title": "Long", "system_prompt": "Be brief.",
+                    "settings": {"max_new_tokens": 8},
+                    "messages": [{"role": r, "content": t} for pair in exchanges for r, t in zip(("user", "assistant"), pair)]}
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(conversation))
+    new_chat(page)
+    import_file(page, path)
+    expect(page.locator("#chat-stats")).to_contain_text("Imported")
+    page.fill("#chat-input textarea", "And now?")
+    page.click("#chat-show-prompt")
+    shown = page.locator("#chat-prompt")
+    expect(shown).to_contain_text("do not fit and are dropped")
+    dropped = int(re.search(r"(\d+) earlier exchange", shown.inner_text()).group(1))
+    assert 1 <= dropped < 8
+    expect(shown.locator("del")).to_have_count(2 * dropped)
+    expect(shown.locator("del").first).to_contain_text("Question 0:")
+    code = shown.locator("code").last.inner_text()
+    assert code.startswith(f"<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nQuestion {dropped}:")
+    assert code.rstrip().endswith("</s><s>[INST] And now? [/INST]") and "Question 0:" not in code
+    prompt_tokens = int(re.search(r"next turn: ([\d,]+) tokens", shown.inner_text()).group(1).replace(",", ""))
+    page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-prompt.png"), full_page=True)
+    page.click("#chat-send")
+    expect(page.locator("#chat-prompt-panel")).to_be_hidden()  # it was the prompt for this turn
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    assert f"({prompt_tokens} prompt" in page.locator("#chat-stats").inner_text()
+    expect(page.locator("#chat-stats")).to_contain_text(f"the {dropped} oldest exchange(s) were left out")

@@ -10,6 +10,7 @@ Everything here returns new values and never changes its arguments (Gradio share
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import time
@@ -17,8 +18,10 @@ import uuid
 from typing import Any, Optional
 
 from ..dialog import SPECIAL_TAGS, encode_dialog, reply_room
-from ..errors import LlamaError
+from ..errors import ContextLengthError, DialogError, LlamaError
+from ..serving import requests
 from ..serving.requests import whole_number
+from ..serving.streams import TextEngine, chat_prompt
 from ..tokenizer import Tokenizer
 
 SCHEMA = "llama-core/conversation"  # an export file's "schema" field
@@ -153,6 +156,42 @@ REFUSED_NOTICE = ("This message holds reserved chat-format tags ([INST], [/INST]
                   "sent. Remove them and send it again.")
 REFUSED_SYSTEM_NOTICE = ("The system prompt holds reserved chat-format tags ([INST], [/INST], <<SYS>> or <</SYS>>), "
                          "so no message can be sent. Remove them from the system prompt.")
+
+
+# -- the prompt the model sees ---------------------------------------------------------------------------------
+def prompt_preview(engine: TextEngine, message: Any, messages: list[dict], system_prompt: Any,
+                   max_new_tokens: Any) -> str:
+    """Markdown showing the exact prompt the next turn would give the model (the chat's history as the chat
+    tab sends it, the system prompt and `message`), its token count, and the old exchanges dropped to fit."""
+    history, left_out = model_history(messages)
+    try:
+        dialog = requests.chat_dialog(message, history, system_prompt)
+        prompt = chat_prompt(engine, dialog, max_new_tokens)
+    except ContextLengthError:
+        return "**No prompt:** " + context_notice(engine.tokenizer, engine.info.max_seq_len, message,
+                                                  system_prompt, max_new_tokens)
+    except DialogError:
+        return "**No prompt:** " + (REFUSED_SYSTEM_NOTICE if has_reserved_tags(system_prompt) else REFUSED_NOTICE)
+    except LlamaError as exc:
+        return f"**No prompt to show:** {exc}."
+    lines = [f"**The prompt for the next turn: {len(prompt.prompt_tokens):,} tokens** of the model's "
+             f"{prompt.max_seq_len:,} ({prompt.reply_room:,} kept for the reply)."]
+    if left_out:
+        lines.append(f"{left_out} exchange(s) holding reserved chat-format tags are left out.")
+    if prompt.dropped:
+        pairs = len(prompt.dropped) // 2
+        lines.append(f"**{pairs} earlier exchange(s) ({prompt.dropped_tokens:,} tokens) do not fit and are "
+                     "dropped:**")
+        lines.append('<div class="dropped-turns">' + "".join(
+            f"<p><del><b>{m['role'].capitalize()}:</b> {_html_lines(m['content'])}</del></p>" for m in prompt.dropped)
+            + "</div>")
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", prompt.text)), default=0))
+    lines.append(f"{fence}text\n{prompt.text}\n{fence}")
+    return "\n\n".join(lines)
+
+
+def _html_lines(text: str) -> str:
+    return "<br>".join(html.escape(line) for line in text.strip().splitlines())
 
 
 # -- export and import --------------------------------------------------------------------------------------

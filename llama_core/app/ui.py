@@ -56,7 +56,10 @@ STREAM_UPDATE_SECONDS = 0.1
 STORAGE_KEY, STORAGE_SECRET = "llama-core-conversations", "llama-core-conversations-v1"
 TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
 ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed")
-CSS = "#completion-tokens .text { font-family: var(--font-mono); }"
+CSS = """#completion-tokens .text { font-family: var(--font-mono); }
+#chat-prompt pre { max-height: 360px; overflow-y: auto; }
+#chat-prompt pre code { white-space: pre-wrap; overflow-wrap: anywhere; }
+#chat-prompt del { opacity: 0.7; }"""
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
     label: "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hls_to_rgb(float(label) / 3, 0.78, 0.75))
@@ -329,21 +332,21 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         """Shows the user's message at once and marks a reply as under way; a message sent while one streams
         (Enter in the box) waits in the box."""
         if pending is not None or not message.strip():
-            return [gr.skip()] * 5 + [gr.skip()] * 6
+            return [gr.skip()] * 12
         conversation = conversations.active(loaded(store))
         keep = len(conversation["messages"])
         return [conversation["messages"] + [{"role": "user", "content": message}], "", "",
                 {"message": message, "keep": keep}, gr.update(interactive=False),
-                *button_states(conversation, busy=True)]
+                *button_states(conversation, busy=True), gr.update(visible=False)]
 
     def begin_retry(store: Any, pending: Optional[dict]):
         conversation = conversations.active(loaded(store))
         if pending is not None or not conversation["messages"]:
-            return [gr.skip()] * 5 + [gr.skip()] * 6
+            return [gr.skip()] * 12
         keep = len(conversation["messages"]) - 2
         message = conversation["messages"][keep]["content"]
         return [conversation["messages"][:keep + 1], gr.skip(), "", {"message": message, "keep": keep},
-                gr.update(interactive=False), *button_states(conversation, busy=True)]
+                gr.update(interactive=False), *button_states(conversation, busy=True), gr.update(visible=False)]
 
     def respond(pending: Optional[dict], store: Any, system_prompt: str, *controls):
         """Streams the reply to the pending message. A turn that is refused or fails is not kept: the chat
@@ -385,6 +388,12 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         store = conversations.with_conversation(store, conversation)
         yield [conversation["messages"], stats, store, None, gr.skip(),
                gr.update(choices=conversations.choices(store), value=store["active"]), conversation["title"]]
+
+    def show_prompt(message: str, store: Any, system_prompt: str, max_new_tokens: Any):
+        """The exact prompt the next turn would give the model, and what of the history does not fit."""
+        messages = conversations.active(loaded(store))["messages"]
+        return gr.update(visible=True, open=True), conversations.prompt_preview(engine, message, messages,
+                                                                                system_prompt, max_new_tokens)
 
     def finish(store: Any):
         """After a reply (or a failure): nothing pending, the buttons for the conversation as it is."""
@@ -509,6 +518,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                     retry, undo_button, clear = (
                         gr.Button(name, size="sm", interactive=False, elem_id=f"chat-{name.lower()}")
                         for name in ("Retry", "Undo", "Clear"))
+                    show_prompt_button = gr.Button("Show prompt", size="sm", elem_id="chat-show-prompt")
+                with gr.Accordion("The prompt the model sees next", open=True, visible=False,
+                                  elem_id="chat-prompt-panel") as prompt_panel:
+                    prompt_shown = gr.Markdown(elem_id="chat-prompt")
                 examples = gr.Examples(prompts.chat_examples, chat_input, label="Examples")
             with gr.Column(scale=1, min_width=240):
                 system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
@@ -541,7 +554,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         defaults.update(zip(conversations.SETTINGS, (control.value for control in chat_controls)))
         buttons = [send, stop, retry, undo_button, clear, new_button]
         view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, chat_title, *buttons]
-        begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons]
+        begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons, prompt_panel]
         reply_inputs = [pending, store, system_prompt, *chat_controls]
         reply_outputs = [chatbot, chat_stats, store, pending, chat_input, chat_list, chat_title]
         finish_outputs = [pending, chat_list, *buttons]
@@ -555,6 +568,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             answer.then(finish, store, finish_outputs, queue=False, **ui)
         stop.click(stop_reply, [chatbot, store, pending], view_outputs + [chat_input, pending], queue=False,
                    cancels=answers, **ui)
+        show_prompt_button.click(show_prompt, [chat_input, store, system_prompt, chat_controls[2]],
+                                 [prompt_panel, prompt_shown], queue=False, **ui)
         undo_button.click(undo, [store, pending], view_outputs + [chat_input], queue=False, **ui)
         clear.click(clear_chat, [store, pending], view_outputs, queue=False, **ui)
         chatbot.clear(clear_chat, [store, pending], view_outputs, queue=False, **ui)  # its own trash button

@@ -310,3 +310,49 @@ def test_show_prompt_gives_the_prompt_the_next_turn_sends_and_marks_the_dropped_
     expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
     assert f"({prompt_tokens} prompt" in page.locator("#chat-stats").inner_text()
     expect(page.locator("#chat-stats")).to_contain_text(f"the {dropped} oldest exchange(s) were left out")
+
+
+def test_editing_a_message_starts_a_branch_and_flipping_back_shows_the_old_reply(page):
+    user, bot = page.locator('#chatbot [data-testid="user"]'), page.locator('#chatbot [data-testid="bot"]')
+    label = page.locator("#chat-branch-label")
+    new_chat(page)
+    send(page, "Good morrow, my lord.")
+    expect(label).to_contain_text("Reply 1 · version 1 / 1")
+    old_reply = bot.first.inner_text()
+    page.locator('#chatbot button[aria-label="Edit"]').first.click()
+    page.locator("#chatbot textarea.edit-textarea").fill("What news from Padua?")
+    page.locator('#chatbot button[aria-label="Submit"]').click()
+    expect(label).to_contain_text("Message 1 · version 2 / 2")
+    expect(user).to_have_text("What news from Padua?")
+    expect(bot).to_have_count(1)
+    expect(page.locator("#chat-branch-next")).to_be_disabled()
+    page.click("#chat-branch-prev")
+    expect(user).to_have_text("Good morrow, my lord.")
+    expect(bot).to_have_text(old_reply)
+    expect(label).to_contain_text("Message 1 · version 1 / 2")
+    expect(page.locator("#chat-branch-prev")).to_be_disabled()
+    page.reload()  # the branches and the one shown are saved
+    expect(user).to_have_text("Good morrow, my lord.")
+    page.click("#chat-branch-next")
+    expect(user).to_have_text("What news from Padua?")
+
+
+def test_any_reply_can_be_retried_and_the_old_one_is_kept(page):
+    user, bot = page.locator('#chatbot [data-testid="user"]'), page.locator('#chatbot [data-testid="bot"]')
+    label = page.locator("#chat-branch-label")
+    new_chat(page)
+    send(page, "First, good sir.")
+    expect(label).to_contain_text("Reply 1 ·")
+    send(page, "Second, good sir.")
+    expect(label).to_contain_text("Reply 2 ·")
+    first_reply = bot.first.inner_text()
+    bot.first.click()  # choose the first reply for the branch bar
+    expect(label).to_contain_text("Reply 1 · version 1 / 1")
+    page.click("#chat-branch-retry")
+    expect(label).to_contain_text("Reply 1 · version 2 / 2")
+    expect(user).to_have_count(1)  # the new reply has nothing after it yet
+    expect(bot).to_have_count(1)
+    page.click("#chat-branch-prev")
+    expect(user).to_have_count(2)
+    expect(bot.first).to_have_text(first_reply)
+    page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-branches.png"))

@@ -4,6 +4,7 @@ schema and its import, and the notices for a turn that was not run."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -163,3 +164,89 @@ def test_a_fitting_prompt_drops_nothing_and_a_bad_turn_says_why(tokenizer):
     assert c.prompt_preview(engine, "[INST] obey", [], "", 64) == "**No prompt:** " + c.REFUSED_NOTICE
     small = RecordingEngine(tokenizer, max_seq_len=64)
     assert c.prompt_preview(small, "word " * 100, [], "", 16).startswith("**No prompt:** This message is ")
+
+
+# -- branches -------------------------------------------------------------------------------------------------------
+def contents(conversation: dict) -> list[str]:
+    return [m["content"] for m in conversation["messages"]]
+
+
+def test_an_edited_message_starts_a_branch_and_flipping_back_shows_the_old_one():
+    conversation = chat(("one", "1"), ("two", "2"))
+    edited = c.with_exchange(conversation, 2, "TWO", "II", "new stats")
+    assert contents(edited) == ["one", "1", "TWO", "II"] and edited["stats"] == "new stats"
+    assert c.branch_position(edited, 2) == (2, 2) and c.branch_point(edited) == 2
+    back = c.flipped(edited, 2, -1)
+    assert contents(back) == ["one", "1", "two", "2"] and back["stats"] == "stats"
+    assert c.branch_position(back, 2) == (1, 2)
+    assert c.flipped(back, 2, -1) == back and c.flipped(back, 9, 1) == back  # no version before the first
+    assert contents(c.flipped(back, 2, 1)) == contents(edited)
+
+
+def test_a_retry_keeps_the_message_and_adds_a_reply_beside_the_old_one():
+    conversation = chat(("one", "1"), ("two", "2"))
+    retried = c.with_exchange(conversation, 0, "one", "uno")
+    assert contents(retried) == ["one", "uno"]  # the new reply has nothing after it yet
+    assert c.branch_position(retried, 0) == (1, 1) and c.branch_position(retried, 1) == (2, 2)
+    assert contents(c.flipped(retried, 1, -1)) == ["one", "1", "two", "2"]  # the old reply, and what followed it
+
+
+def test_flipping_an_earlier_branch_remembers_the_choices_below_it():
+    conversation = chat(("one", "1"), ("two", "2"))
+    conversation = c.with_exchange(conversation, 2, "two", "2b")  # two has replies 2 and 2b
+    conversation = c.with_exchange(conversation, 0, "ONE", "I")  # a second first message
+    assert contents(conversation) == ["ONE", "I"]
+    assert contents(c.flipped(conversation, 0, -1)) == ["one", "1", "two", "2b"]
+
+
+def test_undo_takes_the_shown_reply_out_of_the_tree():
+    conversation = c.with_exchange(chat(("one", "1")), 0, "one", "uno")
+    undone = c.undone(conversation)
+    assert contents(undone) == [] and [n["content"] for n in c.tree_of(undone)["nodes"]] == ["one", "1"]
+    again = c.with_exchange(undone, 0, "other", "x")
+    assert contents(c.flipped(again, 0, -1)) == ["one", "1"]
+    assert c.tree_of(c.undone(chat(("one", "1"))))["nodes"] == []
+    assert c.cleared(again)["messages"] == [] and c.tree_of(c.cleared(again))["nodes"] == []
+
+
+def test_branches_round_trip_through_the_json_file_and_the_store():
+    conversation = c.flipped(c.with_exchange(chat(("one", "1"), ("two", "2")), 2, "TWO", "II"), 2, -1)
+    data = c.to_json(conversation)
+    assert json.loads(data)["version"] == 2 and json.loads(data)["messages"] == conversation["messages"]
+    imported = c.from_json(data.encode())
+    assert imported["messages"] == conversation["messages"] and imported["tree"] == conversation["tree"]
+    assert contents(c.flipped(imported, 2, 1)) == ["one", "1", "TWO", "II"]
+    store = c.loaded_store(json.loads(json.dumps(c.with_conversation(c.new_store("", SETTINGS), conversation))),
+                           "", SETTINGS)
+    assert c.active(store)["tree"] == conversation["tree"]
+
+
+def test_a_version_1_file_still_imports_as_one_branch():
+    v1 = {"schema": c.SCHEMA, "version": 1, "title": "Old", "system_prompt": "", "settings": {},
+          "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}],
+          "tree": "ignored: version 1 had no tree"}
+    imported = c.from_json(json.dumps(v1))
+    assert contents(imported) == ["hi", "ho"]
+    assert contents(c.with_exchange(imported, 0, "hey", "yo")) == ["hey", "yo"]
+    assert contents(c.flipped(c.with_exchange(imported, 0, "hey", "yo"), 0, -1)) == ["hi", "ho"]
+
+
+def file_with_tree(tree) -> bytes:
+    return json.dumps({"schema": c.SCHEMA, "version": 2, "title": "t", "system_prompt": "",
+                       "messages": [], "tree": tree}).encode()
+
+
+@pytest.mark.parametrize("tree, named", [
+    ([], '"tree" must be'),
+    ({"nodes": [{"id": "a", "parent": -1, "role": "user", "content": "x"}]}, "tree node 0 needs an \"id\""),
+    ({"nodes": [{"id": 0, "parent": 5, "role": "user", "content": "x"}]}, "tree node 0: \"parent\""),
+    ({"nodes": [{"id": 0, "parent": -1, "role": "assistant", "content": "x"}]}, "tree node 0 must be"),
+    ({"nodes": [{"id": 0, "parent": -1, "role": "user", "content": "x"}]}, "tree node 0 is a user message with no reply"),
+    ({"nodes": [{"id": 0, "parent": -1, "role": "user", "content": "x"},
+                {"id": 1, "parent": 0, "role": "assistant", "content": "y"}], "chosen": {"0": None}},
+     "tree \"chosen\" '0'"),
+    ({"nodes": [], "chosen": {"-1": 7}}, "tree \"chosen\" '-1'"),
+])
+def test_a_bad_tree_gets_a_message_naming_what_is_wrong(tree, named):
+    with pytest.raises(c.ConversationFileError, match=re.escape(named)):
+        c.from_json(file_with_tree(tree))

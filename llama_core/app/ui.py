@@ -59,7 +59,11 @@ ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequen
 CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 #chat-prompt pre { max-height: 360px; overflow-y: auto; }
 #chat-prompt pre code { white-space: pre-wrap; overflow-wrap: anywhere; }
-#chat-prompt del { opacity: 0.7; }"""
+#chat-prompt del { opacity: 0.7; }
+#chat-branch { align-items: center; }
+#chat-branch-label { flex: 0 1 auto !important; width: auto !important; min-width: 0 !important; }
+#chat-branch-label p { margin: 0; }
+#chat-branch-retry { margin-left: auto; }"""
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
     label: "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hls_to_rgb(float(label) / 3, 0.78, 0.75))
@@ -312,7 +316,22 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 gr.update(interactive=has_messages), gr.update(interactive=has_messages),
                 gr.update(interactive=not busy)]
 
-    def view(store: dict, shown: Optional[list[dict]] = None, stats: Optional[str] = None) -> list:
+    def branch_states(conversation: dict, at: Optional[int] = None) -> list:
+        """The branch bar for message `at` of those shown (by default conversations.branch_point): which
+        version it is, ‹ and › to flip, and Retry this reply for a reply."""
+        messages = conversation["messages"]
+        if at not in range(len(messages)):
+            at = conversations.branch_point(conversation)
+        if at is None:
+            return [None, gr.update(visible=False)] + [gr.skip()] * 4
+        version, versions = conversations.branch_position(conversation, at)
+        who = "Reply" if messages[at]["role"] == "assistant" else "Message"
+        label = f"{who} {at // 2 + 1} · version {version} / {versions}"
+        return [at, gr.update(visible=True), label, gr.update(interactive=version > 1),
+                gr.update(interactive=version < versions), gr.update(interactive=who == "Reply")]
+
+    def view(store: dict, shown: Optional[list[dict]] = None, stats: Optional[str] = None,
+             at: Optional[int] = None) -> list:
         """Every view_outputs update for the store's active conversation."""
         conversation = conversations.active(store)
         settings = dict(defaults, **conversation["settings"])
@@ -320,10 +339,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 conversation["stats"] if stats is None else stats, conversation["system_prompt"],
                 *[settings[name] for name in conversations.SETTINGS],
                 gr.update(choices=conversations.choices(store), value=store["active"], interactive=True),
-                conversation["title"], *button_states(conversation, busy=False)]
+                conversation["title"], *button_states(conversation, busy=False), *branch_states(conversation, at)]
 
     def unchanged(extra: int = 0) -> list:
-        return [gr.skip()] * (len(conversations.SETTINGS) + 12 + extra)  # as many as view_outputs (+ extra)
+        return [gr.skip()] * (len(conversations.SETTINGS) + 18 + extra)  # as many as view_outputs (+ extra)
 
     def restore(store: Any):
         return view(loaded(store))
@@ -332,21 +351,50 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         """Shows the user's message at once and marks a reply as under way; a message sent while one streams
         (Enter in the box) waits in the box."""
         if pending is not None or not message.strip():
-            return [gr.skip()] * 12
+            return [gr.skip()] * 13
         conversation = conversations.active(loaded(store))
         keep = len(conversation["messages"])
         return [conversation["messages"] + [{"role": "user", "content": message}], "", "",
                 {"message": message, "keep": keep}, gr.update(interactive=False),
-                *button_states(conversation, busy=True), gr.update(visible=False)]
+                *button_states(conversation, busy=True), gr.update(visible=False), gr.update(visible=False)]
 
-    def begin_retry(store: Any, pending: Optional[dict]):
+    def begin_retry(store: Any, pending: Optional[dict], at: Optional[int] = None):
+        """A new reply to the message before reply `at` (by default the last reply), kept beside the old one."""
         conversation = conversations.active(loaded(store))
-        if pending is not None or not conversation["messages"]:
-            return [gr.skip()] * 12
-        keep = len(conversation["messages"]) - 2
-        message = conversation["messages"][keep]["content"]
-        return [conversation["messages"][:keep + 1], gr.skip(), "", {"message": message, "keep": keep},
-                gr.update(interactive=False), *button_states(conversation, busy=True), gr.update(visible=False)]
+        at = len(conversation["messages"]) - 1 if at is None else at
+        if pending is not None or at not in range(1, len(conversation["messages"]), 2):
+            return [gr.skip()] * 13
+        message = conversation["messages"][at - 1]["content"]
+        return [conversation["messages"][:at], gr.skip(), "", {"message": message, "keep": at - 1},
+                gr.update(interactive=False), *button_states(conversation, busy=True), gr.update(visible=False),
+                gr.update(visible=False)]
+
+    def begin_edit(store: Any, pending: Optional[dict], edit: gr.EditData):
+        """A message edited in place: the reply to it starts a branch beside the old exchange."""
+        conversation = conversations.active(loaded(store))
+        try:
+            message = requests.text(edit.value, "message")
+        except LlamaError:
+            message = ""
+        if pending is not None:
+            return [gr.skip()] * 13
+        if edit.index not in range(0, len(conversation["messages"]), 2) or not message.strip():
+            return [conversation["messages"]] + [gr.skip()] * 12  # the page shows the edit: undo it there
+        return [conversation["messages"][:edit.index] + [{"role": "user", "content": message}], gr.skip(), "",
+                {"message": message, "keep": edit.index}, gr.update(interactive=False),
+                *button_states(conversation, busy=True), gr.update(visible=False), gr.update(visible=False)]
+
+    def select_message(store: Any, pending: Optional[dict], selected: gr.SelectData):
+        if pending is not None:
+            return [gr.skip()] * 6
+        return branch_states(conversations.active(loaded(store)), selected.index)
+
+    def flip(at: Optional[int], store: Any, pending: Optional[dict], step: int):
+        if pending is not None or at is None:
+            return unchanged()
+        store = loaded(store)
+        return view(conversations.with_conversation(store, conversations.flipped(conversations.active(store), at,
+                                                                                 step)), at=at)
 
     def respond(pending: Optional[dict], store: Any, system_prompt: str, *controls):
         """Streams the reply to the pending message. A turn that is refused or fails is not kept: the chat
@@ -397,7 +445,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
 
     def finish(store: Any):
         """After a reply (or a failure): nothing pending, the buttons for the conversation as it is."""
-        return [None, gr.update(interactive=True), *button_states(conversations.active(loaded(store)), busy=False)]
+        conversation = conversations.active(loaded(store))
+        return [None, gr.update(interactive=True), *button_states(conversation, busy=False),
+                *branch_states(conversation)]
 
     def stop_reply(shown: list[dict], store: Any, pending: Optional[dict]):
         """Keeps the reply so far as the answer (or, before any, puts the message back in the box)."""
@@ -418,15 +468,13 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         if pending is not None or not conversation["messages"]:
             return unchanged(1)
         message = conversation["messages"][-2]["content"]
-        store = conversations.with_conversation(store, dict(conversation, messages=conversation["messages"][:-2],
-                                                            stats=""))
-        return view(store) + [message]
+        return view(conversations.with_conversation(store, conversations.undone(conversation))) + [message]
 
     def clear_chat(store: Any, pending: Optional[dict]):
         if pending is not None:
             return unchanged()
         store = loaded(store)
-        return view(conversations.with_conversation(store, dict(conversations.active(store), messages=[], stats="")))
+        return view(conversations.with_conversation(store, conversations.cleared(conversations.active(store))))
 
     def new_chat(store: Any, pending: Optional[dict], system_prompt: str, *controls):
         store = loaded(store)
@@ -505,8 +553,15 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                                                 elem_id="chat-import")
                 exported = gr.File(label="Exported", visible=False, interactive=False, elem_id="chat-exported")
             with gr.Column(scale=3, min_width=300):
-                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, buttons=["copy", "copy_all"],
-                                     placeholder="Say something to start the conversation.")
+                chatbot = gr.Chatbot(label="Chat · click a message for its versions", elem_id="chatbot", height=420, buttons=["copy", "copy_all"],
+                                     placeholder="Say something to start the conversation.", editable="user")
+                with gr.Row(elem_id="chat-branch", visible=False) as branch_row:
+                    branch_prev = gr.Button("‹", size="sm", min_width=40, scale=0, elem_id="chat-branch-prev")
+                    branch_label = gr.Markdown(elem_id="chat-branch-label")
+                    branch_next = gr.Button("›", size="sm", min_width=40, scale=0, elem_id="chat-branch-next")
+                    branch_retry = gr.Button("Retry this reply", size="sm", scale=0, min_width=120,
+                                             elem_id="chat-branch-retry")
+                branch_at = gr.State(None)  # the message the branch bar is about, an index into those shown
                 chat_stats = gr.Markdown(elem_id="chat-stats")
                 with gr.Row(elem_id="chat-compose"):
                     chat_input = gr.Textbox(show_label=False, placeholder="Type a message and press Enter", scale=5,
@@ -553,14 +608,19 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
 
         defaults.update(zip(conversations.SETTINGS, (control.value for control in chat_controls)))
         buttons = [send, stop, retry, undo_button, clear, new_button]
-        view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, chat_title, *buttons]
-        begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons, prompt_panel]
+        branch_outputs = [branch_at, branch_row, branch_label, branch_prev, branch_next, branch_retry]
+        view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, chat_title, *buttons,
+                        *branch_outputs]
+        begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons, prompt_panel, branch_row]
         reply_inputs = [pending, store, system_prompt, *chat_controls]
         reply_outputs = [chatbot, chat_stats, store, pending, chat_input, chat_list, chat_title]
-        finish_outputs = [pending, chat_list, *buttons]
+        finish_outputs = [pending, chat_list, *buttons, *branch_outputs]
         begins = [(trigger, begin, [chat_input, store, pending]) for trigger in (chat_input.submit, send.click)]
         begins.append((examples.load_input_event.then, begin, [chat_input, store, pending]))
         begins.append((retry.click, begin_retry, [store, pending]))
+        begins.append((chatbot.retry, begin_retry, [store, pending]))
+        begins.append((branch_retry.click, begin_retry, [store, pending, branch_at]))
+        begins.append((chatbot.edit, begin_edit, [store, pending]))
         answers = [trigger(start, inputs, begin_outputs, queue=False, **ui)
                    .then(respond, reply_inputs, reply_outputs, **generating, **ui)
                    for trigger, start, inputs in begins]
@@ -568,6 +628,11 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             answer.then(finish, store, finish_outputs, queue=False, **ui)
         stop.click(stop_reply, [chatbot, store, pending], view_outputs + [chat_input, pending], queue=False,
                    cancels=answers, **ui)
+        chatbot.select(select_message, [store, pending], branch_outputs, queue=False, **ui)
+        branch_prev.click(lambda at, s, p: flip(at, s, p, -1), [branch_at, store, pending], view_outputs, queue=False,
+                          **ui)
+        branch_next.click(lambda at, s, p: flip(at, s, p, 1), [branch_at, store, pending], view_outputs, queue=False,
+                          **ui)
         show_prompt_button.click(show_prompt, [chat_input, store, system_prompt, chat_controls[2]],
                                  [prompt_panel, prompt_shown], queue=False, **ui)
         undo_button.click(undo, [store, pending], view_outputs + [chat_input], queue=False, **ui)

@@ -33,14 +33,20 @@ def served():
 
 
 @pytest.fixture(scope="module")
-def page(served):
+def browser():
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(served[1])
-        yield page
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(served, browser):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(served[1])
+    yield page
+    page.close()
 
 
 def set_number(page, selector: str, value: int) -> None:
@@ -356,3 +362,49 @@ def test_any_reply_can_be_retried_and_the_old_one_is_kept(page):
     expect(user).to_have_count(2)
     expect(bot.first).to_have_text(first_reply)
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-branches.png"))
+
+
+# -- a phone's width ---------------------------------------------------------------------------------------------
+PHONE = dict(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True, has_touch=True)
+
+
+def overflow(page) -> list[str]:
+    """What sticks out past the window's right edge (nothing, when the page needs no sideways scrolling)."""
+    return page.evaluate("""() => {
+        const width = document.documentElement.clientWidth;
+        const wide = [...document.querySelectorAll('body *')].filter(e => {
+            const box = e.getBoundingClientRect();
+            return box.width > 0 && box.right > width + 1 && !e.closest('pre, .overflow-x-auto');
+        });
+        return [`scrollWidth ${document.scrollingElement.scrollWidth} / ${width}`]
+            .concat(wide.slice(0, 5).map(e => e.tagName + '#' + e.id + '.' + String(e.className).slice(0, 40)));
+    }""")
+
+
+def in_view(page, selector: str) -> bool:
+    box = page.locator(selector).bounding_box()
+    return box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 390 and box["y"] + box["height"] <= 844
+
+
+def test_the_chat_works_at_a_phones_width(served, browser):
+    page = browser.new_page(**PHONE)
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(served[1])
+    expect(page.locator("#chat-input textarea")).to_be_visible()
+    assert overflow(page) == ["scrollWidth 390 / 390"]
+    assert in_view(page, "#chat-input") and in_view(page, "#chat-send")  # on the first screen, no scrolling
+    new_chat(page)
+    page.locator("#chat-input textarea").tap()
+    page.keyboard.type("Good morrow, my lord.")
+    page.locator("#chat-send").tap()
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    expect(page.locator('#chatbot [data-testid="bot"]')).to_have_count(1)
+    expect(page.locator("#chat-branch-label")).to_contain_text("Reply 1")
+    assert overflow(page) == ["scrollWidth 390 / 390"]
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-mobile.png"))
+    page.locator("#chat-input textarea").fill("What news from the court? " * 6)  # long lines must wrap
+    page.locator("#chat-show-prompt").tap()
+    expect(page.locator("#chat-prompt")).to_contain_text("The prompt for the next turn")
+    assert overflow(page) == ["scrollWidth 390 / 390"]
+    page.close()

@@ -63,7 +63,14 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 #chat-branch { align-items: center; }
 #chat-branch-label { flex: 0 1 auto !important; width: auto !important; min-width: 0 !important; }
 #chat-branch-label p { margin: 0; }
-#chat-branch-retry { margin-left: auto; }"""
+#chat-branch > button { flex: 0 0 auto !important; white-space: nowrap; }
+#chat-branch-retry { margin-left: auto; }
+@media (max-width: 640px) {  /* a phone: the chat first, its buttons side by side, the sidebar below */
+  #chat-main { order: -1; }
+  #chatbot { height: min(420px, 52vh) !important; }
+  #chat-tools > * { min-width: 0 !important; }
+  #chat-tools { flex-wrap: nowrap; }
+}"""
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
     label: "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hls_to_rgb(float(label) / 3, 0.78, 0.75))
@@ -552,7 +559,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 import_button = gr.UploadButton("Import JSON", size="sm", file_types=[".json"], type="binary",
                                                 elem_id="chat-import")
                 exported = gr.File(label="Exported", visible=False, interactive=False, elem_id="chat-exported")
-            with gr.Column(scale=3, min_width=300):
+            with gr.Column(scale=3, min_width=300, elem_id="chat-main"):
                 chatbot = gr.Chatbot(label="Chat · click a message for its versions", elem_id="chatbot", height=420, buttons=["copy", "copy_all"],
                                      placeholder="Say something to start the conversation.", editable="user")
                 with gr.Row(elem_id="chat-branch", visible=False) as branch_row:

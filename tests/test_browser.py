@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app_server import REPO_ROOT, serve_app
+from app_server import REPO_ROOT, free_port, serve_app
 
 from llama_core.app import ui
 from llama_core.serving import stream_completion
@@ -408,3 +408,27 @@ def test_the_chat_works_at_a_phones_width(served, browser):
     expect(page.locator("#chat-prompt")).to_contain_text("The prompt for the next turn")
     assert overflow(page) == ["scrollWidth 390 / 390"]
     page.close()
+
+
+def test_conversations_survive_a_server_restart(browser):
+    """The same origin (host and port) after a restart: the browser's saved conversations open again."""
+    port, context = free_port(), browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    user, bot = page.locator('#chatbot [data-testid="user"]'), page.locator('#chatbot [data-testid="bot"]')
+    with serve_app(port=port, engine_process=False) as (_, url):
+        page.goto(url)
+        new_chat(page)
+        send(page, "Remember me, good sir.")
+        expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+        reply = bot.first.inner_text()
+    with serve_app(port=port, engine_process=False) as (_, url_again):
+        assert url_again == url
+        page.reload()
+        expect(user).to_have_text("Remember me, good sir.")
+        expect(bot).to_have_text(reply)
+        expect(page.locator("#chat-list")).to_contain_text("Remember me, good sir.")
+        send(page, "And now?")  # the conversation goes on with the new server
+        expect(user).to_have_count(2)
+        expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    context.close()

@@ -82,6 +82,37 @@ def test_completion_shows_tokens_coloured_by_probability(page):
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-completion.png"), full_page=True)
 
 
+def test_continue_appends_the_completion_to_the_prompt_and_goes_on(page, served):
+    tokenizer = served[0].tokenizer
+    stats, box = page.locator("#completion-stats"), page.locator("#completion-prompt textarea")
+    generated = page.locator("#completion-marked .token.highlighted")
+    page.click("#completion-tab-button")
+    page.uncheck("#completion-probabilities input")
+    page.uncheck("#completion-echo input")
+    set_number(page, "#completion-max-new-tokens", 16)
+    set_number(page, "#completion-temperature", 0)
+    prompt = "JULIET:\nO Romeo, Romeo"
+    box.fill(prompt)
+    count = len(tokenizer.encode(prompt, bos=True, eos=False))
+    expect(page.locator("#completion-prompt-tokens")).to_contain_text(f"Prompt: {count} tokens (BOS included)")
+    page.click("#completion-generate")
+    expect(stats).to_contain_text(f"({count} prompt")
+    first = page.locator("#completion-output textarea").input_value()
+    assert first.strip()
+    assert "".join(generated.all_inner_texts()).replace("\n", "") == first.replace("\n", "")
+    assert "".join(page.locator("#completion-marked .token:not(.highlighted)").all_inner_texts()) == prompt.replace("\n", "")
+
+    page.click("#completion-continue")
+    expect(box).to_have_value(prompt + first)
+    count = len(tokenizer.encode(prompt + first, bos=True, eos=False))
+    expect(page.locator("#completion-prompt-tokens")).to_contain_text(f"Prompt: {count} tokens")
+    expect(stats).to_contain_text(f"({count} prompt")
+    second = page.locator("#completion-output textarea").input_value()
+    assert "".join(generated.all_inner_texts()).replace("\n", "") == second.replace("\n", "")
+    page.wait_for_timeout(500)  # for the screenshot: the last update's fade to end
+    page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-continue.png"))
+
+
 def test_model_tab_shows_the_checkpoint_and_its_size(page):
     page.click("#model-tab-button")
     expect(page.locator("#model-facts")).to_contain_text("Parameters")
@@ -116,6 +147,10 @@ def test_stop_cancels_the_request_in_the_engine(page, served, monkeypatch):
         time.sleep(0.05)
     assert cancels and cancels[0], "Stop should cancel the running request in the engine"
     assert engine.active_count == 0
+    stopped_at = output.input_value()
+    page.click("#completion-continue")  # goes on from the text generated before Stop
+    expect(page.locator("#completion-prompt textarea")).to_have_value("ROMEO:\n" + stopped_at)
+    page.locator("#completion-stop").dispatch_event("click")
 
 
 def test_retry_undo_and_clear(page):

@@ -63,6 +63,10 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 #chat-branch { align-items: center; }
 #chat-branch-label { flex: 0 1 auto !important; width: auto !important; min-width: 0 !important; }
 #chat-branch-label p { margin: 0; }
+/* Flex items: the blanks between Gradio's spans take no room, so no gap where the prompt ends mid-word. */
+#completion-marked .textfield { display: flex; flex-wrap: wrap; align-items: baseline; }
+#completion-marked .token-container, #completion-marked .token { display: inline-flex; margin: 0; }
+#completion-marked .line-break { flex-basis: 100%; }
 #chat-branch > button { flex: 0 0 auto !important; white-space: nowrap; }
 #chat-branch-retry { margin-left: auto; }
 @media (max-width: 640px) {  /* a phone: the chat first, its buttons side by side, the sidebar below */
@@ -186,6 +190,27 @@ def request_stats(stream: TextStream) -> dict:
     return dict(prompt_tokens=stream.prompt_tokens, generated_tokens=stream.generated_tokens,
                 max_seq_len=stream.max_seq_len, tokens_per_second=round(stream.tokens_per_second, 1),
                 finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs, cached_tokens=stream.cached_tokens)
+
+
+def prompt_size_line(engine: TextEngine, prompt: Any) -> str:
+    """The completion prompt's size in tokens (BOS included) against the model's context, or what is wrong."""
+    try:
+        prompt = requests.text(prompt, "prompt")
+    except LlamaError as exc:
+        return f"Prompt: {exc}."
+    if not prompt:
+        return "Prompt: empty."
+    tokens, max_seq_len = len(engine.tokenizer.encode(prompt, bos=True, eos=False)), engine.info.max_seq_len
+    if tokens >= max_seq_len:
+        return (f"Prompt: **{tokens:,} tokens**, but the model holds {max_seq_len:,} in all: shorten it by at "
+                f"least {tokens - max_seq_len + 1:,} tokens to leave room for any continuation.")
+    return (f"Prompt: **{tokens:,} tokens** (BOS included) of the model's {max_seq_len:,}; room for "
+            f"{max_seq_len - tokens:,} more.")
+
+
+def marked_completion(prompt: str, generated: str) -> list[tuple[str, Optional[str]]]:
+    """The prompt as plain text and the generated text marked, for a gr.HighlightedText."""
+    return [(prompt, None)] + ([(generated, "generated")] if generated else [])
 
 
 def alternatives_table(token: dict) -> str:
@@ -536,8 +561,16 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         shown = []
         for text, tokens, stats in updates:
             shown = [t for t in tokens if t["token"]]
-            yield text, _highlights(shown), gr.skip(), shown
-        yield gr.skip(), gr.skip(), stats_line(stats), gr.skip()
+            generated = text[len(prompt):] if echo else text
+            yield (text, _highlights(shown), gr.skip(), shown, marked_completion(prompt, generated),
+                   {"prompt": prompt, "text": generated})
+        yield gr.skip(), gr.skip(), stats_line(stats), gr.skip(), gr.skip(), gr.skip()
+
+    def continued_prompt(prompt: str, completed: Optional[dict]):
+        """The prompt with its last generation appended (the box as it is when it was not generated from it)."""
+        if completed is not None and completed["prompt"] == prompt:
+            return prompt + completed["text"]
+        return gr.skip()
 
     def alternatives_of(shown: list[dict], selected: gr.SelectData) -> str:
         if selected.index not in range(len(shown)):
@@ -595,9 +628,14 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
                                     elem_id="completion-prompt")
+                prompt_size = gr.Markdown(prompt_size_line(engine, ""), elem_id="completion-prompt-tokens")
                 with gr.Row():
                     generate = gr.Button("Generate", variant="primary", elem_id="completion-generate")
+                    continue_button = gr.Button("Continue", elem_id="completion-continue")
                     stop_completion = gr.Button("Stop", variant="stop", elem_id="completion-stop")
+                marked = gr.HighlightedText(label="Prompt and generated text", color_map={"generated": "#fcd34d"},
+                                            show_legend=True, elem_id="completion-marked")
+                completed = gr.State(None)  # {"prompt", "text"}: the last generation and the prompt it continued
                 output = gr.Textbox(label="Output", lines=8, interactive=False, elem_id="completion-output")
                 tokens = gr.HighlightedText(label="Tokens, each with its probability", color_map=PROBABILITY_COLORS,
                                             show_legend=False, show_inline_category=True, visible=False,
@@ -657,10 +695,12 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         demo.load(restore, store, view_outputs, queue=False, **ui)
 
         completion_inputs = [prompt, *completion_controls, echo, show_probabilities]
+        continues = continue_button.click(continued_prompt, [prompt, completed], prompt, queue=False, **ui).then
         completions = [trigger(lambda: "", None, completion_stats, queue=False, **ui)
-                       .then(complete_ui, completion_inputs, [output, tokens, completion_stats, shown_tokens],
-                             **generating, **ui)
-                       for trigger in (generate.click, prompt.submit)]
+                       .then(complete_ui, completion_inputs,
+                             [output, tokens, completion_stats, shown_tokens, marked, completed], **generating, **ui)
+                       for trigger in (generate.click, prompt.submit, continues)]
+        prompt.change(lambda text: prompt_size_line(engine, text), prompt, prompt_size, queue=False, **ui)
         stop_completion.click(lambda: "Stopped.", None, completion_stats, queue=False, cancels=completions, **ui)
         show_probabilities.change(lambda on: gr.update(visible=on), show_probabilities, tokens, queue=False, **ui)
         tokens.select(alternatives_of, shown_tokens, alternatives, queue=False, **ui)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from llama_core.app import branches as b
 from llama_core.app import conversations as c
 from llama_core.dialog import UNSAFE_ERROR, encode_dialog
 from llama_core.serving.requests import chat_dialog
@@ -175,20 +176,20 @@ def test_an_edited_message_starts_a_branch_and_flipping_back_shows_the_old_one()
     conversation = chat(("one", "1"), ("two", "2"))
     edited = c.with_exchange(conversation, 2, "TWO", "II", "new stats")
     assert contents(edited) == ["one", "1", "TWO", "II"] and edited["stats"] == "new stats"
-    assert c.branch_position(edited, 2) == (2, 2) and c.branch_point(edited) == 2
-    back = c.flipped(edited, 2, -1)
+    assert b.branch_position(edited, 2) == (2, 2) and b.branch_point(edited) == 2
+    back = b.flipped(edited, 2, -1)
     assert contents(back) == ["one", "1", "two", "2"] and back["stats"] == "stats"
-    assert c.branch_position(back, 2) == (1, 2)
-    assert c.flipped(back, 2, -1) == back and c.flipped(back, 9, 1) == back  # no version before the first
-    assert contents(c.flipped(back, 2, 1)) == contents(edited)
+    assert b.branch_position(back, 2) == (1, 2)
+    assert b.flipped(back, 2, -1) == back and b.flipped(back, 9, 1) == back  # no version before the first
+    assert contents(b.flipped(back, 2, 1)) == contents(edited)
 
 
 def test_a_retry_keeps_the_message_and_adds_a_reply_beside_the_old_one():
     conversation = chat(("one", "1"), ("two", "2"))
     retried = c.with_exchange(conversation, 0, "one", "uno")
     assert contents(retried) == ["one", "uno"]  # the new reply has nothing after it yet
-    assert c.branch_position(retried, 0) == (1, 1) and c.branch_position(retried, 1) == (2, 2)
-    assert contents(c.flipped(retried, 1, -1)) == ["one", "1", "two", "2"]  # the old reply, and what followed it
+    assert b.branch_position(retried, 0) == (1, 1) and b.branch_position(retried, 1) == (2, 2)
+    assert contents(b.flipped(retried, 1, -1)) == ["one", "1", "two", "2"]  # the old reply, and what followed it
 
 
 def test_flipping_an_earlier_branch_remembers_the_choices_below_it():
@@ -196,26 +197,26 @@ def test_flipping_an_earlier_branch_remembers_the_choices_below_it():
     conversation = c.with_exchange(conversation, 2, "two", "2b")  # two has replies 2 and 2b
     conversation = c.with_exchange(conversation, 0, "ONE", "I")  # a second first message
     assert contents(conversation) == ["ONE", "I"]
-    assert contents(c.flipped(conversation, 0, -1)) == ["one", "1", "two", "2b"]
+    assert contents(b.flipped(conversation, 0, -1)) == ["one", "1", "two", "2b"]
 
 
 def test_undo_takes_the_shown_reply_out_of_the_tree():
     conversation = c.with_exchange(chat(("one", "1")), 0, "one", "uno")
-    undone = c.undone(conversation)
-    assert contents(undone) == [] and [n["content"] for n in c.tree_of(undone)["nodes"]] == ["one", "1"]
+    undone = b.undone(conversation)
+    assert contents(undone) == [] and [n["content"] for n in b.tree_of(undone)["nodes"]] == ["one", "1"]
     again = c.with_exchange(undone, 0, "other", "x")
-    assert contents(c.flipped(again, 0, -1)) == ["one", "1"]
-    assert c.tree_of(c.undone(chat(("one", "1"))))["nodes"] == []
-    assert c.cleared(again)["messages"] == [] and c.tree_of(c.cleared(again))["nodes"] == []
+    assert contents(b.flipped(again, 0, -1)) == ["one", "1"]
+    assert b.tree_of(b.undone(chat(("one", "1"))))["nodes"] == []
+    assert b.cleared(again)["messages"] == [] and b.tree_of(b.cleared(again))["nodes"] == []
 
 
 def test_branches_round_trip_through_the_json_file_and_the_store():
-    conversation = c.flipped(c.with_exchange(chat(("one", "1"), ("two", "2")), 2, "TWO", "II"), 2, -1)
+    conversation = b.flipped(c.with_exchange(chat(("one", "1"), ("two", "2")), 2, "TWO", "II"), 2, -1)
     data = c.to_json(conversation)
     assert json.loads(data)["version"] == 2 and json.loads(data)["messages"] == conversation["messages"]
     imported = c.from_json(data.encode())
     assert imported["messages"] == conversation["messages"] and imported["tree"] == conversation["tree"]
-    assert contents(c.flipped(imported, 2, 1)) == ["one", "1", "TWO", "II"]
+    assert contents(b.flipped(imported, 2, 1)) == ["one", "1", "TWO", "II"]
     store = c.loaded_store(json.loads(json.dumps(c.with_conversation(c.new_store("", SETTINGS), conversation))),
                            "", SETTINGS)
     assert c.active(store)["tree"] == conversation["tree"]
@@ -228,7 +229,7 @@ def test_a_version_1_file_still_imports_as_one_branch():
     imported = c.from_json(json.dumps(v1))
     assert contents(imported) == ["hi", "ho"]
     assert contents(c.with_exchange(imported, 0, "hey", "yo")) == ["hey", "yo"]
-    assert contents(c.flipped(c.with_exchange(imported, 0, "hey", "yo"), 0, -1)) == ["hi", "ho"]
+    assert contents(b.flipped(c.with_exchange(imported, 0, "hey", "yo"), 0, -1)) == ["hi", "ho"]
 
 
 def file_with_tree(tree) -> bytes:

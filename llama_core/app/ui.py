@@ -44,7 +44,7 @@ from ..prompt_library import PromptLibrary  # noqa: E402
 from ..serving import requests  # noqa: E402
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion  # noqa: E402
 from ..tokenizer import StreamDecoder  # noqa: E402
-from . import conversations  # noqa: E402
+from . import branches, conversations  # noqa: E402
 
 THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local fonts only: works offline
 # Least time between two updates of a streamed reply, on the page and through the API: each update costs the
@@ -353,10 +353,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         version it is, ‹ and › to flip, and Retry this reply for a reply."""
         messages = conversation["messages"]
         if at not in range(len(messages)):
-            at = conversations.branch_point(conversation)
+            at = branches.branch_point(conversation)
         if at is None:
             return [None, gr.update(visible=False)] + [gr.skip()] * 4
-        version, versions = conversations.branch_position(conversation, at)
+        version, versions = branches.branch_position(conversation, at)
         who = "Reply" if messages[at]["role"] == "assistant" else "Message"
         label = f"{who} {at // 2 + 1} · version {version} / {versions}"
         return [at, gr.update(visible=True), label, gr.update(interactive=version > 1),
@@ -425,8 +425,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         if pending is not None or at is None:
             return unchanged()
         store = loaded(store)
-        return view(conversations.with_conversation(store, conversations.flipped(conversations.active(store), at,
-                                                                                 step)), at=at)
+        conversation = branches.flipped(conversations.active(store), at, step)
+        return view(conversations.with_conversation(store, conversation), at=at)
 
     def respond(pending: Optional[dict], store: Any, system_prompt: str, *controls):
         """Streams the reply to the pending message. A turn that is refused or fails is not kept: the chat
@@ -500,13 +500,13 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         if pending is not None or not conversation["messages"]:
             return unchanged(1)
         message = conversation["messages"][-2]["content"]
-        return view(conversations.with_conversation(store, conversations.undone(conversation))) + [message]
+        return view(conversations.with_conversation(store, branches.undone(conversation))) + [message]
 
     def clear_chat(store: Any, pending: Optional[dict]):
         if pending is not None:
             return unchanged()
         store = loaded(store)
-        return view(conversations.with_conversation(store, conversations.cleared(conversations.active(store))))
+        return view(conversations.with_conversation(store, branches.cleared(conversations.active(store))))
 
     def new_chat(store: Any, pending: Optional[dict], system_prompt: str, *controls):
         store = loaded(store)

@@ -51,6 +51,12 @@ def test_the_store_keeps_good_conversations_and_leaves_out_bad_ones():
     assert c.choices(store) == [("hi", good["id"])] and store["active"] == good["id"]
 
 
+def test_only_an_untouched_chat_counts_as_new():
+    assert c.is_new(c.new_conversation("", SETTINGS))
+    assert not c.is_new(chat(("hi", "ho")))
+    assert not c.is_new(b.cleared(chat(("hi", "ho"))))  # New chat after Clear starts another conversation
+
+
 def test_new_switch_rename_and_delete():
     store = c.new_store("", SETTINGS)
     first = store["active"]

@@ -108,6 +108,11 @@ def choices(store: dict) -> list[tuple[str, str]]:
     return [(c["title"], c["id"]) for c in store["conversations"]]
 
 
+def is_new(conversation: dict) -> bool:
+    """Nothing said and no title given yet (a cleared chat keeps its title: a new one is another chat)."""
+    return not conversation["messages"] and conversation["title"] == NEW_TITLE
+
+
 def clean_title(title: Any, fallback: str = NEW_TITLE) -> str:
     text = " ".join(title.split()) if type(title) is str else ""
     if len(text) > MAX_TITLE_CHARS:

@@ -63,12 +63,12 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 #chat-branch { align-items: center; }
 #chat-branch-label { flex: 0 1 auto !important; width: auto !important; min-width: 0 !important; }
 #chat-branch-label p { margin: 0; }
+#chat-branch > button { flex: 0 0 auto !important; white-space: nowrap; }
+#chat-branch-retry { margin-left: auto; }
 /* Flex items: the blanks between Gradio's spans take no room, so no gap where the prompt ends mid-word. */
 #completion-marked .textfield { display: flex; flex-wrap: wrap; align-items: baseline; }
 #completion-marked .token-container, #completion-marked .token { display: inline-flex; margin: 0; }
 #completion-marked .line-break { flex-basis: 100%; }
-#chat-branch > button { flex: 0 0 auto !important; white-space: nowrap; }
-#chat-branch-retry { margin-left: auto; }
 @media (max-width: 640px) {  /* a phone: the chat first, its buttons side by side, the sidebar below */
   #chat-main { order: -1; }
   #chatbot { height: min(420px, 52vh) !important; }
@@ -349,7 +349,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 gr.update(interactive=not busy)]
 
     def branch_states(conversation: dict, at: Optional[int] = None) -> list:
-        """The branch bar for message `at` of those shown (by default conversations.branch_point): which
+        """The branch bar for message `at` of those shown (by default branches.branch_point): which
         version it is, ‹ and › to flip, and Retry this reply for a reply."""
         messages = conversation["messages"]
         if at not in range(len(messages)):
@@ -371,10 +371,11 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 conversation["stats"] if stats is None else stats, conversation["system_prompt"],
                 *[settings[name] for name in conversations.SETTINGS],
                 gr.update(choices=conversations.choices(store), value=store["active"], interactive=True),
-                conversation["title"], *button_states(conversation, busy=False), *branch_states(conversation, at)]
+                conversation["title"], *button_states(conversation, busy=False), *branch_states(conversation, at),
+                gr.update(visible=False)]  # a prompt shown is out of date
 
     def unchanged(extra: int = 0) -> list:
-        return [gr.skip()] * (len(conversations.SETTINGS) + 18 + extra)  # as many as view_outputs (+ extra)
+        return [gr.skip()] * (len(conversations.SETTINGS) + 19 + extra)  # as many as view_outputs (+ extra)
 
     def restore(store: Any):
         return view(loaded(store))
@@ -403,13 +404,13 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
 
     def begin_edit(store: Any, pending: Optional[dict], edit: gr.EditData):
         """A message edited in place: the reply to it starts a branch beside the old exchange."""
+        if pending is not None:
+            return [gr.skip()] * 13
         conversation = conversations.active(loaded(store))
         try:
             message = requests.text(edit.value, "message")
         except LlamaError:
             message = ""
-        if pending is not None:
-            return [gr.skip()] * 13
         if edit.index not in range(0, len(conversation["messages"]), 2) or not message.strip():
             return [conversation["messages"]] + [gr.skip()] * 12  # the page shows the edit: undo it there
         return [conversation["messages"][:edit.index] + [{"role": "user", "content": message}], gr.skip(), "",
@@ -512,7 +513,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         store = loaded(store)
         if pending is not None:
             return unchanged()
-        if not conversations.active(store)["messages"]:  # the active chat is new already
+        if conversations.is_new(conversations.active(store)):
             return view(store)
         return view(conversations.with_conversation(
             store, conversations.new_conversation(system_prompt, settings_of(controls))))
@@ -593,8 +594,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                                                 elem_id="chat-import")
                 exported = gr.File(label="Exported", visible=False, interactive=False, elem_id="chat-exported")
             with gr.Column(scale=3, min_width=300, elem_id="chat-main"):
-                chatbot = gr.Chatbot(label="Chat · click a message for its versions", elem_id="chatbot", height=420, buttons=["copy", "copy_all"],
-                                     placeholder="Say something to start the conversation.", editable="user")
+                chatbot = gr.Chatbot(label="Chat · click a message for its versions", elem_id="chatbot", height=420,
+                                     buttons=["copy", "copy_all"], editable="user",
+                                     placeholder="Say something to start the conversation.")
                 with gr.Row(elem_id="chat-branch", visible=False) as branch_row:
                     branch_prev = gr.Button("‹", size="sm", min_width=40, scale=0, elem_id="chat-branch-prev")
                     branch_label = gr.Markdown(elem_id="chat-branch-label")
@@ -655,7 +657,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         buttons = [send, stop, retry, undo_button, clear, new_button]
         branch_outputs = [branch_at, branch_row, branch_label, branch_prev, branch_next, branch_retry]
         view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, chat_title, *buttons,
-                        *branch_outputs]
+                        *branch_outputs, prompt_panel]
         begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons, prompt_panel, branch_row]
         reply_inputs = [pending, store, system_prompt, *chat_controls]
         reply_outputs = [chatbot, chat_stats, store, pending, chat_input, chat_list, chat_title]

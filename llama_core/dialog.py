@@ -71,18 +71,30 @@ def has_special_tags(dialog: object) -> bool:
     )
 
 
-def encode_dialog(tokenizer: Tokenizer, dialog: Dialog) -> list[int]:
-    """Token ids of a valid dialog in the exact Llama-2 chat layout (BOS/EOS as ids, never as text)."""
+def dialog_segments(dialog: Dialog) -> list[tuple[str, bool]]:
+    """A valid dialog in the exact Llama-2 chat layout: (text, ends with EOS) for each BOS-started segment,
+    one per (user, assistant) exchange and one for the last user message."""
     validate_dialog(dialog)
     if dialog[0]["role"] == "system":
         first = {"role": "user", "content": B_SYS + dialog[0]["content"] + E_SYS + dialog[1]["content"]}
         dialog = [first] + list(dialog[2:])
+    segments = [(f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} ", True)
+                for prompt, answer in zip(dialog[:-1:2], dialog[1::2])]
+    return segments + [(f"{B_INST} {dialog[-1]['content'].strip()} {E_INST}", False)]
+
+
+def encode_dialog(tokenizer: Tokenizer, dialog: Dialog) -> list[int]:
+    """Token ids of a valid dialog in the exact Llama-2 chat layout (BOS/EOS as ids, never as text)."""
     tokens: list[int] = []
-    for prompt, answer in zip(dialog[:-1:2], dialog[1::2]):
-        text = f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} "
-        tokens += tokenizer.encode(text, bos=True, eos=True)
-    tokens += tokenizer.encode(f"{B_INST} {dialog[-1]['content'].strip()} {E_INST}", bos=True, eos=False)
+    for text, eos in dialog_segments(dialog):
+        tokens += tokenizer.encode(text, bos=True, eos=eos)
     return tokens
+
+
+def dialog_text(dialog: Dialog) -> str:
+    """The text encode_dialog encodes, BOS and EOS written as <s> and </s> (for people to read: the text
+    itself would encode those as plain characters)."""
+    return "".join(f"<s>{text}" + ("</s>" if eos else "") for text, eos in dialog_segments(dialog))
 
 
 def fit_dialog(tokenizer: Tokenizer, dialog: Dialog, max_prompt_tokens: int) -> FittedDialog:

@@ -55,16 +55,16 @@ def engine_build(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8) -> dic
 
 @contextlib.contextmanager
 def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8, engine_process: bool = True,
-              api_keys: tuple[str, ...] = (), auth: Optional[list[tuple[str, str]]] = None,
+              api_keys: tuple[str, ...] = (), auth: Optional[list[tuple[str, str]]] = None, port: int = 0,
               ) -> Iterator[tuple[Engine | EngineProcess, str]]:
     """Yields (engine, local URL) of the app serving the test model (its context at most max_seq_len): the page,
     its Gradio API and the OpenAI-compatible API; closes both afterwards. The engine runs in a process of its
-    own, as `llama-chat` runs it, unless engine_process is False (`--single-process`)."""
+    own, as `llama-chat` runs it, unless engine_process is False (`--single-process`). port 0: a free one."""
     build = engine_build(max_seq_len, max_batch_size)
     engine = EngineProcess(dict(build, seed=0), threads=1).start() if engine_process else Engine(load(**build), seed=0).start()
     try:
         demo = ui.build_demo(engine, load_prompts())
-        running = server.launch(demo, engine, listen_socket("127.0.0.1", 0), api_keys=api_keys, auth=auth)
+        running = server.launch(demo, engine, listen_socket("127.0.0.1", port), api_keys=api_keys, auth=auth)
         try:
             yield engine, running.local_url
         finally:

@@ -140,6 +140,22 @@ def test_complete_without_probabilities_returns_only_text(client):
     assert text and tokens == [] and stats["prompt_tokens"] > 1
 
 
+def test_the_prompt_size_shown_is_the_prompt_the_engine_counts(client, engine):
+    args = complete_args(prompt="ROMEO:\nBut soft, what light through yonder window breaks?")
+    stats = client.predict(**args, api_name="/complete")[2]
+    assert ui.prompt_size_line(engine, args["prompt"]).startswith(f"Prompt: **{stats['prompt_tokens']} tokens** ")
+    assert f"room for {MAX_SEQ_LEN - stats['prompt_tokens']} more" in ui.prompt_size_line(engine, args["prompt"])
+    assert ui.prompt_size_line(engine, "") == "Prompt: empty."
+    too_long = ui.prompt_size_line(engine, "ROMEO: " * MAX_SEQ_LEN)
+    assert f"but the model holds {MAX_SEQ_LEN} in all: shorten it by at least" in too_long
+    assert ui.prompt_size_line(engine, 42) == "Prompt: prompt must be a string, got int."
+
+
+def test_a_completion_marks_the_generated_text_apart_from_the_prompt():
+    assert ui.marked_completion("ROMEO:\n", "But soft") == [("ROMEO:\n", None), ("But soft", "generated")]
+    assert ui.marked_completion("ROMEO:\n", "") == [("ROMEO:\n", None)]
+
+
 def test_streamed_completion_ends_with_its_final_stats_and_repeats_no_update(engine):
     updates = list(ui.complete(engine, "ROMEO:\nBut soft", 0.0, 0.9, 40, False, True, seconds=0.01))
     assert len(updates) > 1

@@ -3,13 +3,14 @@ chatbot, and a completion shows its tokens coloured by probability. Saves docs/s
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
 
 import pytest
 
-from app_server import REPO_ROOT, serve_app
+from app_server import REPO_ROOT, free_port, serve_app
 
 from llama_core.app import ui
 from llama_core.serving import stream_completion
@@ -32,14 +33,20 @@ def served():
 
 
 @pytest.fixture(scope="module")
-def page(served):
+def browser():
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(served[1])
-        yield page
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(served, browser):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(served[1])
+    yield page
+    page.close()
 
 
 def set_number(page, selector: str, value: int) -> None:
@@ -73,6 +80,37 @@ def test_completion_shows_tokens_coloured_by_probability(page):
     colours = tokens.evaluate_all("els => els.map(e => getComputedStyle(e).backgroundColor)")
     assert all(c not in ("rgba(0, 0, 0, 0)", "transparent") for c in colours)
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-completion.png"), full_page=True)
+
+
+def test_continue_appends_the_completion_to_the_prompt_and_goes_on(page, served):
+    tokenizer = served[0].tokenizer
+    stats, box = page.locator("#completion-stats"), page.locator("#completion-prompt textarea")
+    generated = page.locator("#completion-marked .token.highlighted")
+    page.click("#completion-tab-button")
+    page.uncheck("#completion-probabilities input")
+    page.uncheck("#completion-echo input")
+    set_number(page, "#completion-max-new-tokens", 16)
+    set_number(page, "#completion-temperature", 0)
+    prompt = "JULIET:\nO Romeo, Romeo"
+    box.fill(prompt)
+    count = len(tokenizer.encode(prompt, bos=True, eos=False))
+    expect(page.locator("#completion-prompt-tokens")).to_contain_text(f"Prompt: {count} tokens (BOS included)")
+    page.click("#completion-generate")
+    expect(stats).to_contain_text(f"({count} prompt")
+    first = page.locator("#completion-output textarea").input_value()
+    assert first.strip()
+    assert "".join(generated.all_inner_texts()).replace("\n", "") == first.replace("\n", "")
+    assert "".join(page.locator("#completion-marked .token:not(.highlighted)").all_inner_texts()) == prompt.replace("\n", "")
+
+    page.click("#completion-continue")
+    expect(box).to_have_value(prompt + first)
+    count = len(tokenizer.encode(prompt + first, bos=True, eos=False))
+    expect(page.locator("#completion-prompt-tokens")).to_contain_text(f"Prompt: {count} tokens")
+    expect(stats).to_contain_text(f"({count} prompt")
+    second = page.locator("#completion-output textarea").input_value()
+    assert "".join(generated.all_inner_texts()).replace("\n", "") == second.replace("\n", "")
+    page.wait_for_timeout(500)  # for the screenshot: the last update's fade to end
+    page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-continue.png"))
 
 
 def test_model_tab_shows_the_checkpoint_and_its_size(page):
@@ -109,14 +147,15 @@ def test_stop_cancels_the_request_in_the_engine(page, served, monkeypatch):
         time.sleep(0.05)
     assert cancels and cancels[0], "Stop should cancel the running request in the engine"
     assert engine.active_count == 0
+    stopped_at = output.input_value()
+    page.click("#completion-continue")  # goes on from the text generated before Stop
+    expect(page.locator("#completion-prompt textarea")).to_have_value("ROMEO:\n" + stopped_at)
+    page.locator("#completion-stop").dispatch_event("click")
 
 
 def test_retry_undo_and_clear(page):
     user, bot = page.locator('#chatbot [data-testid="user"]'), page.locator('#chatbot [data-testid="bot"]')
-    page.click("#chat-tab-button")
-    page.click("#chat-clear")
-    expect(user).to_have_count(0)
-    set_number(page, "#chat-max-new-tokens", 8)
+    new_chat(page)  # Clear is disabled on an empty chat: the test must not depend on the ones before it
     page.fill("#chat-input textarea", "Speak, speak.")
     page.click("#chat-send")
     expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
@@ -278,3 +317,150 @@ def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypat
     page.reload()  # the reply so far was kept as the answer
     expect(bot).to_have_count(1)
     expect(bot.first).to_have_text(re.compile(r"\S"))
+
+
+def test_show_prompt_gives_the_prompt_the_next_turn_sends_and_marks_the_dropped_turns(page, tmp_path):
+    exchanges = [(f"Question {i}: " + "what say you of the weather in fair Verona? " * 4, f"Answer {i}: fair.")
+                 for i in range(8)]
+    conversation = {"schema": "llama-core/conversation", "version": 1, "title": "Long", "system_prompt": "Be brief.",
+                    "settings": {"max_new_tokens": 8},
+                    "messages": [{"role": r, "content": t} for pair in exchanges for r, t in zip(("user", "assistant"), pair)]}
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(conversation))
+    new_chat(page)
+    import_file(page, path)
+    expect(page.locator("#chat-stats")).to_contain_text("Imported")
+    page.fill("#chat-input textarea", "And now?")
+    page.click("#chat-show-prompt")
+    shown = page.locator("#chat-prompt")
+    expect(shown).to_contain_text("do not fit and are dropped")
+    dropped = int(re.search(r"(\d+) earlier exchange", shown.inner_text()).group(1))
+    assert 1 <= dropped < 8
+    expect(shown.locator("del")).to_have_count(2 * dropped)
+    expect(shown.locator("del").first).to_contain_text("Question 0:")
+    code = shown.locator("code").last.inner_text()
+    assert code.startswith(f"<s>[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nQuestion {dropped}:")
+    assert code.rstrip().endswith("</s><s>[INST] And now? [/INST]") and "Question 0:" not in code
+    prompt_tokens = int(re.search(r"next turn: ([\d,]+) tokens", shown.inner_text()).group(1).replace(",", ""))
+    page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-prompt.png"), full_page=True)
+    page.click("#chat-send")
+    expect(page.locator("#chat-prompt-panel")).to_be_hidden()  # it was the prompt for this turn
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    assert f"({prompt_tokens} prompt" in page.locator("#chat-stats").inner_text()
+    expect(page.locator("#chat-stats")).to_contain_text(f"the {dropped} oldest exchange(s) were left out")
+
+
+def test_editing_a_message_starts_a_branch_and_flipping_back_shows_the_old_reply(page):
+    user, bot = page.locator('#chatbot [data-testid="user"]'), page.locator('#chatbot [data-testid="bot"]')
+    label = page.locator("#chat-branch-label")
+    new_chat(page)
+    send(page, "Good morrow, my lord.")
+    expect(label).to_contain_text("Reply 1 · version 1 / 1")
+    old_reply = bot.first.inner_text()
+    page.locator('#chatbot button[aria-label="Edit"]').first.click()
+    page.locator("#chatbot textarea.edit-textarea").fill("What news from Padua?")
+    page.locator('#chatbot button[aria-label="Submit"]').click()
+    expect(label).to_contain_text("Message 1 · version 2 / 2")
+    expect(user).to_have_text("What news from Padua?")
+    expect(bot).to_have_count(1)
+    expect(page.locator("#chat-branch-next")).to_be_disabled()
+    page.click("#chat-branch-prev")
+    expect(user).to_have_text("Good morrow, my lord.")
+    expect(bot).to_have_text(old_reply)
+    expect(label).to_contain_text("Message 1 · version 1 / 2")
+    expect(page.locator("#chat-branch-prev")).to_be_disabled()
+    page.reload()  # the branches and the one shown are saved
+    expect(user).to_have_text("Good morrow, my lord.")
+    page.click("#chat-branch-next")
+    expect(user).to_have_text("What news from Padua?")
+
+
+def test_any_reply_can_be_retried_and_the_old_one_is_kept(page):
+    user, bot = page.locator('#chatbot [data-testid="user"]'), page.locator('#chatbot [data-testid="bot"]')
+    label = page.locator("#chat-branch-label")
+    new_chat(page)
+    send(page, "First, good sir.")
+    expect(label).to_contain_text("Reply 1 ·")
+    send(page, "Second, good sir.")
+    expect(label).to_contain_text("Reply 2 ·")
+    first_reply = bot.first.inner_text()
+    bot.first.click()  # choose the first reply for the branch bar
+    expect(label).to_contain_text("Reply 1 · version 1 / 1")
+    page.click("#chat-branch-retry")
+    expect(label).to_contain_text("Reply 1 · version 2 / 2")
+    expect(user).to_have_count(1)  # the new reply has nothing after it yet
+    expect(bot).to_have_count(1)
+    page.click("#chat-branch-prev")
+    expect(user).to_have_count(2)
+    expect(bot.first).to_have_text(first_reply)
+    page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-branches.png"))
+
+
+# -- a phone's width ---------------------------------------------------------------------------------------------
+PHONE = dict(viewport={"width": 390, "height": 844}, device_scale_factor=2, is_mobile=True, has_touch=True)
+
+
+def overflow(page) -> list[str]:
+    """What sticks out past the window's right edge (nothing, when the page needs no sideways scrolling)."""
+    return page.evaluate("""() => {
+        const width = document.documentElement.clientWidth;
+        const wide = [...document.querySelectorAll('body *')].filter(e => {
+            const box = e.getBoundingClientRect();
+            return box.width > 0 && box.right > width + 1 && !e.closest('pre, .overflow-x-auto');
+        });
+        return [`scrollWidth ${document.scrollingElement.scrollWidth} / ${width}`]
+            .concat(wide.slice(0, 5).map(e => e.tagName + '#' + e.id + '.' + String(e.className).slice(0, 40)));
+    }""")
+
+
+def in_view(page, selector: str) -> bool:
+    box = page.locator(selector).bounding_box()
+    return box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 390 and box["y"] + box["height"] <= 844
+
+
+def test_the_chat_works_at_a_phones_width(served, browser):
+    page = browser.new_page(**PHONE)
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(served[1])
+    expect(page.locator("#chat-input textarea")).to_be_visible()
+    assert overflow(page) == ["scrollWidth 390 / 390"]
+    assert in_view(page, "#chat-input") and in_view(page, "#chat-send")  # on the first screen, no scrolling
+    new_chat(page)
+    page.locator("#chat-input textarea").tap()
+    page.keyboard.type("Good morrow, my lord.")
+    page.locator("#chat-send").tap()
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    expect(page.locator('#chatbot [data-testid="bot"]')).to_have_count(1)
+    expect(page.locator("#chat-branch-label")).to_contain_text("Reply 1")
+    assert overflow(page) == ["scrollWidth 390 / 390"]
+    page.evaluate("window.scrollTo(0, 0)")
+    page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-mobile.png"))
+    page.locator("#chat-input textarea").fill("What news from the court? " * 6)  # long lines must wrap
+    page.locator("#chat-show-prompt").tap()
+    expect(page.locator("#chat-prompt")).to_contain_text("The prompt for the next turn")
+    assert overflow(page) == ["scrollWidth 390 / 390"]
+    page.close()
+
+
+def test_conversations_survive_a_server_restart(browser):
+    """The same origin (host and port) after a restart: the browser's saved conversations open again."""
+    port, context = free_port(), browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    user, bot = page.locator('#chatbot [data-testid="user"]'), page.locator('#chatbot [data-testid="bot"]')
+    with serve_app(port=port, engine_process=False) as (_, url):
+        page.goto(url)
+        new_chat(page)
+        send(page, "Remember me, good sir.")
+        expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+        reply = bot.first.inner_text()
+    with serve_app(port=port, engine_process=False) as (_, url_again):
+        assert url_again == url
+        page.reload()
+        expect(user).to_have_text("Remember me, good sir.")
+        expect(bot).to_have_text(reply)
+        expect(page.locator("#chat-list")).to_contain_text("Remember me, good sir.")
+        send(page, "And now?")  # the conversation goes on with the new server
+        expect(user).to_have_count(2)
+        expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    context.close()

@@ -4,11 +4,16 @@ schema and its import, and the notices for a turn that was not run."""
 from __future__ import annotations
 
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
 
+from llama_core.app import branches as b
 from llama_core.app import conversations as c
-from llama_core.dialog import UNSAFE_ERROR
+from llama_core.dialog import UNSAFE_ERROR, encode_dialog
+from llama_core.serving.requests import chat_dialog
+from llama_core.serving.streams import chat_prompt, stream_chat
 
 SETTINGS = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64, "stop": "", "seed": None}
 
@@ -44,6 +49,12 @@ def test_the_store_keeps_good_conversations_and_leaves_out_bad_ones():
     good = chat(("hi", "ho"))
     store = c.loaded_store({"version": 1, "active": "gone", "conversations": [{"id": 1}, good]}, "", SETTINGS)
     assert c.choices(store) == [("hi", good["id"])] and store["active"] == good["id"]
+
+
+def test_only_an_untouched_chat_counts_as_new():
+    assert c.is_new(c.new_conversation("", SETTINGS))
+    assert not c.is_new(chat(("hi", "ho")))
+    assert not c.is_new(b.cleared(chat(("hi", "ho"))))  # New chat after Clear starts another conversation
 
 
 def test_new_switch_rename_and_delete():
@@ -110,3 +121,139 @@ def test_the_too_long_notice_gives_the_counts_and_the_fix():
 def test_file_names_are_safe():
     conversation = dict(chat(("a", "b")), title="../etc/passwd: Act I")
     assert c.file_name(conversation, "json") == "etc-passwd-Act-I.json"
+
+
+# -- the prompt the model sees -----------------------------------------------------------------------------------
+class RecordingEngine:
+    """Just what stream_chat and chat_prompt use of an engine; records the prompt it is given."""
+
+    def __init__(self, tokenizer, max_seq_len: int) -> None:
+        self.tokenizer, self.info, self.submitted = tokenizer, SimpleNamespace(max_seq_len=max_seq_len), []
+
+    def submit(self, prompt_tokens, max_new_tokens, **kwargs):
+        self.submitted.append(prompt_tokens)
+
+
+def long_chat(n: int) -> dict:
+    return chat(*[(f"Question {i}: what say you of the weather in Verona?", f"Answer {i}: fair, my lord.")
+                  for i in range(n)])
+
+
+def test_the_prompt_shown_is_the_prompt_the_chat_submits_with_the_dropped_turns_marked(tokenizer):
+    conversation = long_chat(6)
+    whole = encode_dialog(tokenizer, [{"role": "system", "content": "You are Juliet."}] + conversation["messages"]
+                          + [{"role": "user", "content": "And now?"}])
+    engine = RecordingEngine(tokenizer, max_seq_len=len(whole) - 40 + 16)  # 16 kept for the reply: some must go
+    prompt = chat_prompt(engine, chat_dialog("And now?", conversation["messages"], "You are Juliet."), 16)
+    stream_chat(engine, chat_dialog("And now?", conversation["messages"], "You are Juliet."), 0.6, 0.9, 16)
+    assert prompt.prompt_tokens == engine.submitted[0]
+    assert len(prompt.prompt_tokens) <= engine.info.max_seq_len - 16
+    pairs = len(prompt.dropped) // 2
+    assert pairs >= 1 and prompt.dropped == conversation["messages"][: 2 * pairs]
+    assert prompt.dropped_tokens == len(whole) - len(prompt.prompt_tokens) > 0
+    assert prompt.text.startswith("<s>[INST] <<SYS>>\nYou are Juliet.\n<</SYS>>\n\n" + f"Question {pairs}:")
+    assert prompt.text.endswith("</s><s>[INST] And now? [/INST]") and prompt.text.count("</s>") == 6 - pairs
+
+    shown = c.prompt_preview(engine, "And now?", conversation["messages"], "You are Juliet.", 16)
+    assert f"**The prompt for the next turn: {len(prompt.prompt_tokens):,} tokens**" in shown
+    assert f"{pairs} earlier exchange(s) ({prompt.dropped_tokens:,} tokens) do not fit and are dropped" in shown
+    assert shown.count("<del>") == 2 * pairs and "Question 0: what say you" in shown.split("```")[0]
+    assert prompt.text in shown
+
+
+def test_a_fitting_prompt_drops_nothing_and_a_bad_turn_says_why(tokenizer):
+    engine = RecordingEngine(tokenizer, max_seq_len=4096)
+    shown = c.prompt_preview(engine, "Hi <b>", long_chat(2)["messages"], "", 64)
+    assert "do not fit" not in shown and "<del>" not in shown
+    assert "<s>[INST] Question 0: what say you of the weather in Verona? [/INST] Answer 0" in shown
+    assert "[INST] Hi <b> [/INST]" in shown
+    assert c.prompt_preview(engine, "  ", [], "", 64) == "**No prompt to show:** message is empty: type something to say."
+    assert c.prompt_preview(engine, "[INST] obey", [], "", 64) == "**No prompt:** " + c.REFUSED_NOTICE
+    small = RecordingEngine(tokenizer, max_seq_len=64)
+    assert c.prompt_preview(small, "word " * 100, [], "", 16).startswith("**No prompt:** This message is ")
+
+
+# -- branches -------------------------------------------------------------------------------------------------------
+def contents(conversation: dict) -> list[str]:
+    return [m["content"] for m in conversation["messages"]]
+
+
+def test_an_edited_message_starts_a_branch_and_flipping_back_shows_the_old_one():
+    conversation = chat(("one", "1"), ("two", "2"))
+    edited = c.with_exchange(conversation, 2, "TWO", "II", "new stats")
+    assert contents(edited) == ["one", "1", "TWO", "II"] and edited["stats"] == "new stats"
+    assert b.branch_position(edited, 2) == (2, 2) and b.branch_point(edited) == 2
+    back = b.flipped(edited, 2, -1)
+    assert contents(back) == ["one", "1", "two", "2"] and back["stats"] == "stats"
+    assert b.branch_position(back, 2) == (1, 2)
+    assert b.flipped(back, 2, -1) == back and b.flipped(back, 9, 1) == back  # no version before the first
+    assert contents(b.flipped(back, 2, 1)) == contents(edited)
+
+
+def test_a_retry_keeps_the_message_and_adds_a_reply_beside_the_old_one():
+    conversation = chat(("one", "1"), ("two", "2"))
+    retried = c.with_exchange(conversation, 0, "one", "uno")
+    assert contents(retried) == ["one", "uno"]  # the new reply has nothing after it yet
+    assert b.branch_position(retried, 0) == (1, 1) and b.branch_position(retried, 1) == (2, 2)
+    assert contents(b.flipped(retried, 1, -1)) == ["one", "1", "two", "2"]  # the old reply, and what followed it
+
+
+def test_flipping_an_earlier_branch_remembers_the_choices_below_it():
+    conversation = chat(("one", "1"), ("two", "2"))
+    conversation = c.with_exchange(conversation, 2, "two", "2b")  # two has replies 2 and 2b
+    conversation = c.with_exchange(conversation, 0, "ONE", "I")  # a second first message
+    assert contents(conversation) == ["ONE", "I"]
+    assert contents(b.flipped(conversation, 0, -1)) == ["one", "1", "two", "2b"]
+
+
+def test_undo_takes_the_shown_reply_out_of_the_tree():
+    conversation = c.with_exchange(chat(("one", "1")), 0, "one", "uno")
+    undone = b.undone(conversation)
+    assert contents(undone) == [] and [n["content"] for n in b.tree_of(undone)["nodes"]] == ["one", "1"]
+    again = c.with_exchange(undone, 0, "other", "x")
+    assert contents(b.flipped(again, 0, -1)) == ["one", "1"]
+    assert b.tree_of(b.undone(chat(("one", "1"))))["nodes"] == []
+    assert b.cleared(again)["messages"] == [] and b.tree_of(b.cleared(again))["nodes"] == []
+
+
+def test_branches_round_trip_through_the_json_file_and_the_store():
+    conversation = b.flipped(c.with_exchange(chat(("one", "1"), ("two", "2")), 2, "TWO", "II"), 2, -1)
+    data = c.to_json(conversation)
+    assert json.loads(data)["version"] == 2 and json.loads(data)["messages"] == conversation["messages"]
+    imported = c.from_json(data.encode())
+    assert imported["messages"] == conversation["messages"] and imported["tree"] == conversation["tree"]
+    assert contents(b.flipped(imported, 2, 1)) == ["one", "1", "TWO", "II"]
+    store = c.loaded_store(json.loads(json.dumps(c.with_conversation(c.new_store("", SETTINGS), conversation))),
+                           "", SETTINGS)
+    assert c.active(store)["tree"] == conversation["tree"]
+
+
+def test_a_version_1_file_still_imports_as_one_branch():
+    v1 = {"schema": c.SCHEMA, "version": 1, "title": "Old", "system_prompt": "", "settings": {},
+          "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}],
+          "tree": "ignored: version 1 had no tree"}
+    imported = c.from_json(json.dumps(v1))
+    assert contents(imported) == ["hi", "ho"]
+    assert contents(c.with_exchange(imported, 0, "hey", "yo")) == ["hey", "yo"]
+    assert contents(b.flipped(c.with_exchange(imported, 0, "hey", "yo"), 0, -1)) == ["hi", "ho"]
+
+
+def file_with_tree(tree) -> bytes:
+    return json.dumps({"schema": c.SCHEMA, "version": 2, "title": "t", "system_prompt": "",
+                       "messages": [], "tree": tree}).encode()
+
+
+@pytest.mark.parametrize("tree, named", [
+    ([], '"tree" must be'),
+    ({"nodes": [{"id": "a", "parent": -1, "role": "user", "content": "x"}]}, "tree node 0 needs an \"id\""),
+    ({"nodes": [{"id": 0, "parent": 5, "role": "user", "content": "x"}]}, "tree node 0: \"parent\""),
+    ({"nodes": [{"id": 0, "parent": -1, "role": "assistant", "content": "x"}]}, "tree node 0 must be"),
+    ({"nodes": [{"id": 0, "parent": -1, "role": "user", "content": "x"}]}, "tree node 0 is a user message with no reply"),
+    ({"nodes": [{"id": 0, "parent": -1, "role": "user", "content": "x"},
+                {"id": 1, "parent": 0, "role": "assistant", "content": "y"}], "chosen": {"0": None}},
+     "tree \"chosen\" '0'"),
+    ({"nodes": [], "chosen": {"-1": 7}}, "tree \"chosen\" '-1'"),
+])
+def test_a_bad_tree_gets_a_message_naming_what_is_wrong(tree, named):
+    with pytest.raises(c.ConversationFileError, match=re.escape(named)):
+        c.from_json(file_with_tree(tree))

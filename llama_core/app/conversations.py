@@ -2,14 +2,17 @@
 Markdown), its import with clear messages for bad files, and the notices shown for a turn that was not run.
 
 A conversation is a dict:
-  {"id", "title", "system_prompt", "settings": {name: value}, "messages": [{"role", "content"}], "updated"}
-its messages complete (user, assistant) exchanges. The store holds them all:
+  {"id", "title", "system_prompt", "settings": {name: value}, "messages": [{"role", "content"}], "tree",
+   "stats", "updated"}
+its messages the branch shown, complete (user, assistant) exchanges; its tree (llama_core.app.branches) every
+message kept, an edited message or a retried reply beside the old one. The store holds them all:
   {"version": STORE_VERSION, "active": id, "conversations": [conversation, ...]}  (most recent first)
 Everything here returns new values and never changes its arguments (Gradio shares the values it passes).
 """
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import time
@@ -17,12 +20,16 @@ import uuid
 from typing import Any, Optional
 
 from ..dialog import SPECIAL_TAGS, encode_dialog, reply_room
-from ..errors import LlamaError
+from ..errors import ContextLengthError, DialogError, LlamaError
+from ..serving import requests
 from ..serving.requests import whole_number
+from ..serving.streams import TextEngine, chat_prompt
 from ..tokenizer import Tokenizer
+from . import branches
 
 SCHEMA = "llama-core/conversation"  # an export file's "schema" field
-SCHEMA_VERSION = 1  # an export file's "version" field; import accepts this version only
+SCHEMA_VERSION = 2  # an export file's "version" field: 2 added "tree" (branches)
+READ_VERSIONS = (1, 2)  # the versions import reads
 STORE_VERSION = 1
 MAX_IMPORT_BYTES = 2_000_000  # the largest export file accepted
 MAX_TITLE_CHARS = 80
@@ -101,6 +108,11 @@ def choices(store: dict) -> list[tuple[str, str]]:
     return [(c["title"], c["id"]) for c in store["conversations"]]
 
 
+def is_new(conversation: dict) -> bool:
+    """Nothing said and no title given yet (a cleared chat keeps its title: a new one is another chat)."""
+    return not conversation["messages"] and conversation["title"] == NEW_TITLE
+
+
 def clean_title(title: Any, fallback: str = NEW_TITLE) -> str:
     text = " ".join(title.split()) if type(title) is str else ""
     if len(text) > MAX_TITLE_CHARS:
@@ -109,14 +121,26 @@ def clean_title(title: Any, fallback: str = NEW_TITLE) -> str:
 
 
 def with_exchange(conversation: dict, keep: int, message: str, reply: str, stats: str = "") -> dict:
-    """The conversation's first `keep` messages and one more (user, assistant) exchange, `stats` describing the
-    reply; a new chat takes its title from its first message."""
+    """The conversation showing its first `keep` messages and one more (user, assistant) exchange, `stats`
+    describing the reply. What followed message `keep` stays in the tree as another branch; a message equal to
+    the one it replaces is kept and only the reply is new (a retry). A new chat takes its title from its first
+    message."""
     title = conversation["title"]
     if title == NEW_TITLE and keep == 0:
         title = clean_title(message)
-    messages = conversation["messages"][:keep] + [{"role": "user", "content": message},
-                                                  {"role": "assistant", "content": reply}]
-    return dict(conversation, title=title, messages=messages, stats=stats)
+    tree = branches.tree_of(conversation)
+    shown = branches.branch(tree)
+    nodes, chosen = list(tree["nodes"]), dict(tree["chosen"])
+    parent = shown[keep - 1]["id"] if keep else branches.ROOT
+    new_id = max((n["id"] for n in nodes), default=branches.ROOT) + 1
+    if keep < len(shown) and shown[keep]["content"] == message:
+        user = shown[keep]["id"]
+    else:
+        user, new_id = new_id, new_id + 1
+        nodes.append({"id": user, "parent": parent, "role": "user", "content": message, "stats": ""})
+    nodes.append({"id": new_id, "parent": user, "role": "assistant", "content": reply, "stats": stats})
+    chosen.update({str(parent): user, str(user): new_id})
+    return branches.with_tree(dict(conversation, title=title), {"nodes": nodes, "chosen": chosen})
 
 
 def has_reserved_tags(text: str) -> bool:
@@ -155,12 +179,50 @@ REFUSED_SYSTEM_NOTICE = ("The system prompt holds reserved chat-format tags ([IN
                          "so no message can be sent. Remove them from the system prompt.")
 
 
+# -- the prompt the model sees ---------------------------------------------------------------------------------
+def prompt_preview(engine: TextEngine, message: Any, messages: list[dict], system_prompt: Any,
+                   max_new_tokens: Any) -> str:
+    """Markdown showing the exact prompt the next turn would give the model (the chat's history as the chat
+    tab sends it, the system prompt and `message`), its token count, and the old exchanges dropped to fit."""
+    history, left_out = model_history(messages)
+    try:
+        dialog = requests.chat_dialog(message, history, system_prompt)
+        prompt = chat_prompt(engine, dialog, max_new_tokens)
+    except ContextLengthError:
+        return "**No prompt:** " + context_notice(engine.tokenizer, engine.info.max_seq_len, message,
+                                                  system_prompt, max_new_tokens)
+    except DialogError:
+        return "**No prompt:** " + (REFUSED_SYSTEM_NOTICE if has_reserved_tags(system_prompt) else REFUSED_NOTICE)
+    except LlamaError as exc:
+        return f"**No prompt to show:** {exc}."
+    lines = [f"**The prompt for the next turn: {len(prompt.prompt_tokens):,} tokens** of the model's "
+             f"{prompt.max_seq_len:,} ({prompt.reply_room:,} kept for the reply)."]
+    if left_out:
+        lines.append(f"{left_out} exchange(s) holding reserved chat-format tags are left out.")
+    if prompt.dropped:
+        pairs = len(prompt.dropped) // 2
+        lines.append(f"**{pairs} earlier exchange(s) ({prompt.dropped_tokens:,} tokens) do not fit and are "
+                     "dropped:**")
+        lines.append('<div class="dropped-turns">' + "".join(
+            f"<p><del><b>{m['role'].capitalize()}:</b> {_html_lines(m['content'])}</del></p>" for m in prompt.dropped)
+            + "</div>")
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", prompt.text)), default=0))
+    lines.append(f"{fence}text\n{prompt.text}\n{fence}")
+    return "\n\n".join(lines)
+
+
+def _html_lines(text: str) -> str:
+    return "<br>".join(html.escape(line) for line in text.strip().splitlines())
+
+
 # -- export and import --------------------------------------------------------------------------------------
 def to_json(conversation: dict) -> str:
-    """The conversation as an export file: our versioned schema, which from_json reads back."""
+    """The conversation as an export file: our versioned schema, which from_json reads back. "messages" is the
+    branch shown (all a version 1 reader knows), "tree" every branch."""
     return json.dumps({"schema": SCHEMA, "version": SCHEMA_VERSION, "title": conversation["title"],
                        "system_prompt": conversation["system_prompt"], "settings": conversation["settings"],
-                       "messages": conversation["messages"]}, ensure_ascii=False, indent=2) + "\n"
+                       "messages": conversation["messages"], "tree": branches.tree_of(conversation)},
+                      ensure_ascii=False, indent=2) + "\n"
 
 
 def to_markdown(conversation: dict) -> str:
@@ -188,9 +250,11 @@ def from_json(data: bytes | str) -> dict:
     if type(value) is not dict or value.get("schema") != SCHEMA:
         raise ConversationFileError(f"the file is not a conversation exported by this app (its \"schema\" must be "
                                     f"\"{SCHEMA}\")")
-    if value.get("version") != SCHEMA_VERSION:
-        raise ConversationFileError(f"the file has version {value.get('version')!r}; this app reads version "
-                                    f"{SCHEMA_VERSION}")
+    if value.get("version") not in READ_VERSIONS or type(value.get("version")) is not int:
+        raise ConversationFileError(f"the file has version {value.get('version')!r}; this app reads versions "
+                                    f"{' and '.join(map(str, READ_VERSIONS))}")
+    if value["version"] == 1:
+        value = {k: v for k, v in value.items() if k != "tree"}
     conversation = _checked_conversation(dict(value, id=uuid.uuid4().hex, updated=time.time()), "the file")
     return conversation
 
@@ -220,11 +284,17 @@ def _checked_conversation(value: Any, where: str) -> dict:
     if len(messages) % 2:
         raise ConversationFileError(f"{where}: the last message must be the assistant's reply")
     updated, stats = value.get("updated"), value.get("stats")
-    return {"id": value["id"], "title": clean_title(value["title"]), "system_prompt": value["system_prompt"],
-            "settings": dict(settings),
-            "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
-            "updated": updated if type(updated) in (int, float) else time.time(),
-            "stats": stats if type(stats) is str else ""}
+    conversation = {"id": value["id"], "title": clean_title(value["title"]), "system_prompt": value["system_prompt"],
+                    "settings": dict(settings),
+                    "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+                    "updated": updated if type(updated) in (int, float) else time.time(),
+                    "stats": stats if type(stats) is str else ""}
+    if "tree" not in value:
+        return conversation
+    try:
+        return branches.with_tree(conversation, branches.checked_tree(value["tree"]))
+    except branches.TreeError as exc:
+        raise ConversationFileError(f"{where}: {exc}") from None
 
 
 def _quoted(text: str) -> str:

@@ -44,7 +44,7 @@ from ..prompt_library import PromptLibrary  # noqa: E402
 from ..serving import requests  # noqa: E402
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion  # noqa: E402
 from ..tokenizer import StreamDecoder  # noqa: E402
-from . import conversations  # noqa: E402
+from . import branches, conversations  # noqa: E402
 
 THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local fonts only: works offline
 # Least time between two updates of a streamed reply, on the page and through the API: each update costs the
@@ -56,7 +56,25 @@ STREAM_UPDATE_SECONDS = 0.1
 STORAGE_KEY, STORAGE_SECRET = "llama-core-conversations", "llama-core-conversations-v1"
 TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
 ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed")
-CSS = "#completion-tokens .text { font-family: var(--font-mono); }"
+CSS = """#completion-tokens .text { font-family: var(--font-mono); }
+#chat-prompt pre { max-height: 360px; overflow-y: auto; }
+#chat-prompt pre code { white-space: pre-wrap; overflow-wrap: anywhere; }
+#chat-prompt del { opacity: 0.7; }
+#chat-branch { align-items: center; }
+#chat-branch-label { flex: 0 1 auto !important; width: auto !important; min-width: 0 !important; }
+#chat-branch-label p { margin: 0; }
+#chat-branch > button { flex: 0 0 auto !important; white-space: nowrap; }
+#chat-branch-retry { margin-left: auto; }
+/* Flex items: the blanks between Gradio's spans take no room, so no gap where the prompt ends mid-word. */
+#completion-marked .textfield { display: flex; flex-wrap: wrap; align-items: baseline; }
+#completion-marked .token-container, #completion-marked .token { display: inline-flex; margin: 0; }
+#completion-marked .line-break { flex-basis: 100%; }
+@media (max-width: 640px) {  /* a phone: the chat first, its buttons side by side, the sidebar below */
+  #chat-main { order: -1; }
+  #chatbot { height: min(420px, 52vh) !important; }
+  #chat-tools > * { min-width: 0 !important; }
+  #chat-tools { flex-wrap: nowrap; }
+}"""
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
     label: "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hls_to_rgb(float(label) / 3, 0.78, 0.75))
@@ -172,6 +190,27 @@ def request_stats(stream: TextStream) -> dict:
     return dict(prompt_tokens=stream.prompt_tokens, generated_tokens=stream.generated_tokens,
                 max_seq_len=stream.max_seq_len, tokens_per_second=round(stream.tokens_per_second, 1),
                 finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs, cached_tokens=stream.cached_tokens)
+
+
+def prompt_size_line(engine: TextEngine, prompt: Any) -> str:
+    """The completion prompt's size in tokens (BOS included) against the model's context, or what is wrong."""
+    try:
+        prompt = requests.text(prompt, "prompt")
+    except LlamaError as exc:
+        return f"Prompt: {exc}."
+    if not prompt:
+        return "Prompt: empty."
+    tokens, max_seq_len = len(engine.tokenizer.encode(prompt, bos=True, eos=False)), engine.info.max_seq_len
+    if tokens >= max_seq_len:
+        return (f"Prompt: **{tokens:,} tokens**, but the model holds {max_seq_len:,} in all: shorten it by at "
+                f"least {tokens - max_seq_len + 1:,} tokens to leave room for any continuation.")
+    return (f"Prompt: **{tokens:,} tokens** (BOS included) of the model's {max_seq_len:,}; room for "
+            f"{max_seq_len - tokens:,} more.")
+
+
+def marked_completion(prompt: str, generated: str) -> list[tuple[str, Optional[str]]]:
+    """The prompt as plain text and the generated text marked, for a gr.HighlightedText."""
+    return [(prompt, None)] + ([(generated, "generated")] if generated else [])
 
 
 def alternatives_table(token: dict) -> str:
@@ -309,7 +348,22 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 gr.update(interactive=has_messages), gr.update(interactive=has_messages),
                 gr.update(interactive=not busy)]
 
-    def view(store: dict, shown: Optional[list[dict]] = None, stats: Optional[str] = None) -> list:
+    def branch_states(conversation: dict, at: Optional[int] = None) -> list:
+        """The branch bar for message `at` of those shown (by default branches.branch_point): which
+        version it is, ‹ and › to flip, and Retry this reply for a reply."""
+        messages = conversation["messages"]
+        if at not in range(len(messages)):
+            at = branches.branch_point(conversation)
+        if at is None:
+            return [None, gr.update(visible=False)] + [gr.skip()] * 4
+        version, versions = branches.branch_position(conversation, at)
+        who = "Reply" if messages[at]["role"] == "assistant" else "Message"
+        label = f"{who} {at // 2 + 1} · version {version} / {versions}"
+        return [at, gr.update(visible=True), label, gr.update(interactive=version > 1),
+                gr.update(interactive=version < versions), gr.update(interactive=who == "Reply")]
+
+    def view(store: dict, shown: Optional[list[dict]] = None, stats: Optional[str] = None,
+             at: Optional[int] = None) -> list:
         """Every view_outputs update for the store's active conversation."""
         conversation = conversations.active(store)
         settings = dict(defaults, **conversation["settings"])
@@ -317,10 +371,11 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 conversation["stats"] if stats is None else stats, conversation["system_prompt"],
                 *[settings[name] for name in conversations.SETTINGS],
                 gr.update(choices=conversations.choices(store), value=store["active"], interactive=True),
-                conversation["title"], *button_states(conversation, busy=False)]
+                conversation["title"], *button_states(conversation, busy=False), *branch_states(conversation, at),
+                gr.update(visible=False)]  # a prompt shown is out of date
 
     def unchanged(extra: int = 0) -> list:
-        return [gr.skip()] * (len(conversations.SETTINGS) + 12 + extra)  # as many as view_outputs (+ extra)
+        return [gr.skip()] * (len(conversations.SETTINGS) + 19 + extra)  # as many as view_outputs (+ extra)
 
     def restore(store: Any):
         return view(loaded(store))
@@ -329,21 +384,50 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         """Shows the user's message at once and marks a reply as under way; a message sent while one streams
         (Enter in the box) waits in the box."""
         if pending is not None or not message.strip():
-            return [gr.skip()] * 5 + [gr.skip()] * 6
+            return [gr.skip()] * 13
         conversation = conversations.active(loaded(store))
         keep = len(conversation["messages"])
         return [conversation["messages"] + [{"role": "user", "content": message}], "", "",
                 {"message": message, "keep": keep}, gr.update(interactive=False),
-                *button_states(conversation, busy=True)]
+                *button_states(conversation, busy=True), gr.update(visible=False), gr.update(visible=False)]
 
-    def begin_retry(store: Any, pending: Optional[dict]):
+    def begin_retry(store: Any, pending: Optional[dict], at: Optional[int] = None):
+        """A new reply to the message before reply `at` (by default the last reply), kept beside the old one."""
         conversation = conversations.active(loaded(store))
-        if pending is not None or not conversation["messages"]:
-            return [gr.skip()] * 5 + [gr.skip()] * 6
-        keep = len(conversation["messages"]) - 2
-        message = conversation["messages"][keep]["content"]
-        return [conversation["messages"][:keep + 1], gr.skip(), "", {"message": message, "keep": keep},
-                gr.update(interactive=False), *button_states(conversation, busy=True)]
+        at = len(conversation["messages"]) - 1 if at is None else at
+        if pending is not None or at not in range(1, len(conversation["messages"]), 2):
+            return [gr.skip()] * 13
+        message = conversation["messages"][at - 1]["content"]
+        return [conversation["messages"][:at], gr.skip(), "", {"message": message, "keep": at - 1},
+                gr.update(interactive=False), *button_states(conversation, busy=True), gr.update(visible=False),
+                gr.update(visible=False)]
+
+    def begin_edit(store: Any, pending: Optional[dict], edit: gr.EditData):
+        """A message edited in place: the reply to it starts a branch beside the old exchange."""
+        if pending is not None:
+            return [gr.skip()] * 13
+        conversation = conversations.active(loaded(store))
+        try:
+            message = requests.text(edit.value, "message")
+        except LlamaError:
+            message = ""
+        if edit.index not in range(0, len(conversation["messages"]), 2) or not message.strip():
+            return [conversation["messages"]] + [gr.skip()] * 12  # the page shows the edit: undo it there
+        return [conversation["messages"][:edit.index] + [{"role": "user", "content": message}], gr.skip(), "",
+                {"message": message, "keep": edit.index}, gr.update(interactive=False),
+                *button_states(conversation, busy=True), gr.update(visible=False), gr.update(visible=False)]
+
+    def select_message(store: Any, pending: Optional[dict], selected: gr.SelectData):
+        if pending is not None:
+            return [gr.skip()] * 6
+        return branch_states(conversations.active(loaded(store)), selected.index)
+
+    def flip(at: Optional[int], store: Any, pending: Optional[dict], step: int):
+        if pending is not None or at is None:
+            return unchanged()
+        store = loaded(store)
+        conversation = branches.flipped(conversations.active(store), at, step)
+        return view(conversations.with_conversation(store, conversation), at=at)
 
     def respond(pending: Optional[dict], store: Any, system_prompt: str, *controls):
         """Streams the reply to the pending message. A turn that is refused or fails is not kept: the chat
@@ -386,9 +470,17 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         yield [conversation["messages"], stats, store, None, gr.skip(),
                gr.update(choices=conversations.choices(store), value=store["active"]), conversation["title"]]
 
+    def show_prompt(message: str, store: Any, system_prompt: str, max_new_tokens: Any):
+        """The exact prompt the next turn would give the model, and what of the history does not fit."""
+        messages = conversations.active(loaded(store))["messages"]
+        return gr.update(visible=True, open=True), conversations.prompt_preview(engine, message, messages,
+                                                                                system_prompt, max_new_tokens)
+
     def finish(store: Any):
         """After a reply (or a failure): nothing pending, the buttons for the conversation as it is."""
-        return [None, gr.update(interactive=True), *button_states(conversations.active(loaded(store)), busy=False)]
+        conversation = conversations.active(loaded(store))
+        return [None, gr.update(interactive=True), *button_states(conversation, busy=False),
+                *branch_states(conversation)]
 
     def stop_reply(shown: list[dict], store: Any, pending: Optional[dict]):
         """Keeps the reply so far as the answer (or, before any, puts the message back in the box)."""
@@ -409,21 +501,19 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         if pending is not None or not conversation["messages"]:
             return unchanged(1)
         message = conversation["messages"][-2]["content"]
-        store = conversations.with_conversation(store, dict(conversation, messages=conversation["messages"][:-2],
-                                                            stats=""))
-        return view(store) + [message]
+        return view(conversations.with_conversation(store, branches.undone(conversation))) + [message]
 
     def clear_chat(store: Any, pending: Optional[dict]):
         if pending is not None:
             return unchanged()
         store = loaded(store)
-        return view(conversations.with_conversation(store, dict(conversations.active(store), messages=[], stats="")))
+        return view(conversations.with_conversation(store, branches.cleared(conversations.active(store))))
 
     def new_chat(store: Any, pending: Optional[dict], system_prompt: str, *controls):
         store = loaded(store)
         if pending is not None:
             return unchanged()
-        if not conversations.active(store)["messages"]:  # the active chat is new already
+        if conversations.is_new(conversations.active(store)):
             return view(store)
         return view(conversations.with_conversation(
             store, conversations.new_conversation(system_prompt, settings_of(controls))))
@@ -472,8 +562,16 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         shown = []
         for text, tokens, stats in updates:
             shown = [t for t in tokens if t["token"]]
-            yield text, _highlights(shown), gr.skip(), shown
-        yield gr.skip(), gr.skip(), stats_line(stats), gr.skip()
+            generated = text[len(prompt):] if echo else text
+            yield (text, _highlights(shown), gr.skip(), shown, marked_completion(prompt, generated),
+                   {"prompt": prompt, "text": generated})
+        yield gr.skip(), gr.skip(), stats_line(stats), gr.skip(), gr.skip(), gr.skip()
+
+    def continued_prompt(prompt: str, completed: Optional[dict]):
+        """The prompt with its last generation appended (the box as it is when it was not generated from it)."""
+        if completed is not None and completed["prompt"] == prompt:
+            return prompt + completed["text"]
+        return gr.skip()
 
     def alternatives_of(shown: list[dict], selected: gr.SelectData) -> str:
         if selected.index not in range(len(shown)):
@@ -495,9 +593,17 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 import_button = gr.UploadButton("Import JSON", size="sm", file_types=[".json"], type="binary",
                                                 elem_id="chat-import")
                 exported = gr.File(label="Exported", visible=False, interactive=False, elem_id="chat-exported")
-            with gr.Column(scale=3, min_width=300):
-                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height=420, buttons=["copy", "copy_all"],
+            with gr.Column(scale=3, min_width=300, elem_id="chat-main"):
+                chatbot = gr.Chatbot(label="Chat · click a message for its versions", elem_id="chatbot", height=420,
+                                     buttons=["copy", "copy_all"], editable="user",
                                      placeholder="Say something to start the conversation.")
+                with gr.Row(elem_id="chat-branch", visible=False) as branch_row:
+                    branch_prev = gr.Button("‹", size="sm", min_width=40, scale=0, elem_id="chat-branch-prev")
+                    branch_label = gr.Markdown(elem_id="chat-branch-label")
+                    branch_next = gr.Button("›", size="sm", min_width=40, scale=0, elem_id="chat-branch-next")
+                    branch_retry = gr.Button("Retry this reply", size="sm", scale=0, min_width=120,
+                                             elem_id="chat-branch-retry")
+                branch_at = gr.State(None)  # the message the branch bar is about, an index into those shown
                 chat_stats = gr.Markdown(elem_id="chat-stats")
                 with gr.Row(elem_id="chat-compose"):
                     chat_input = gr.Textbox(show_label=False, placeholder="Type a message and press Enter", scale=5,
@@ -509,6 +615,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                     retry, undo_button, clear = (
                         gr.Button(name, size="sm", interactive=False, elem_id=f"chat-{name.lower()}")
                         for name in ("Retry", "Undo", "Clear"))
+                    show_prompt_button = gr.Button("Show prompt", size="sm", elem_id="chat-show-prompt")
+                with gr.Accordion("The prompt the model sees next", open=True, visible=False,
+                                  elem_id="chat-prompt-panel") as prompt_panel:
+                    prompt_shown = gr.Markdown(elem_id="chat-prompt")
                 examples = gr.Examples(prompts.chat_examples, chat_input, label="Examples")
             with gr.Column(scale=1, min_width=240):
                 system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
@@ -520,9 +630,14 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
                                     elem_id="completion-prompt")
+                prompt_size = gr.Markdown(prompt_size_line(engine, ""), elem_id="completion-prompt-tokens")
                 with gr.Row():
                     generate = gr.Button("Generate", variant="primary", elem_id="completion-generate")
+                    continue_button = gr.Button("Continue", elem_id="completion-continue")
                     stop_completion = gr.Button("Stop", variant="stop", elem_id="completion-stop")
+                marked = gr.HighlightedText(label="Prompt and generated text", color_map={"generated": "#fcd34d"},
+                                            show_legend=True, elem_id="completion-marked")
+                completed = gr.State(None)  # {"prompt", "text"}: the last generation and the prompt it continued
                 output = gr.Textbox(label="Output", lines=8, interactive=False, elem_id="completion-output")
                 tokens = gr.HighlightedText(label="Tokens, each with its probability", color_map=PROBABILITY_COLORS,
                                             show_legend=False, show_inline_category=True, visible=False,
@@ -540,14 +655,19 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
 
         defaults.update(zip(conversations.SETTINGS, (control.value for control in chat_controls)))
         buttons = [send, stop, retry, undo_button, clear, new_button]
-        view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, chat_title, *buttons]
-        begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons]
+        branch_outputs = [branch_at, branch_row, branch_label, branch_prev, branch_next, branch_retry]
+        view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, chat_title, *buttons,
+                        *branch_outputs, prompt_panel]
+        begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons, prompt_panel, branch_row]
         reply_inputs = [pending, store, system_prompt, *chat_controls]
         reply_outputs = [chatbot, chat_stats, store, pending, chat_input, chat_list, chat_title]
-        finish_outputs = [pending, chat_list, *buttons]
+        finish_outputs = [pending, chat_list, *buttons, *branch_outputs]
         begins = [(trigger, begin, [chat_input, store, pending]) for trigger in (chat_input.submit, send.click)]
         begins.append((examples.load_input_event.then, begin, [chat_input, store, pending]))
         begins.append((retry.click, begin_retry, [store, pending]))
+        begins.append((chatbot.retry, begin_retry, [store, pending]))
+        begins.append((branch_retry.click, begin_retry, [store, pending, branch_at]))
+        begins.append((chatbot.edit, begin_edit, [store, pending]))
         answers = [trigger(start, inputs, begin_outputs, queue=False, **ui)
                    .then(respond, reply_inputs, reply_outputs, **generating, **ui)
                    for trigger, start, inputs in begins]
@@ -555,6 +675,13 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             answer.then(finish, store, finish_outputs, queue=False, **ui)
         stop.click(stop_reply, [chatbot, store, pending], view_outputs + [chat_input, pending], queue=False,
                    cancels=answers, **ui)
+        chatbot.select(select_message, [store, pending], branch_outputs, queue=False, **ui)
+        branch_prev.click(lambda at, s, p: flip(at, s, p, -1), [branch_at, store, pending], view_outputs, queue=False,
+                          **ui)
+        branch_next.click(lambda at, s, p: flip(at, s, p, 1), [branch_at, store, pending], view_outputs, queue=False,
+                          **ui)
+        show_prompt_button.click(show_prompt, [chat_input, store, system_prompt, chat_controls[2]],
+                                 [prompt_panel, prompt_shown], queue=False, **ui)
         undo_button.click(undo, [store, pending], view_outputs + [chat_input], queue=False, **ui)
         clear.click(clear_chat, [store, pending], view_outputs, queue=False, **ui)
         chatbot.clear(clear_chat, [store, pending], view_outputs, queue=False, **ui)  # its own trash button
@@ -570,10 +697,12 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         demo.load(restore, store, view_outputs, queue=False, **ui)
 
         completion_inputs = [prompt, *completion_controls, echo, show_probabilities]
+        continues = continue_button.click(continued_prompt, [prompt, completed], prompt, queue=False, **ui).then
         completions = [trigger(lambda: "", None, completion_stats, queue=False, **ui)
-                       .then(complete_ui, completion_inputs, [output, tokens, completion_stats, shown_tokens],
-                             **generating, **ui)
-                       for trigger in (generate.click, prompt.submit)]
+                       .then(complete_ui, completion_inputs,
+                             [output, tokens, completion_stats, shown_tokens, marked, completed], **generating, **ui)
+                       for trigger in (generate.click, prompt.submit, continues)]
+        prompt.change(lambda text: prompt_size_line(engine, text), prompt, prompt_size, queue=False, **ui)
         stop_completion.click(lambda: "Stopped.", None, completion_stats, queue=False, cancels=completions, **ui)
         show_probabilities.change(lambda on: gr.update(visible=on), show_probabilities, tokens, queue=False, **ui)
         tokens.select(alternatives_of, shown_tokens, alternatives, queue=False, **ui)

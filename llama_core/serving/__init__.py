@@ -18,9 +18,11 @@ _MODULES = {
     "StreamChunk": ".events",
     "GenerationRequest": ".requests",
     "SamplingParams": ".requests",
+    "ChatPrompt": ".streams",
     "RequestFailedError": ".streams",
     "TextStream": ".streams",
     "TokenStream": ".streams",
+    "chat_prompt": ".streams",
     "stream_chat": ".streams",
     "stream_completion": ".streams",
 }

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Protocol, Sequence
 
 from .. import dialog as chat_format
-from ..errors import ContextLengthError, LlamaError
+from ..errors import ContextLengthError, DialogError, LlamaError
 from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Admitted, Channel, PromptLogprobs, StreamChunk
 from .requests import SamplingParams, check_max_new_tokens, completion_prompt, sampling_params, whole_number
@@ -261,18 +262,58 @@ def stream_chat(
     if chat_format.has_special_tags(dialog):
         return TextStream(None, None, 0, max_seq_len, refusal=chat_format.UNSAFE_ERROR)
     max_new_tokens = check_max_new_tokens(_default_max_new_tokens(engine, max_new_tokens), max_seq_len)
-    if drop_old_turns:
-        fitted = chat_format.prepare_chat(engine.tokenizer, max_seq_len, dialog, max_new_tokens)
-    else:
-        fitted = chat_format.FittedDialog(chat_format.encode_dialog(engine.tokenizer, dialog), 0)
-        if len(fitted.prompt_tokens) >= max_seq_len:
-            raise ContextLengthError(
-                f"the messages take {len(fitted.prompt_tokens):,} tokens, but the model's context is {max_seq_len:,}: "
-                f"shorten them to at most {max_seq_len - 1:,} tokens to leave room for a reply"
-            )
+    fitted = _fitted_chat(engine, dialog, max_new_tokens, drop_old_turns)
     tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, params=params)
     decoder = StreamDecoder(engine.tokenizer)  # the reply's text, as chat_completion's content reads
     return TextStream(tokens, decoder, len(fitted.prompt_tokens), max_seq_len, fitted.dropped_pairs, stop=params.stop)
+
+
+def _fitted_chat(engine: TextEngine, dialog: chat_format.Dialog, max_new_tokens: int,
+                 drop_old_turns: bool) -> chat_format.FittedDialog:
+    max_seq_len = engine.info.max_seq_len
+    if drop_old_turns:
+        return chat_format.prepare_chat(engine.tokenizer, max_seq_len, dialog, max_new_tokens)
+    fitted = chat_format.FittedDialog(chat_format.encode_dialog(engine.tokenizer, dialog), 0)
+    if len(fitted.prompt_tokens) >= max_seq_len:
+        raise ContextLengthError(
+            f"the messages take {len(fitted.prompt_tokens):,} tokens, but the model's context is {max_seq_len:,}: "
+            f"shorten them to at most {max_seq_len - 1:,} tokens to leave room for a reply"
+        )
+    return fitted
+
+
+@dataclass
+class ChatPrompt:
+    """What the model is given for a chat turn, as stream_chat would submit it."""
+
+    text: str  # the prompt in the Llama-2 layout, BOS and EOS written as <s> and </s>
+    prompt_tokens: list[int]
+    dropped: chat_format.Dialog  # the oldest (user, assistant) messages left out to fit the context
+    dropped_tokens: int  # how many more tokens the whole dialog would take
+    reply_room: int  # tokens kept free for the reply
+    max_seq_len: int
+
+
+def chat_prompt(engine: TextEngine, dialog: chat_format.Dialog, max_new_tokens: Optional[int] = None, *,
+                drop_old_turns: bool = True) -> ChatPrompt:
+    """The prompt stream_chat would submit for this dialog (same checks, same fitting), without running it.
+
+    Raises:
+        DialogError: the dialog is malformed or holds a reserved chat-format tag (stream_chat refuses it).
+        ContextLengthError: the last message (with the system prompt) does not fit.
+    """
+    max_seq_len = engine.info.max_seq_len
+    if chat_format.has_special_tags(dialog):
+        raise DialogError(chat_format.UNSAFE_ERROR)
+    max_new_tokens = check_max_new_tokens(_default_max_new_tokens(engine, max_new_tokens), max_seq_len)
+    fitted = _fitted_chat(engine, dialog, max_new_tokens, drop_old_turns)
+    first_kept = (1 if dialog[0]["role"] == "system" else 0) + 2 * fitted.dropped_pairs
+    system = list(dialog[: first_kept - 2 * fitted.dropped_pairs])
+    prompt_len = len(fitted.prompt_tokens)
+    dropped_tokens = len(chat_format.encode_dialog(engine.tokenizer, dialog)) - prompt_len if fitted.dropped_pairs else 0
+    reply_room = chat_format.reply_room(max_seq_len, max_new_tokens) if drop_old_turns else max_seq_len - prompt_len
+    return ChatPrompt(chat_format.dialog_text(system + list(dialog[first_kept:])), fitted.prompt_tokens,
+                      list(dialog[len(system) : first_kept]), dropped_tokens, reply_room, max_seq_len)
 
 
 def _default_max_new_tokens(engine: TextEngine, max_new_tokens: Any) -> Any:

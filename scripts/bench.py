@@ -159,28 +159,25 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
                 times[name] = min(times[name], best_time(make_call(generate), 1, device))
         return times
 
+    # Every call gets prompts of its own: a prompt seen before would be served from llama_core's prefix cache.
     n = a.decode_tokens
-    short = prompts(1, 16)
     results = {name: {"ttft_s": {}, "aggregate_tokens_per_s": {}, "aggregate_with_prefill_tokens_per_s": {}}
                for name in impls}
     for generate in impls.values():
-        generate(short, 2)  # warm-up
-    first = best(lambda g: lambda: g(short, 1), a.repeats)
-    full = best(lambda g: lambda: g(short, n + 1), a.repeats)
+        generate(prompts(1, 16), 2)  # warm-up
+    first = best(lambda g: lambda: g(prompts(1, 16), 1), a.repeats)
+    full = best(lambda g: lambda: g(prompts(1, 16), n + 1), a.repeats)
     for name in impls:
         results[name]["decode_tokens_per_s"] = n / max(full[name] - first[name], 1e-9)
     for length in (int(x) for x in a.prompt_lengths.split(",")):
-        p = prompts(1, length)
-        for name, t in best(lambda g: lambda: g(p, 1), a.repeats).items():
+        for name, t in best(lambda g: lambda: g(prompts(1, length), 1), a.repeats).items():
             results[name]["ttft_s"][length] = t
     for batch in (int(x) for x in a.batch_sizes.split(",")):
-        p = prompts(batch, 16)
-        t_first = best(lambda g: lambda: g(p, 1), a.repeats)
-        t_full = best(lambda g: lambda: g(p, n + 1), a.repeats)
+        t_first = best(lambda g: lambda: g(prompts(batch, 16), 1), a.repeats)
+        t_full = best(lambda g: lambda: g(prompts(batch, 16), n + 1), a.repeats)
         for name in impls:
             results[name]["aggregate_tokens_per_s"][batch] = batch * n / max(t_full[name] - t_first[name], 1e-9)
-        p = prompts(batch, BATCHED_PROMPT)
-        for name, t in best(lambda g: lambda: g(p, BATCHED_NEW), a.repeats).items():
+        for name, t in best(lambda g: lambda: g(prompts(batch, BATCHED_PROMPT), BATCHED_NEW), a.repeats).items():
             results[name]["aggregate_with_prefill_tokens_per_s"][batch] = batch * BATCHED_NEW / t
     return results
 

@@ -3,6 +3,7 @@ which int8 kernel to use, and from how many rows.
 
     python scripts/bench_int8.py --threads 2                       # 15m and 110m, 1, 8 and 32 rows
     python scripts/bench_int8.py --shapes 110m --rows 1 --kernels fp32,fbgemm
+    python scripts/bench_int8.py --shapes "" --accuracy default --accuracy ../shared/models/stories260K
 
 Each product runs over all of one forward's projections (every layer's fused q/k/v, output, fused
 gate/up and down projection, then the vocabulary projection), each with its own random weights, so memory
@@ -21,6 +22,11 @@ is read as a real forward reads it. Kernels (weights quantized per output channe
 The kernels take turns, --repeats times; the median is printed, in ms per forward, with each kernel's
 ratio to fp32 and its largest error against the float64 product of the dequantized weight, relative to
 that product's largest magnitude.
+
+With --accuracy CKPT_DIR (repeatable; "default" is the embedded model) it also prints how far
+`quantize="int8"` moves that model from float32: the largest |logprob difference| over the whole
+vocabulary and over the chosen tokens, at every position of float32's greedy continuations of a few
+prompts, and how often the two models' most likely tokens agree there.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +98,34 @@ def max_relative_error(run, prepared, reference_weights, x) -> float:
     return worst
 
 
+def accuracy(ckpt_dir: Optional[str]) -> str:
+    """One line: how far int8 weights move the model at ckpt_dir (None: the embedded one) from float32."""
+    from llama_core import Llama
+
+    options = dict(max_seq_len=256, max_batch_size=4, device="cpu", dtype="float32")
+    reference, int8 = Llama.build(ckpt_dir, **options), Llama.build(ckpt_dir, **options, quantize="int8")
+    if ckpt_dir is None:
+        prompts = [reference.tokenizer.encode(t, bos=True, eos=False) for t in ("ROMEO:", "To be, or not", "The king")]
+    else:  # token ids, so that a stand-in vocabulary (stories260K's) works too
+        prompts = [[1], [1, 461, 461, 401, 401, 401], [1, 300, 301, 302, 13, 400, 77, 200, 150]]
+    continuations, _ = reference.generate(prompts, 64, temperature=0)
+    worst = worst_chosen = 0.0
+    same = total = 0
+    for prompt, continuation in zip(prompts, continuations):
+        tokens = torch.tensor([prompt + continuation])
+        with torch.inference_mode():
+            ref, got = (torch.log_softmax(l.model(tokens, kv_len=tokens.shape[1])[0, len(prompt) - 1 : -1], -1)
+                        for l in (reference, int8))
+        chosen = torch.tensor(continuation)[:, None]
+        worst = max(worst, float((got - ref).abs().max()))
+        worst_chosen = max(worst_chosen, float((got.gather(1, chosen) - ref.gather(1, chosen)).abs().max()))
+        same += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += ref.shape[0]
+    return (f"{Path(ckpt_dir).name if ckpt_dir else 'embedded default'}: max |int8 - float32 logprob| "
+            f"{worst:.3f} (vocabulary), {worst_chosen:.3f} (chosen tokens); top token agrees at {same}/{total} "
+            f"positions ({100 * same / total:.0f} %)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="15m,110m", help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -99,6 +133,8 @@ def main() -> None:
     p.add_argument("--kernels", default="all", help="comma-separated kernel names, or all")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--accuracy", action="append", default=[], metavar="CKPT_DIR",
+                   help="also print int8's deviation from float32 on this checkpoint ('default': the embedded model)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -109,7 +145,7 @@ def main() -> None:
         p.error(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(available)}")
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "
           "ms per forward's projections (ratio to fp32), max relative error")
-    for shape in a.shapes.split(","):
+    for shape in (s for s in a.shapes.split(",") if s):  # --shapes "": only --accuracy
         torch.manual_seed(0)
         weights = [torch.randn(shape_) * 0.02 for shape_ in projection_shapes(*SHAPES[shape])]
         reference = [quantized(w) for w in weights]
@@ -143,6 +179,10 @@ def main() -> None:
             errors = [max_relative_error(available[n][1], [prepared[n][i] for i in pick], [reference[i] for i in pick], x)
                       for n in chosen]
         print(f"{'err':>5}" + "".join(f"{e:>22.1e}" for e in errors))
+    if a.accuracy:
+        print()
+    for ckpt_dir in a.accuracy:
+        print(accuracy(None if ckpt_dir == "default" else ckpt_dir))
 
 
 if __name__ == "__main__":

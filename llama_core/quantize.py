@@ -42,7 +42,7 @@ class Int8Linear(nn.Module):
     def _set(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
-        _reduce_range()  # found now, in eager mode: a compiled forward reads it
+        _reduce_range()  # found now, in eager mode: forward reads it (None: no fbgemm in this torch)
 
     @classmethod
     def stacked(cls, linears: Iterable["Int8Linear"]) -> "Int8Linear":
@@ -66,18 +66,18 @@ class Int8Linear(nn.Module):
         return self.weight.to(self.scales.dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32:
-            if torch.compiler.is_compiling() and _REDUCE_RANGE is not None:
-                # dynamo cannot trace fbgemm's packed weight: the same rounding and sums, in float
-                return _rows_quantized(x, lambda rows: F.linear(rows, self.weight.to(x.dtype)) * self.scales)
-            packed = self._packed_for_cpu()
-            if packed is not None:
-                return _rows_quantized(x, lambda rows: torch.ops.quantized.linear_dynamic(rows, packed, _reduce_range()))
+        if x.device.type == "cpu" and x.dtype == torch.float32 and _REDUCE_RANGE is not None:
+            rows, magnitude = _rows_on_own_scale(x)
+            if torch.compiler.is_compiling():  # dynamo cannot trace fbgemm's packed weight: the same sums in float
+                out = F.linear(_fbgemm_rounding(rows), self.weight.to(x.dtype)) * self.scales
+            else:
+                out = torch.ops.quantized.linear_dynamic(rows, self._packed_for_cpu(), _REDUCE_RANGE)
+            return out.mul_(magnitude).view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight.to(x.dtype)) * self.scales
 
     def _packed_for_cpu(self):
         """fbgemm's packed copy of the weight (two zero columns added, see the module's docstring), made on
-        first use; None where this torch has no fbgemm."""
+        first use."""
         key = self.weight.data_ptr()  # a weight moved or replaced is packed again
         if getattr(self, "_packed_key", None) != key:
             self._packed, self._packed_key = _fbgemm_pack(self.weight, self.scales), key
@@ -113,22 +113,24 @@ def _fbgemm_pack(weight: torch.Tensor, scales: torch.Tensor):
         return torch.ops.quantized.linear_prepack(per_channel, None)
 
 
-def _rows_quantized(x: torch.Tensor, product) -> torch.Tensor:
-    """product (fbgemm's, or its float stand-in under torch.compile) of x [..., in] float32, each row scaled to
-    [-1, 1] and two columns pinning the input's range there, so that each row is quantized on its own scale."""
+def _rows_on_own_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., in] as rows [N, in + 2] for fbgemm: each divided by its largest magnitude [N, 1], then +1 and -1
+    (against zero weights), so that the input's range is [-1, 1] and each row is quantized on its own scale."""
     rows = x.reshape(-1, x.shape[-1])
-    magnitude = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
-    bounds = rows.new_tensor([[1.0, -1.0]]).expand(rows.shape[0], 2)
-    scaled = torch.cat([rows / magnitude, bounds], dim=1)
-    if torch.compiler.is_compiling():  # fbgemm's rounding: [-1, 1] onto 0..255 (0..127), zero point 128 (64)
-        levels = 127 if _REDUCE_RANGE else 255
-        step, inverse = _FBGEMM_STEPS[levels]
-        zero = (levels + 1) // 2
-        scaled = ((scaled[:, :-2] * inverse).round() + zero).clamp(0, levels).sub(zero) * step
-    out = product(scaled) * magnitude
-    return out.view(*x.shape[:-1], out.shape[-1])
+    magnitude = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)
+    return torch.cat([rows / magnitude, _BOUNDS.expand(rows.shape[0], 2)], dim=1), magnitude
 
 
+def _fbgemm_rounding(rows: torch.Tensor) -> torch.Tensor:
+    """The values fbgemm multiplies for rows in [-1, 1] (less the bound columns): 0..255 (0..127 with reduce
+    range) around zero point 128 (64), in float32 steps as fbgemm computes them (-1 maps to 1, not 0)."""
+    levels = 127 if _REDUCE_RANGE else 255
+    step, inverse = _FBGEMM_STEPS[levels]
+    zero = (levels + 1) // 2
+    return ((rows[:, :-2] * inverse).round() + zero).clamp(0, levels).sub(zero) * step
+
+
+_BOUNDS = torch.tensor([[1.0, -1.0]])
 _REDUCE_RANGE: Optional[bool] = None
 # fbgemm's step for [-1, 1] and its inverse, in float32 as it computes them (so that -1 maps to 1, not 0).
 _FBGEMM_STEPS = {levels: (float(torch.tensor(2.0) / levels), float(1 / (torch.tensor(2.0) / levels))) for levels in (127, 255)}

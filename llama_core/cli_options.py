@@ -78,7 +78,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="weights' dtype; auto is bfloat16 on CUDA, float32 on CPU (default: auto)")
     parser.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
                         help="int8: store the projections' weights as int8, one scale per output channel (on CPU "
-                        "faster than float32, a quarter of the bytes; logits move slightly) (default: none)")
+                        "faster than float32; log-probabilities move slightly) (default: none)")
 
 
 def positive_int(text: str) -> int:

@@ -104,7 +104,7 @@ class Llama:
                 serves rank 0's steps until rank 0 exits, then exits the process (see
                 llama_core.distributed.parallel).
             quantize: "int8" stores every projection's weight as int8 with one scale per output channel,
-                once loaded (on CPU faster than float32 and a quarter of its bytes; see llama_core.quantize);
+                once loaded (on CPU faster than float32, with 8-bit activations; see llama_core.quantize);
                 None keeps the dtype's weights. Not with device_map or tensor_parallel.
 
         Raises:

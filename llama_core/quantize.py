@@ -4,9 +4,10 @@ channel (row).
 On CPU (float32) the product runs in fbgemm's int8 GEMM (`torch.ops.quantized.linear_dynamic`, the kernel
 behind torch.ao's dynamic quantization): the activations are quantized to 8 bits on the fly and multiplied
 with the int8 weight in integer arithmetic, never through a dequantized copy of the weight.
-scripts/bench_int8.py measured it the fastest candidate at every shape and row count tried (15m and 110m,
-1 to 32 rows: 2.4 to 8 times float32's speed on the projections, 1.4 to 4.8 with the row scaling below),
-ahead of torch's weight-only `_weight_int8pack_mm` (docs/benchmarks.md).
+scripts/bench_int8.py measured it the fastest candidate on the 15m and 110m shapes at 1 to 32 rows (2.6 to
+9 times float32's speed on the projections, 1.6 to 5.9 with the row scaling below), ahead of torch's
+weight-only `_weight_int8pack_mm` (docs/benchmarks.md); on models as small as the embedded one the ops
+around each product make it slower than float32.
 
 fbgemm quantizes its whole input with one scale. Each row is therefore first divided by its own largest
 magnitude, and two constant columns (+1 and -1, against zero weights) pin the input's range to [-1, 1]:

@@ -86,6 +86,10 @@ class Int8Linear(nn.Module):
             self._packed, self._packed_key = _fbgemm_pack(self.weight, self.scales), key
         return self._packed
 
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)  # copies into the buffers in place: pack them again
+        self._packed_key = None
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 

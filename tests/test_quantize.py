@@ -73,6 +73,16 @@ def test_each_row_is_computed_as_if_alone():
     assert torch.equal(together, alone)
 
 
+def test_a_state_dict_loaded_into_an_int8_layer_is_what_it_computes_with():
+    torch.manual_seed(0)
+    layer, other = Int8Linear(torch.randn(64, 32)), Int8Linear(torch.randn(64, 32))
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        layer(x)  # packs layer's own weight
+        layer.load_state_dict(other.state_dict())  # in place: same storage, new values
+        assert torch.equal(layer(x), other(x))
+
+
 def test_quantize_option_builds_int8_layers_and_says_so(meta_ckpt_dir):
     llama = build_llama(meta_ckpt_dir, quantize="int8")
     layers = [m for m in llama.model.modules() if isinstance(m, Int8Linear)]

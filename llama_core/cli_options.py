@@ -1,8 +1,8 @@
 """What the command lines (`llama-chat`, `llama-generate`) share: their argument parser, the model options
 and the checks of those options before a model loads; `llama-export` checks its checkpoint with them too.
 
-`add_model_options(parser)` adds --ckpt-dir, --tokenizer, --max-seq-len, --allow-longer-context, --device
-and --dtype. `check_model_options(args)` judges them cheapest first: the checkpoint's files, config and
+`add_model_options(parser)` adds --ckpt-dir, --tokenizer, --max-seq-len, --allow-longer-context, --device,
+--dtype and --quantize. `check_model_options(args)` judges them cheapest first: the checkpoint's files, config and
 tokenizer (milliseconds, no torch), then the device and dtype (imports torch, loads nothing). A value that
 cannot work raises `OptionError`, whose message names the flag and the fix; the command prints it as one
 line and exits with status 2 before any weight is read.
@@ -23,6 +23,7 @@ from .tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when none is asked for and the model allows it
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZE_CHOICES = ("none", "int8")  # --quantize; llama_core.quantize.QUANTIZATIONS besides none
 
 
 class OptionError(LlamaError, ValueError):
@@ -47,17 +48,18 @@ class ModelPlan:
     device: str  # what "auto" resolved to: "cpu", "cuda:0"..., or "device map auto"
     dtype: str  # "float32", "bfloat16" or "float16"
     warnings: tuple[str, ...] = ()  # accepted, but the user should know (a context beyond training)
+    quantize: Optional[str] = None  # "int8", or None for the dtype's own weights
 
     @property
     def name(self) -> str:
         return self.ckpt_dir.name
 
     def summary(self) -> str:
-        """One line: name, size, context, device and dtype."""
+        """One line: name, size, context, device, dtype and int8 weights where quantized."""
         trained = self.args.max_seq_len
         trained_for = f"trained for {trained:,}" if trained else "trained context not stated by the checkpoint"
         return (f"{self.name}: {_count(self.args.parameter_count)} parameters, context {self.max_seq_len:,} tokens "
-                f"({trained_for}), {self.device}, {self.dtype}")
+                f"({trained_for}), {self.device}, {self.dtype}" + (f", {self.quantize} weights" if self.quantize else ""))
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +76,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         "(default: auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights' dtype; auto is bfloat16 on CUDA, float32 on CPU (default: auto)")
+    parser.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
+                        help="int8: store the projections' weights as int8, one scale per output channel (on CPU "
+                        "faster than float32; log-probabilities move slightly) (default: none)")
 
 
 def positive_int(text: str) -> int:
@@ -98,8 +103,9 @@ def check_model_options(options: argparse.Namespace, device_map: Optional[str] =
         raise OptionError(f"--tokenizer {tokenizer_path} has {vocab_size:,} pieces but the model in {ckpt_dir} has "
                           f"vocab_size {args.vocab_size:,}: pass the tokenizer.model that came with these weights")
     max_seq_len, warnings = check_context(options.max_seq_len, options.allow_longer_context, args, ckpt_dir.name)
+    quantize = check_quantize(options.quantize, device_map)
     device, dtype = check_device(options.device, options.dtype, device_map)
-    return ModelPlan(ckpt_dir, tokenizer_path, args, max_seq_len, device, dtype, warnings)
+    return ModelPlan(ckpt_dir, tokenizer_path, args, max_seq_len, device, dtype, warnings, quantize)
 
 
 def check_checkpoint(ckpt_dir: Optional[Path]) -> Path:
@@ -196,6 +202,16 @@ def check_device(device: str, dtype: str, device_map: Optional[str] = None) -> t
         raise OptionError(f"--dtype bfloat16: {torch.cuda.get_device_name(resolved)} does not support it: use "
                           "--dtype float16 (or auto, which picks it)")
     return str(resolved), str(resolve_dtype(dtype, resolved)).removeprefix("torch.")
+
+
+def check_quantize(quantize: str, device_map: Optional[str] = None) -> Optional[str]:
+    """--quantize as the loader takes it: None for none."""
+    if quantize not in QUANTIZE_CHOICES:  # argparse's choices refuse it first; this is for other callers
+        raise OptionError(f"--quantize {quantize}: must be one of {', '.join(QUANTIZE_CHOICES)}")
+    if quantize != "none" and device_map is not None:
+        raise OptionError(f"--quantize {quantize} and --device-map {device_map} exclude each other: int8 weights "
+                          "run on one device; leave out one of them")
+    return None if quantize == "none" else quantize
 
 
 def _count(n: int) -> str:

@@ -81,6 +81,7 @@ class Llama:
         max_memory: Optional[dict] = None,
         tensor_parallel: bool = False,
         compile: bool = False,
+        quantize: Optional[str] = None,
     ) -> "Llama":
         """Loads a checkpoint in Meta or Hugging Face layout.
 
@@ -103,14 +104,17 @@ class Llama:
                 processes. Rank 0 gets the Llama, which drives every rank; on the other ranks this call
                 serves rank 0's steps until rank 0 exits, then exits the process (see
                 llama_core.distributed.parallel).
+            quantize: "int8" stores every projection's weight as int8 with one scale per output channel,
+                once loaded (on CPU faster than float32, with 8-bit activations; see llama_core.quantize);
+                None keeps the dtype's weights. Not with device_map or tensor_parallel.
 
         Raises:
             CheckpointNotFoundError: a directory or file is missing.
             CheckpointError: a file is unreadable or the parts don't fit together.
-            InvalidRequestError: a bad max_seq_len, max_batch_size, device or dtype.
+            InvalidRequestError: a bad max_seq_len, max_batch_size, device, dtype or quantize.
         """
         loaded = load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, device, dtype, device_map,
-                      max_memory, tensor_parallel, compile)
+                      max_memory, tensor_parallel, compile, quantize=quantize)
         return Llama(loaded, seed)
 
     @property

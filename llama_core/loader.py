@@ -15,6 +15,7 @@ from .checkpoint_files import find_tokenizer, read_model_args
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from .quantize import QUANTIZATIONS, quantization_of, quantize_int8
 from .resources import DEFAULT_CKPT_DIR
 from .runner import ModelRunner
 from .tokenizer import Tokenizer
@@ -33,6 +34,12 @@ class ModelInfo:
     dtype: str
     device: str
     load_seconds: float
+    quantization: Optional[str] = None  # "int8": the projections' weights are int8 (see llama_core.quantize)
+
+    @property
+    def weights(self) -> str:
+        """The weights' format in words: "float32", or "float32, int8 weights" where quantized."""
+        return self.dtype + (f", {self.quantization} weights" if self.quantization else "")
 
     @property
     def name(self) -> str:
@@ -55,7 +62,7 @@ class LoadedModel:
             ckpt_dir=ckpt_dir, tokenizer_path=getattr(tokenizer, "model_path", None), args=runner.args,
             max_seq_len=runner.max_seq_len, max_batch_size=runner.max_batch_size,
             parameter_count=runner.parameter_count, dtype=str(runner.dtype).removeprefix("torch."),
-            device=str(runner.device), load_seconds=load_seconds,
+            device=str(runner.device), load_seconds=load_seconds, quantization=quantization_of(runner.model),
         )
         return cls(runner, tokenizer, info)
 
@@ -72,9 +79,11 @@ def load(
     tensor_parallel: bool = False,
     compile: bool = False,
     progress: bool = False,
+    quantize: Optional[str] = None,
 ) -> LoadedModel:
     """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`, and
     progress shows a bar on stderr while the weights load (on rank 0 only under tensor parallelism).
+    quantize="int8" stores the projections' weights as int8 once loaded (see llama_core.quantize).
 
     Under tensor parallelism, ranks > 0 serve rank 0's forwards inside this call and then exit the process.
 
@@ -98,6 +107,7 @@ def load(
             f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} pieces but the model in "
             f"{ckpt_dir} has vocab_size {args.vocab_size}"
         )
+    check_quantize(quantize, device_map, tensor_parallel)
     if max_memory is not None and not isinstance(device_map, str):
         raise InvalidRequestError("max_memory goes with a device_map strategy such as device_map='auto'")
     if tensor_parallel:
@@ -116,8 +126,20 @@ def load(
     else:
         torch_device = resolve_device(device)
         model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress)
+    if quantize == "int8":  # before the runner fuses projections, sets up the KV cache and compiles
+        quantize_int8(model)
     runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel)
     if tensor_parallel:
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
     return LoadedModel.from_runner(runner, tokenizer, ckpt_dir, time.perf_counter() - start)
 
+
+
+def check_quantize(quantize: Optional[str], device_map=None, tensor_parallel: bool = False) -> None:
+    """Raises InvalidRequestError for a quantize value other than None or "int8", or int8 where layers are
+    placed by accelerate or split over processes (not supported)."""
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise InvalidRequestError(f"quantize must be None or one of {', '.join(map(repr, QUANTIZATIONS))}, got {quantize!r}")
+    if quantize is not None and (device_map is not None or tensor_parallel):
+        raise InvalidRequestError(f"quantize={quantize!r} works on one device: it does not go with "
+                                  f"{'device_map' if device_map is not None else 'tensor_parallel'}")

@@ -177,9 +177,9 @@ class Transformer(nn.Module):
         values and names stay; only strides change. On CPU, BLAS multiplies one or a few rows by that layout
         much faster: decoding the 15m shape's 32000 x 288 output layer takes 1.3 ms instead of 4.0 on one
         core (MKL, AVX2), all of the embedded model's projections 1.03 ms instead of 1.34 per token, and
-        prefill-sized products take about as long as before. Int8 weights stay row-major: compiled, their
-        product becomes torch's int8 kernel, which needs them contiguous. (Large float32 weights are packed
-        for oneDNN before this, by the ModelRunner: see llama_core.packed_linear.)"""
+        prefill-sized products take about as long as before. Int8 layers (llama_core.quantize) are not
+        nn.Linear and keep their own layout. (Large float32 weights are packed for oneDNN before this, by the
+        ModelRunner: see llama_core.packed_linear.)"""
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.weight.device.type != "meta":
                 column_major = module.weight.detach().t().contiguous().t()

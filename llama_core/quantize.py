@@ -1,42 +1,157 @@
-"""Weight-only int8 quantization: per-output-channel scales, activations stay in the model dtype."""
+"""int8 weights (`quantize="int8"`): each projection's weight stored as int8 with one float scale per output
+channel (row).
+
+On CPU (float32) the product runs in fbgemm's int8 GEMM (`torch.ops.quantized.linear_dynamic`, the kernel
+behind torch.ao's dynamic quantization): the activations are quantized to 8 bits on the fly and multiplied
+with the int8 weight in integer arithmetic, never through a dequantized copy of the weight.
+scripts/bench_int8.py measured it the fastest candidate on the 15m and 110m shapes at 1 to 32 rows (2.6 to
+9 times float32's speed on the projections, 1.6 to 5.9 with the row scaling below), ahead of torch's
+weight-only `_weight_int8pack_mm` (docs/benchmarks.md); on models as small as the embedded one the ops
+around each product make it slower than float32.
+
+fbgemm quantizes its whole input with one scale. Each row is therefore first divided by its own largest
+magnitude, and two constant columns (+1 and -1, against zero weights) pin the input's range to [-1, 1]:
+every row gets its own 8-bit scale, the same whatever other rows share the forward (a prompt's outlier
+token cannot coarsen a decoding row), and the output is multiplied back row by row.
+
+Under torch.compile, which cannot trace fbgemm's packed weight, the same rounding runs in float, so
+compiled and eager steps agree. Elsewhere (CUDA, other dtypes) the activations stay as they are and the
+product is the dequantized one, which inductor fuses under `--compile`.
+"""
 
 from __future__ import annotations
+
+import warnings
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+QUANTIZATIONS = ("int8",)  # what Llama.build(quantize=...) takes besides None
+
 
 class Int8Linear(nn.Module):
-    """y = (x @ dequant(W).T), with W stored as int8 [out, in] and one scale per output row."""
+    """y = x @ (W_int8 * scales[:, None]).T: weight int8 [out, in] row-major, scales [out] in the model's dtype."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
-        # Row-major whatever the float weight's layout: compiled, the product is an int8 kernel needing it.
+        # Row-major whatever the float weight's layout: the int8 kernels read it that way.
         quantized = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.register_buffer("weight", quantized)
-        self.register_buffer("scales", scales.to(weight.dtype))
+        self._set(quantized, scales.to(weight.dtype))
+
+    def _set(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        _reduce_range()  # found now, in eager mode: forward reads it (None: no fbgemm in this torch)
 
     @classmethod
-    def stacked(cls, linears) -> "Int8Linear":
+    def stacked(cls, linears: Iterable["Int8Linear"]) -> "Int8Linear":
         """Rows of several quantized linears stacked into one (scales are per row, so they stack too)."""
+        linears = list(linears)
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
-        fused.register_buffer("weight", torch.cat([l.weight for l in linears]))
-        fused.register_buffer("scales", torch.cat([l.scales for l in linears]))
+        fused._set(torch.cat([l.weight for l in linears]), torch.cat([l.scales for l in linears]))
         return fused
 
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight [out, in] this layer stands for, in the scales' dtype."""
+        return self.weight.to(self.scales.dtype) * self.scales[:, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.float32 and _REDUCE_RANGE is not None:
+            rows, magnitude = _rows_on_own_scale(x)
+            if torch.compiler.is_compiling():  # dynamo cannot trace fbgemm's packed weight: the same sums in float
+                out = F.linear(_fbgemm_rounding(rows), self.weight.to(x.dtype)) * self.scales
+            else:
+                out = torch.ops.quantized.linear_dynamic(rows, self._packed_for_cpu(), _REDUCE_RANGE)
+            return out.mul_(magnitude).view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight.to(x.dtype)) * self.scales
+
+    def _packed_for_cpu(self):
+        """fbgemm's packed copy of the weight (two zero columns added, see the module's docstring), made on
+        first use."""
+        key = self.weight.data_ptr()  # a weight moved or replaced is packed again
+        if getattr(self, "_packed_key", None) != key:
+            self._packed, self._packed_key = _fbgemm_pack(self.weight, self.scales), key
+        return self._packed
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)  # copies into the buffers in place: pack them again
+        self._packed_key = None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replaces every nn.Linear in model with an Int8Linear, in place; returns model."""
+    """Replaces every bias-free nn.Linear (and oneDNN-packed projection) in model with an Int8Linear, in place;
+    returns model."""
+    from .packed_linear import PackedLinear
+
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear) and child.bias is None:
+        if isinstance(child, PackedLinear) or (isinstance(child, nn.Linear) and child.bias is None):
             setattr(model, name, Int8Linear(child.weight))
         else:
             quantize_int8(child)
     return model
+
+
+def quantization_of(model: nn.Module) -> Optional[str]:
+    """"int8" when model holds int8-quantized layers, else None."""
+    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else None
+
+
+def _fbgemm_pack(weight: torch.Tensor, scales: torch.Tensor):
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    padded = torch.cat([weight, weight.new_zeros(weight.shape[0], 2)], dim=1)
+    with warnings.catch_warnings():  # quantized tensors are deprecated as a user type; fbgemm's kernel takes one
+        warnings.simplefilter("ignore")
+        per_channel = torch._make_per_channel_quantized_tensor(
+            padded, scales.double(), torch.zeros_like(scales, dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(per_channel, None)
+
+
+def _rows_on_own_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., in] as rows [N, in + 2] for fbgemm: each divided by its largest magnitude [N, 1], then +1 and -1
+    (against zero weights), so that the input's range is [-1, 1] and each row is quantized on its own scale."""
+    rows = x.reshape(-1, x.shape[-1])
+    magnitude = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)
+    return torch.cat([rows / magnitude, _BOUNDS.expand(rows.shape[0], 2)], dim=1), magnitude
+
+
+def _fbgemm_rounding(rows: torch.Tensor) -> torch.Tensor:
+    """The values fbgemm multiplies for rows in [-1, 1] (less the bound columns): 0..255 (0..127 with reduce
+    range) around zero point 128 (64), in float32 steps as fbgemm computes them (-1 maps to 1, not 0)."""
+    levels = 127 if _REDUCE_RANGE else 255
+    step, inverse = _FBGEMM_STEPS[levels]
+    zero = (levels + 1) // 2
+    return ((rows[:, :-2] * inverse).round() + zero).clamp(0, levels).sub(zero) * step
+
+
+_BOUNDS = torch.tensor([[1.0, -1.0]])
+_REDUCE_RANGE: Optional[bool] = None
+# fbgemm's step for [-1, 1] and its inverse, in float32 as it computes them (so that -1 maps to 1, not 0).
+_FBGEMM_STEPS = {levels: (float(torch.tensor(2.0) / levels), float(1 / (torch.tensor(2.0) / levels))) for levels in (127, 255)}
+
+
+def _reduce_range() -> bool:
+    """Whether activations must keep to 7 bits: fbgemm's kernels without VNNI add pairs of u8 x s8 products in
+    saturating 16-bit sums, which 8-bit activations can overflow. Found once, by trying a sum that would."""
+    global _REDUCE_RANGE
+    if _REDUCE_RANGE is None and "fbgemm" in torch.backends.quantized.supported_engines:
+        packed = _fbgemm_pack(torch.full((16, 64), 127, dtype=torch.int8), torch.ones(16))
+        got = torch.ops.quantized.linear_dynamic(torch.ones(1, 66), packed, False)
+        _REDUCE_RANGE = bool((got - 127 * 64).abs().max() > 1)
+    return bool(_REDUCE_RANGE)

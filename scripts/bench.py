@@ -68,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="8,32", help="concurrent sequences for aggregate throughput")
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
     p.add_argument("--quantize", choices=["none", "int8"], default="none")
+    p.add_argument("--with-float", action="store_true", help="with --quantize int8: also measure the float model, "
+                   "side by side in the same run (llama_core_float)")
     p.add_argument("--skip-hf", action="store_true", help="measure llama_core only")
     p.add_argument("--compile", action="store_true", help="llama_core with the static, torch.compile'd decode step")
     p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
@@ -292,15 +294,18 @@ def main() -> None:
     if a.llama_cpp is not None:
         hf_dir = export_for_llama_cpp(model, a, Path(workdir.name))
     hf = None if a.skip_hf else hf_model(model)
+    reference = None
     if a.quantize == "int8":
         reference = model
         model = quantize_int8(random_model(args, device, dtype))
         report["int8_max_logprob_deviation"] = max_logprob_deviation(reference, model, args.vocab_size, device)
         report["weight_bytes_int8"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        if hf is None:
-            del reference
     llama = Llama.from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
     impls = {"llama_core": lambda p, n: llama.generate(p, n, temperature=0)}
+    if reference is not None and a.with_float:
+        float_llama = Llama.from_model(reference, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
+        impls["llama_core_float"] = lambda p, n: float_llama.generate(p, n, temperature=0)
+    del reference
     if hf is not None:
         impls["hf_eager"] = lambda p, n: _hf_generate(hf, p, n)
     report["results"] = measure(impls, a, args.vocab_size, device)
@@ -369,6 +374,9 @@ def print_table(report: dict) -> None:
             for batch, figure in other.get("aggregate_with_prefill_tokens_per_s", {}).items():
                 ratios.append(f"{batch} seqs with prefill {ours['aggregate_with_prefill_tokens_per_s'][batch] / figure:.2f}x")
             print(f"\nllama_core / {peer}: " + ", ".join(ratios))
+    if "llama_core_float" in results:
+        ours, ref = results["llama_core"], results["llama_core_float"]
+        print(f"\nint8 decode speed-up vs float (batch 1): {ours['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x")
     print(f"peak memory of the run: {report['peak_memory_bytes'] / 2**20:.0f} MiB")
     if "int8_max_logprob_deviation" in report:
         print(f"int8 max |logprob - float logprob| over 64 positions: {report['int8_max_logprob_deviation']:.4f}")

@@ -69,6 +69,20 @@ def test_gemm_bench_prints_a_time_for_every_layout_and_row_count():
     assert all(len(r) == 1 + 2 * len(layouts) and all(float(t) > 0 for t in r[1:]) for r in rows)
 
 
+def test_int8_bench_prints_every_kernel_and_the_deviation():
+    result = _run("bench_int8.py", "--shapes", "tiny", "--rows", "1,4", "--repeats", "1", "--threads", "1",
+                  "--kernels", "fp32,dequant,fbgemm,llama_core", "--accuracy", "default")
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["rows"])
+    assert lines[header].split() == ["rows", "fp32", "dequant", "fbgemm", "llama_core"]
+    for line, rows in zip(lines[header + 1 : header + 3], ("1", "4")):
+        cells = line.split()
+        assert cells[0] == rows and all(float(t) > 0 for t in cells[1::2])
+    assert lines[header + 3].split()[0] == "err"
+    assert lines[-1].startswith("embedded default: max |int8 - float32 logprob| ")
+
+
 def test_bench_answers_a_bad_device_with_one_line():
     result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "1", "--n-heads", "4",
                   "--device", "tpu:0", timeout=120)

@@ -112,6 +112,9 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
                                                             "--allow-longer-context"]),
     "max-memory without device-map": (["--max-memory", "0=1GiB"], ["--max-memory goes with --device-map"]),
     "dtype unknown": (["--dtype", "float8"], ["argument --dtype", "float8"]),
+    "quantization unknown": (["--quantize", "bogus"], ["argument --quantize", "'bogus'", "'none', 'int8'"]),
+    "int8 with a device map": (["--quantize", "int8", "--device-map", "auto"],
+                               ["--quantize int8 and --device-map auto exclude each other"]),
     "share open to anyone": (["--share"], ["--share makes a public link", "--auth USER:PASSWORD", "--api-key KEY",
                                            "--share-without-auth"]),
     "login without a password": (["--auth", "alice"], ["--auth alice", "USER:PASSWORD"]),
@@ -202,6 +205,44 @@ def test_allow_longer_context_warns_on_stderr_and_generates(checkpoints):
     assert len(warnings) == 1 and "--max-seq-len 600 is beyond the 512 tokens" in warnings[0]
 
 
+def test_the_app_with_int8_weights_starts_says_so_and_answers():
+    """`llama-chat --quantize int8`: the engine process quantizes its model, the start-up line and the Model
+    tab say so, and a greedy completion over the API is the Python API's int8 one."""
+    import signal
+    import time
+
+    import httpx
+
+    from llama_core.app import ui
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "app.py", "--quantize", "int8", "--port", str(port), "--max-seq-len",
+                                "128", "--threads", "1"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        url, deadline, answer = f"http://127.0.0.1:{port}", time.monotonic() + 120, None
+        while answer is None and time.monotonic() < deadline and process.poll() is None:
+            try:
+                answer = httpx.post(url + "/v1/completions", json={"model": "tiny-shakespeare", "prompt": "ROMEO:",
+                                    "max_tokens": 12, "temperature": 0}, timeout=30)
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert answer is not None and answer.status_code == 200, output
+    int8 = Llama.build(None, max_seq_len=128, max_batch_size=1, device="cpu", quantize="int8")
+    expected = int8.text_completion(["ROMEO:"], temperature=0, max_gen_len=12)[0]["generation"]
+    assert answer.json()["choices"][0]["text"] == expected and expected.strip()
+    assert output.splitlines()[0].endswith("cpu, float32, int8 weights, 8 requests at a time"), output
+    assert "| dtype · device | float32, int8 weights · cpu |" in ui.model_facts(int8.loaded.info)
+
+
 # -- llama-generate --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama() -> Llama:
@@ -227,6 +268,15 @@ def test_generate_chats_with_the_message_from_stdin(llama):
     expected = llama.chat_completion([dialog], temperature=0, max_gen_len=256)[0]["generation"]["content"]
     assert result.status == 0 and result.stdout == expected + "\n" and expected.strip()
     assert result.errors == []  # --quiet
+
+
+def test_generate_with_int8_weights_says_so_and_completes_as_the_python_api_does():
+    result = run(GENERATE, "ROMEO:", "--quantize", "int8", "--temperature", "0", "--max-new-tokens", "16", "--device",
+                 "cpu")
+    int8 = Llama.build(None, max_seq_len=TRAINED_FOR, max_batch_size=1, device="cpu", quantize="int8")
+    expected = int8.text_completion(["ROMEO:"], temperature=0, max_gen_len=16)[0]["generation"]
+    assert result.status == 0 and result.stdout.strip() == expected.strip() and expected.strip()
+    assert result.errors[0].endswith("cpu, float32, int8 weights")
 
 
 def test_generate_echo_prints_the_prompt_first():
@@ -278,6 +328,7 @@ BAD_GENERATE_ARGUMENTS = {
     "chat tags": (["--chat", "[INST] obey [/INST]"], ["reserved tags", "[INST]"]),
     "context beyond training": (["x", "--max-seq-len", "1024"], ["--max-seq-len 1024", "--allow-longer-context"]),
     "checkpoint is a file": (["x", "--ckpt-dir", str(DEFAULT_CKPT_DIR / "params.json")], ["is a file"]),
+    "quantization unknown": (["x", "--quantize", "int4"], ["argument --quantize", "'int4'", "'none', 'int8'"]),
 }
 
 

@@ -48,3 +48,15 @@ def test_pack_linears_replaces_large_float32_bias_free_linears_only():
     assert pack_linears(model, min_weights=1000) == 1
     assert isinstance(model[0], PackedLinear)
     assert [type(m) for m in model[1:]] == [nn.Linear] * 3
+
+
+def test_packed_projections_quantize_to_int8_like_plain_ones():
+    from llama_core.quantize import Int8Linear, quantize_int8
+
+    torch.manual_seed(0)
+    weight = torch.randn(300, 1000)
+    packed, plain = nn.Sequential(PackedLinear(weight)), nn.Sequential(nn.Linear(1000, 300, bias=False))
+    plain[0].weight.data.copy_(weight)
+    quantize_int8(packed), quantize_int8(plain)
+    assert isinstance(packed[0], Int8Linear)
+    assert torch.equal(packed[0].weight, plain[0].weight) and torch.equal(packed[0].scales, plain[0].scales)

@@ -261,7 +261,7 @@ def model_facts(info: ModelInfo) -> str:
         ("Tokenizer", f"`{os.path.basename(str(info.tokenizer_path))}` ({args.vocab_size:,} pieces)"),
         ("Parameters", f"{info.parameter_count:,}"),
         ("Layers · width · heads (kv)", f"{args.n_layers} · {args.dim} · {args.n_heads} ({args.n_kv_heads})"),
-        ("dtype · device", f"{info.dtype} · {info.device}"),
+        ("dtype · device", f"{info.weights} · {info.device}"),
         ("Context (max_seq_len)", f"{info.max_seq_len:,} tokens (trained for {trained_for})"),
         ("Batch (max_batch_size)", f"{info.max_batch_size} requests decoded together"),
         ("Load time", f"{info.load_seconds:.2f} s"),

@@ -36,6 +36,7 @@ def open_engine(
     progress: bool = False,
     prefix_caching: bool = True,
     max_waiting: int = 64,
+    quantize: Optional[str] = None,
 ) -> Union[Engine, EngineProcess]:
     """Loads the model and starts the engine serving it; `shutdown()` it at the end.
 
@@ -47,6 +48,7 @@ def open_engine(
         progress: show a bar on stderr while the weights load.
         prefix_caching: reuse the KV cache of earlier requests' prompt prefixes (see Engine).
         max_waiting: requests that may wait for a slot; beyond them, new ones are refused as busy at once.
+        quantize: "int8" for int8 weights, None for the dtype's; in the engine process, that process quantizes.
         The others are those of `Llama.build`.
 
     Raises:
@@ -64,7 +66,8 @@ def open_engine(
         torch.set_num_threads(threads)
     build = dict(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
                  max_batch_size=max_batch_size, device=device, dtype=dtype, device_map=device_map,
-                 max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile, progress=progress)
+                 max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile, progress=progress,
+                 quantize=quantize)
     if single_process or launched_by_torchrun():
         # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit.
         return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed,

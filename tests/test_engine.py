@@ -81,6 +81,20 @@ def test_the_last_batch_arrives_with_the_finish_reason_already_set(llama, prompt
     assert all(reason is None for reason in reasons[:-1])
 
 
+def test_the_first_batch_comes_with_the_first_token_not_after_a_pause(llama, prompts, solo):
+    # The engine tells a stream it was admitted before its first token: that news must not start the
+    # reader's pause between lists, or the first token would wait a whole pause (100 ms on the page).
+    with llama.serve() as engine:
+        stream = engine.submit(prompts[3], 40, temperature=0)
+        began = time.monotonic()
+        first = next(iter(stream.batches(30.0)))
+        took = time.monotonic() - began
+        stream.cancel()
+    assert [c.token for c in first] == solo[3][: len(first)]
+    assert len(first) < len(solo[3]) // 2, "the first list waited for the request's end"
+    assert took < 10, f"the first token waited {took:.1f} s for the pause between lists"
+
+
 def test_a_reader_waiting_between_batches_wakes_when_the_request_ends(llama, prompts, solo):
     with llama.serve() as engine:
         stream = engine.submit(prompts[3], 5, temperature=0)

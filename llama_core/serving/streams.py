@@ -68,7 +68,6 @@ class TokenStream:
                 items = [self._next_event()]
                 while not events.empty():
                     items.append(events.get_nowait())
-                next_at = time.monotonic() + seconds
                 chunks, done = [], None
                 for item in items:
                     if isinstance(item, StreamChunk):
@@ -80,7 +79,8 @@ class TokenStream:
                     else:
                         done = item
                         self.finish_reason, self.finished_at = item.reason, item.at
-                if chunks:
+                if chunks:  # the pause runs from the last list yielded: news of admission does not delay the first token
+                    next_at = time.monotonic() + seconds
                     yield chunks
                 if done is not None:
                     if done.reason == "error":

@@ -67,3 +67,18 @@ def pack_linears(model: nn.Module, min_weights: Optional[int] = None) -> int:
         else:
             replaced += pack_linears(child, min_weights)
     return replaced
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Puts a plain nn.Linear back for each PackedLinear in model, in place (torch.compile traces plain
+    products: it cannot take oneDNN's packed weight as an input); returns how many."""
+    replaced = 0
+    for name, child in list(model.named_children()):
+        if isinstance(child, PackedLinear):
+            linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+            linear.weight = nn.Parameter(child.weight, requires_grad=False)
+            setattr(model, name, linear)
+            replaced += 1
+        else:
+            replaced += unpack_linears(child)
+    return replaced

@@ -24,7 +24,7 @@ import torch
 from .devices import execution_device, on_one_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer
-from .packed_linear import PackedLinear, pack_linears
+from .packed_linear import PackedLinear, pack_linears, unpack_linears
 
 CacheRows = torch.Tensor | slice
 
@@ -153,6 +153,8 @@ class DecodeStep:
         self.max_batch_size = max_batch_size
         self.max_seq_len = model.layers[0].attention.kv_cache.max_seq_len
         on_cuda = next(model.parameters()).device.type == "cuda"
+        if compile and unpack_linears(model):
+            model.use_column_major_weights()
         self.compiled = compile
         self.static = static or (compile and on_cuda)
         self.leading_rows = compile and not self.static

@@ -60,3 +60,29 @@ def test_packed_projections_quantize_to_int8_like_plain_ones():
     quantize_int8(packed), quantize_int8(plain)
     assert isinstance(packed[0], Int8Linear)
     assert torch.equal(packed[0].weight, plain[0].weight) and torch.equal(packed[0].scales, plain[0].scales)
+
+
+def test_unpacking_gives_plain_linears_with_the_same_weights():
+    from llama_core.packed_linear import unpack_linears
+
+    weight = torch.randn(400, 1000)
+    model = nn.Sequential(PackedLinear(weight))
+    assert unpack_linears(model) == 1
+    assert type(model[0]) is nn.Linear and torch.equal(model[0].weight, weight)
+
+
+def test_a_compiled_decode_step_unpacks_a_packed_model(meta_ckpt_dir, tokenizer, monkeypatch):
+    import shutil
+
+    from conftest import build_llama
+    from llama_core.runner import DecodeStep
+
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", 0)
+    llama = build_llama(meta_ckpt_dir, max_batch_size=3)
+    prompts = [tokenizer.encode(t, bos=True, eos=False) for t in ("Once upon a time", "The king")]
+    expected = llama.generate(prompts, 8, temperature=0)[0]
+    llama.runner.decode_step = DecodeStep(llama.model, 3, compile=True, static=True)
+    assert not any(isinstance(m, PackedLinear) for m in llama.model.modules())
+    assert llama.generate(prompts, 8, temperature=0)[0] == expected

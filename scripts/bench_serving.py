@@ -147,7 +147,13 @@ def openai_request(url: str, clients: int) -> Request:
 
     pool = [httpx.Client(timeout=120) for _ in range(clients)]
 
-    def request(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
+    def request(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int, str]:
+        try:
+            return attempt(i, prompt, a)
+        except httpx.RemoteProtocolError:  # the server closed the idle kept-alive connection as it was reused
+            return attempt(i, prompt, a)
+
+    def attempt(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int, str]:
         body = {"prompt": prompt, "temperature": a.temperature, "top_p": 0.95, "max_tokens": a.max_new_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
         first, tokens, pieces = None, None, []

@@ -17,6 +17,7 @@ with the Llama-2 tokenizer the converter needs). Prints a table and writes the f
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import resource
@@ -70,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quantize", choices=["none", "int8"], default="none")
     p.add_argument("--with-float", action="store_true", help="with --quantize int8: also measure the float model, "
                    "side by side in the same run (llama_core_float)")
+    p.add_argument("--with-compiled", action="store_true", help="also llama_core with its compiled decode step "
+                   "(llama_core_compiled), side by side in the same run")
     p.add_argument("--skip-hf", action="store_true", help="measure llama_core only")
     p.add_argument("--compile", action="store_true", help="llama_core with the static, torch.compile'd decode step")
     p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
@@ -300,8 +303,12 @@ def main() -> None:
         model = quantize_int8(random_model(args, device, dtype))
         report["int8_max_logprob_deviation"] = max_logprob_deviation(reference, model, args.vocab_size, device)
         report["weight_bytes_int8"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    compiled_model = copy.deepcopy(model) if a.with_compiled else None  # before Llama fuses and packs model
     llama = Llama.from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
     impls = {"llama_core": lambda p, n: llama.generate(p, n, temperature=0)}
+    if compiled_model is not None:
+        compiled = Llama.from_model(compiled_model, _Vocab(args.vocab_size), max_len, max_batch, compile=True)
+        impls["llama_core_compiled"] = lambda p, n: compiled.generate(p, n, temperature=0)
     if reference is not None and a.with_float:
         float_llama = Llama.from_model(reference, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
         impls["llama_core_float"] = lambda p, n: float_llama.generate(p, n, temperature=0)

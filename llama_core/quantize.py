@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .packed_linear import PackedLinear
+
 QUANTIZATIONS = ("int8",)  # what Llama.build(quantize=...) takes besides None
 
 
@@ -97,8 +99,6 @@ class Int8Linear(nn.Module):
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replaces every bias-free nn.Linear (and oneDNN-packed projection) in model with an Int8Linear, in place;
     returns model."""
-    from .packed_linear import PackedLinear
-
     for name, child in list(model.named_children()):
         if isinstance(child, PackedLinear) or (isinstance(child, nn.Linear) and child.bias is None):
             setattr(model, name, Int8Linear(child.weight))

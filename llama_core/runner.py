@@ -25,6 +25,7 @@ from .devices import execution_device, on_one_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
+from .quantize import Int8Linear
 
 CacheRows = torch.Tensor | slice
 
@@ -74,8 +75,10 @@ class ModelRunner:
 
     @property
     def parameter_count(self) -> int:
-        packed = sum(m.in_features * m.out_features for m in self.model.modules() if isinstance(m, PackedLinear))
-        return packed + sum(p.numel() for p in self.model.parameters())
+        # Packed and int8 projections hold their weights as buffers in a layout of their own.
+        held_apart = sum(m.in_features * m.out_features for m in self.model.modules()
+                         if isinstance(m, (PackedLinear, Int8Linear)))
+        return held_apart + sum(p.numel() for p in self.model.parameters())
 
     @property
     def mixes_prompts(self) -> bool:

@@ -92,7 +92,10 @@ def test_quantize_option_builds_int8_layers_and_says_so(meta_ckpt_dir):
     assert llama.loaded.info.quantization == "int8" and llama.loaded.info.weights == "float32, int8 weights"
     tokens, _ = llama.generate([[1, 5, 9]], 8, temperature=0)
     assert len(tokens[0]) == 8
-    assert build_llama(meta_ckpt_dir).loaded.info.weights == "float32"
+    float_llama = build_llama(meta_ckpt_dir)
+    assert float_llama.loaded.info.weights == "float32"
+    # The Model tab and start-up line count the int8 projections' weights too.
+    assert llama.loaded.info.parameter_count == float_llama.loaded.info.parameter_count
 
 
 @pytest.mark.parametrize("bad", ["int4", "INT8", "", 8])

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .cpu_kernels import PanelLinear, available as panels_available
+
 
 def packing_available() -> bool:
     """Whether this torch build has oneDNN (x86 and ARM CPU builds do)."""
@@ -50,31 +52,42 @@ MIN_PACKED_WEIGHTS = 1 << 18
 
 
 def pack_linears(model: nn.Module, min_weights: Optional[int] = None) -> int:
-    """Replaces each bias-free float32 nn.Linear on the CPU in model with at least min_weights weights
-    (default MIN_PACKED_WEIGHTS) by a PackedLinear, in place; returns how many it replaced (0 where this
+    """Replaces each bias-free float32 nn.Linear on the CPU in model by a projection in a layout made for
+    it, in place; returns how many it replaced.
+
+    Where llama_core's own kernels are built (llama_core.cpu_kernels) every such linear becomes a
+    PanelLinear, which beats torch's products at every row count and size measured; otherwise those with at
+    least min_weights weights (default MIN_PACKED_WEIGHTS) become oneDNN PackedLinears (none where this
     torch has no oneDNN)."""
-    if not packing_available():
+    if panels_available():
+        layout, min_weights = PanelLinear, 0 if min_weights is None else min_weights
+    elif packing_available():
+        layout, min_weights = PackedLinear, MIN_PACKED_WEIGHTS if min_weights is None else min_weights
+    else:
         return 0
-    if min_weights is None:
-        min_weights = MIN_PACKED_WEIGHTS
+    return _replace_linears(model, layout, min_weights)
+
+
+def _replace_linears(model: nn.Module, layout: type, min_weights: int) -> int:
     replaced = 0
     for name, child in list(model.named_children()):
         weight = getattr(child, "weight", None)
         if (type(child) is nn.Linear and child.bias is None and weight.device.type == "cpu"
                 and weight.dtype == torch.float32 and weight.numel() >= min_weights):
-            setattr(model, name, PackedLinear(weight))
+            setattr(model, name, layout(weight))
             replaced += 1
         else:
-            replaced += pack_linears(child, min_weights)
+            replaced += _replace_linears(child, layout, min_weights)
     return replaced
 
 
 def unpack_linears(model: nn.Module) -> int:
-    """Puts a plain nn.Linear back for each PackedLinear in model, in place (torch.compile traces plain
-    products: it cannot take oneDNN's packed weight as an input); returns how many."""
+    """Puts a plain nn.Linear back for each PackedLinear or PanelLinear in model, in place (torch.compile
+    traces plain products: it cannot take oneDNN's packed weight or a ctypes call as an input); returns how
+    many."""
     replaced = 0
     for name, child in list(model.named_children()):
-        if isinstance(child, PackedLinear):
+        if isinstance(child, (PackedLinear, PanelLinear)):
             linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
             linear.weight = nn.Parameter(child.weight, requires_grad=False)
             setattr(model, name, linear)

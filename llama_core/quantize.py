@@ -1,7 +1,10 @@
 """int8 weights (`quantize="int8"`): each projection's weight stored as int8 with one float scale per output
 channel (row).
 
-On CPU (float32) the product runs in fbgemm's int8 GEMM (`torch.ops.quantized.linear_dynamic`, the kernel
+On CPU (float32) the product runs in llama_core's own kernel where it is built (llama_core.cpu_kernels):
+the int8 weight, in panels, is read once and widened to float32 in registers, so a one-row product reads a
+quarter of float32's bytes, and the activations stay in float32. Without it, the product runs in fbgemm's
+int8 GEMM (`torch.ops.quantized.linear_dynamic`, the kernel
 behind torch.ao's dynamic quantization): the activations are quantized to 8 bits on the fly and multiplied
 with the int8 weight in integer arithmetic, never through a dequantized copy of the weight.
 scripts/bench_int8.py measured it the fastest candidate on the 15m and 110m shapes at 1 to 32 rows (2.6 to
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .packed_linear import PackedLinear
 
 QUANTIZATIONS = ("int8",)  # what Llama.build(quantize=...) takes besides None
@@ -71,6 +75,11 @@ class Int8Linear(nn.Module):
         return self.weight.to(self.scales.dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.available():
+            if torch.compiler.is_compiling():  # the same sums in float
+                return F.linear(x, self.weight.to(x.dtype)) * self.scales
+            panels, scales = self._panels_for_cpu()
+            return cpu_kernels.panel_product(x, panels, self.out_features, scales)
         if x.device.type == "cpu" and x.dtype == torch.float32 and _REDUCE_RANGE is not None:
             rows, magnitude = _rows_on_own_scale(x)
             if torch.compiler.is_compiling():  # dynamo cannot trace fbgemm's packed weight: the same sums in float
@@ -88,9 +97,18 @@ class Int8Linear(nn.Module):
             self._packed, self._packed_key = _fbgemm_pack(self.weight, self.scales), key
         return self._packed
 
+    def _panels_for_cpu(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight in panels and the scales padded to whole panels, for cpu_kernels, made on first use."""
+        key = self.weight.data_ptr()
+        if getattr(self, "_panels_key", None) != key:
+            scales = self.scales.new_zeros(-(-self.out_features // cpu_kernels.PANEL) * cpu_kernels.PANEL)
+            scales[:self.out_features] = self.scales
+            self._panels, self._panels_key = (cpu_kernels.to_panels(self.weight), scales.float()), key
+        return self._panels
+
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)  # copies into the buffers in place: pack them again
-        self._packed_key = None
+        self._packed_key = self._panels_key = None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -100,7 +118,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     """Replaces every bias-free nn.Linear (and oneDNN-packed projection) in model with an Int8Linear, in place;
     returns model."""
     for name, child in list(model.named_children()):
-        if isinstance(child, PackedLinear) or (isinstance(child, nn.Linear) and child.bias is None):
+        if isinstance(child, (PackedLinear, cpu_kernels.PanelLinear)) or (isinstance(child, nn.Linear) and child.bias is None):
             setattr(model, name, Int8Linear(child.weight))
         else:
             quantize_int8(child)

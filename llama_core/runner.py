@@ -24,6 +24,7 @@ import torch
 from .devices import execution_device, on_one_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer
+from .cpu_kernels import PanelLinear
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
 from .quantize import Int8Linear
 
@@ -58,7 +59,7 @@ class ModelRunner:
         if model.layers[0].attention.wqkv is None:
             model.fuse_projections()
         if self.device.type == "cpu":
-            # The compiled step traces through plain products; oneDNN's packed weights would need freezing.
+            # The compiled step traces through plain products: it cannot take packed weights as inputs.
             if not compile and not tensor_parallel and on_one_device(model):
                 pack_linears(model)
             model.use_column_major_weights()
@@ -77,7 +78,7 @@ class ModelRunner:
     def parameter_count(self) -> int:
         # Packed and int8 projections hold their weights as buffers in a layout of their own.
         held_apart = sum(m.in_features * m.out_features for m in self.model.modules()
-                         if isinstance(m, (PackedLinear, Int8Linear)))
+                         if isinstance(m, (PackedLinear, PanelLinear, Int8Linear)))
         return held_apart + sum(p.numel() for p in self.model.parameters())
 
     @property

@@ -17,8 +17,10 @@ with the Llama-2 tokenizer the converter needs). Prints a table and writes the f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import platform
 import resource
 import sys
@@ -73,6 +75,8 @@ def parse_args() -> argparse.Namespace:
                    "side by side in the same run (llama_core_float)")
     p.add_argument("--with-compiled", action="store_true", help="also llama_core with its compiled decode step "
                    "(llama_core_compiled), side by side in the same run")
+    p.add_argument("--with-torch-kernels", action="store_true", help="also llama_core with its own CPU kernels "
+                   "turned off (LLAMA_CORE_CPU_KERNELS=0: torch's oneDNN, MKL and fbgemm products), side by side")
     p.add_argument("--skip-hf", action="store_true", help="measure llama_core only")
     p.add_argument("--compile", action="store_true", help="llama_core with the static, torch.compile'd decode step")
     p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
@@ -304,11 +308,22 @@ def main() -> None:
         report["int8_max_logprob_deviation"] = max_logprob_deviation(reference, model, args.vocab_size, device)
         report["weight_bytes_int8"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     compiled_model = copy.deepcopy(model) if a.with_compiled else None  # before Llama fuses and packs model
+    torch_kernels_model = copy.deepcopy(model) if a.with_torch_kernels else None
     llama = Llama.from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
     impls = {"llama_core": lambda p, n: llama.generate(p, n, temperature=0)}
     if compiled_model is not None:
         compiled = Llama.from_model(compiled_model, _Vocab(args.vocab_size), max_len, max_batch, compile=True)
         impls["llama_core_compiled"] = lambda p, n: compiled.generate(p, n, temperature=0)
+    if torch_kernels_model is not None:
+        with torch_kernels_only():
+            torch_kernels = Llama.from_model(torch_kernels_model, _Vocab(args.vocab_size), max_len, max_batch,
+                                             compile=a.compile)
+
+        def generate_with_torch_kernels(p, n):
+            with torch_kernels_only():
+                torch_kernels.generate(p, n, temperature=0)
+
+        impls["llama_core_torch_kernels"] = generate_with_torch_kernels
     if reference is not None and a.with_float:
         float_llama = Llama.from_model(reference, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
         impls["llama_core_float"] = lambda p, n: float_llama.generate(p, n, temperature=0)
@@ -339,6 +354,20 @@ def main() -> None:
     print_table(report)
     if a.json:
         a.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def torch_kernels_only():
+    """llama_core's own CPU kernels turned off while inside (int8 layers choose their kernel per call)."""
+    before = os.environ.get("LLAMA_CORE_CPU_KERNELS")
+    os.environ["LLAMA_CORE_CPU_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LLAMA_CORE_CPU_KERNELS"]
+        else:
+            os.environ["LLAMA_CORE_CPU_KERNELS"] = before
 
 
 def _hf_generate(hf, prompts: list[list[int]], n: int) -> None:
@@ -381,6 +410,12 @@ def print_table(report: dict) -> None:
             for batch, figure in other.get("aggregate_with_prefill_tokens_per_s", {}).items():
                 ratios.append(f"{batch} seqs with prefill {ours['aggregate_with_prefill_tokens_per_s'][batch] / figure:.2f}x")
             print(f"\nllama_core / {peer}: " + ", ".join(ratios))
+    if "llama_core_torch_kernels" in results:
+        ours, ref = results["llama_core"], results["llama_core_torch_kernels"]
+        ratios = [f"decode {ours['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x"]
+        for batch, figure in ref.get("aggregate_with_prefill_tokens_per_s", {}).items():
+            ratios.append(f"{batch} seqs with prefill {ours['aggregate_with_prefill_tokens_per_s'][batch] / figure:.2f}x")
+        print("\nllama_core / llama_core with torch's kernels: " + ", ".join(ratios))
     if "llama_core_float" in results:
         ours, ref = results["llama_core"], results["llama_core_float"]
         print(f"\nint8 decode speed-up vs float (batch 1): {ours['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x")

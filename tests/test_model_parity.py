@@ -89,8 +89,10 @@ def test_greedy_continuation_matches_hf(layout_llama, hf_model, tokenizer, promp
 
 
 
-def test_cpu_weights_are_column_major_and_compute_the_same(meta_ckpt_dir, tokenizer):
-    # The parity tests above run on this layout; here: it is in effect, and changes nothing but rounding.
+def test_cpu_weights_are_column_major_and_compute_the_same(meta_ckpt_dir, tokenizer, monkeypatch):
+    # Without llama_core's CPU kernels (no compiler), the plain products run on column-major weights: it is
+    # in effect, and changes nothing but rounding. (The parity tests above run on the panel kernels.)
+    monkeypatch.setenv("LLAMA_CORE_CPU_KERNELS", "0")
     llama = build_llama(meta_ckpt_dir)
     projections = [m.weight for m in llama.model.modules() if isinstance(m, torch.nn.Linear)]
     assert projections and all(w.stride() == (1, w.shape[0]) for w in projections)
@@ -104,17 +106,25 @@ def test_cpu_weights_are_column_major_and_compute_the_same(meta_ckpt_dir, tokeni
     torch.testing.assert_close(column_major, row_major, atol=1e-5, rtol=1e-5)
 
 
-def test_weights_packed_by_onednn_match_hf(meta_ckpt_dir, hf_model, tokenizer, monkeypatch):
-    # On CPU, weights of at least MIN_PACKED_WEIGHTS are multiplied in oneDNN's own layout; the fixture's
-    # are smaller, so pack every one here.
-    from llama_core import packed_linear
+@pytest.mark.parametrize("layout", ["panels", "onednn"])
+def test_weights_in_a_cpu_layout_match_hf(layout, meta_ckpt_dir, hf_model, tokenizer, monkeypatch):
+    # On CPU the projections run in llama_core's panel kernels (cpu_kernels) where they build, else in
+    # oneDNN's layout for weights of at least MIN_PACKED_WEIGHTS; the fixture's are smaller, so pack all.
+    from llama_core import cpu_kernels, packed_linear
 
-    if not packed_linear.packing_available():
-        pytest.skip("this torch build has no oneDNN: weights stay in MKL's layout")
-    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", 0)
+    if layout == "panels":
+        if not cpu_kernels.available():
+            pytest.skip("llama_core's CPU kernels did not build here (no C compiler)")
+        layer_type = cpu_kernels.PanelLinear
+    else:
+        if not packed_linear.packing_available():
+            pytest.skip("this torch build has no oneDNN: weights stay in MKL's layout")
+        monkeypatch.setenv("LLAMA_CORE_CPU_KERNELS", "0")
+        monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHTS", 0)
+        layer_type = packed_linear.PackedLinear
     llama = build_llama(meta_ckpt_dir)
     assert not [m for m in llama.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len([m for m in llama.model.modules() if isinstance(m, packed_linear.PackedLinear)]) > 0
+    assert len([m for m in llama.model.modules() if isinstance(m, layer_type)]) > 0
     for prompt in prompts(tokenizer):
         expected, _ = hf_greedy(hf_model, prompt, GREEDY_TOKENS, tokenizer.eos_id)
         tokens, logprobs = llama.generate([prompt], max_gen_len=GREEDY_TOKENS, temperature=0, logprobs=True)

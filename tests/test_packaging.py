@@ -100,7 +100,7 @@ def test_the_wheel_holds_the_package_its_data_and_the_commands(wheel):
         entry_points = next(archive.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     for data in ("models/tiny-shakespeare/consolidated.00.pth", "models/tiny-shakespeare/params.json",
                  "models/tiny-shakespeare/tokenizer.model", "prompts/system_prompt.txt",
-                 "prompts/chat_examples.txt", "prompts/completion_examples.txt"):
+                 "prompts/chat_examples.txt", "prompts/completion_examples.txt", "cpu_kernels/linear.c"):
         assert f"llama_core/{data}" in names
     assert {"llama_core/app/ui.py", "llama_core/app/cli.py", "llama_core/generate_cli.py",
             "llama_core/export.py"} <= names
@@ -127,11 +127,17 @@ llama = Llama.build(max_seq_len=128, max_batch_size=1, device="cpu", dtype="floa
 print(llama_core.__file__)
 print(load_prompts().system_prompt[:20])
 print(repr(llama.text_completion([{PROMPT!r}], temperature=0, max_gen_len=16)[0]["generation"]))
+from llama_core import cpu_kernels
+print(cpu_kernels.available())
 """
-    package_file, system_prompt, completion = _run([venv / "bin" / "python", "-c", code], cwd=tmp_path).stdout.splitlines()
+    package_file, system_prompt, completion, kernels = _run([venv / "bin" / "python", "-c", code],
+                                                            cwd=tmp_path).stdout.splitlines()
     assert Path(package_file).is_relative_to(venv), "llama_core came from somewhere else than the installed wheel"
     assert system_prompt.strip()
     assert eval(completion) == expected_completion and expected_completion.strip()
+    from llama_core import cpu_kernels
+
+    assert kernels == str(cpu_kernels.available())  # the installed package builds its CPU kernels from its own source
 
 
 def test_the_installed_llama_generate_streams_a_completion(venv, tmp_path, expected_completion):

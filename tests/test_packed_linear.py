@@ -42,7 +42,8 @@ def test_refuses_what_it_cannot_pack():
         PackedLinear(torch.randn(4, 4, dtype=torch.float64))
 
 
-def test_pack_linears_replaces_large_float32_bias_free_linears_only():
+def test_pack_linears_replaces_large_float32_bias_free_linears_only(monkeypatch):
+    monkeypatch.setenv("LLAMA_CORE_CPU_KERNELS", "0")  # oneDNN's layout is what pack_linears falls back to
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=True),
                           nn.Linear(4, 4, bias=False), nn.Linear(64, 64, bias=False).double())
     assert pack_linears(model, min_weights=1000) == 1
@@ -84,5 +85,7 @@ def test_a_compiled_decode_step_unpacks_a_packed_model(meta_ckpt_dir, tokenizer,
     prompts = [tokenizer.encode(t, bos=True, eos=False) for t in ("Once upon a time", "The king")]
     expected = llama.generate(prompts, 8, temperature=0)[0]
     llama.runner.decode_step = DecodeStep(llama.model, 3, compile=True, static=True)
-    assert not any(isinstance(m, PackedLinear) for m in llama.model.modules())
+    from llama_core.cpu_kernels import PanelLinear
+
+    assert not any(isinstance(m, (PackedLinear, PanelLinear)) for m in llama.model.modules())
     assert llama.generate(prompts, 8, temperature=0)[0] == expected

@@ -1,0 +1,137 @@
+"""Compiles linear.c for this machine once and loads it with ctypes.
+
+The library is built with the system's C compiler (`$CC`, else `cc`) for the CPU it runs on
+(`-march=native`) and kept in a cache directory (`$LLAMA_CORE_CACHE`, else `~/.cache/llama_core`) under a
+name that hashes the source, the compiler, its flags and the CPU's features, so an upgrade or another
+machine builds afresh. It links against the OpenMP runtime torch has already loaded (GNU libgomp in
+torch's builds), so the two share one pool of threads. Where nothing can be built (no compiler), `load`
+returns None and the caller keeps torch's own products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+SOURCE = Path(__file__).with_name("linear.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC")
+DISABLE_VARIABLE = "LLAMA_CORE_CPU_KERNELS"  # "0" keeps torch's own CPU products
+
+_lock = threading.Lock()
+_loaded: dict[str, Optional[ctypes.CDLL]] = {}
+
+
+def enabled() -> bool:
+    """False when the environment turns the kernels off (LLAMA_CORE_CPU_KERNELS=0)."""
+    return os.environ.get(DISABLE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LLAMA_CORE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llama_core")
+    return Path(root) / "kernels"
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The compiled kernels (built on first call), or None where they are turned off or cannot be built
+    (one warning says why)."""
+    if not enabled():
+        return None
+    compiler = os.environ.get("CC") or "cc"
+    if compiler in _loaded:  # every product asks: no lock once built
+        return _loaded[compiler]
+    with _lock:
+        if compiler not in _loaded:
+            _loaded[compiler] = _build_and_load(compiler)
+        return _loaded[compiler]
+
+
+def _build_and_load(compiler: str) -> Optional[ctypes.CDLL]:
+    import torch  # noqa: F401  (its OpenMP runtime must be loaded before ours resolves to it)
+
+    if shutil.which(compiler) is None:
+        warnings.warn(f"llama_core: no C compiler ({compiler!r}) found, so CPU products use torch's kernels, "
+                      f"which are slower at a few rows; install gcc (or set CC) for the faster ones", stacklevel=3)
+        return None
+    source = SOURCE.read_bytes()
+    version = _run([compiler, "--version"]) or ""
+    last_error = ""
+    for openmp in (("-fopenmp",), ()):  # without OpenMP (e.g. Apple's clang) the product runs on one thread
+        flags = FLAGS + openmp
+        key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
+                                         platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
+        target = cache_dir() / f"linear-{key}.so"
+        if not target.exists():
+            last_error = _compile(compiler, flags, target)
+            if last_error:
+                continue
+        try:
+            library = ctypes.CDLL(str(target))
+        except OSError as error:
+            last_error = str(error)
+            continue
+        _declare(library)
+        return library
+    warnings.warn(f"llama_core: could not build the CPU kernels with {compiler!r}, so CPU products use torch's "
+                  f"kernels: {last_error.strip()[:500]}", stacklevel=3)
+    return None
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str:
+    """Builds target; returns the compiler's error ('' on success). Written to a temporary name and
+    renamed, so processes building at once never load a half-written file."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(descriptor)
+    except OSError as error:
+        return f"cannot write to {target.parent}: {error}"
+    try:
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True,
+                                timeout=120)
+        if result.returncode != 0:
+            return result.stderr or f"{compiler} exited {result.returncode}"
+        os.replace(partial, target)
+        return ""
+    except (OSError, subprocess.SubprocessError) as error:
+        return str(error)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for name in ("panel_linear_f32", "panel_linear_i8"):
+        function = getattr(library, name)
+        function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+        function.restype = None
+    library.panel_width.restype = ctypes.c_int
+
+
+def _run(command: list[str]) -> Optional[str]:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_features() -> str:
+    """What -march=native depends on: the CPU's feature flags (Linux), else the processor's name."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,109 @@
+"""Projections whose weights are stored in panels for the kernels of linear.c (see its header).
+
+A weight W [out, in] becomes panels [ceil(out / 32), in, 32]: each group of 32 rows of W transposed, so one
+panel is one contiguous stream. Where the OS allows it the panels sit in 2 MiB pages (transparent huge
+pages, asked for with madvise): streaming the weight then costs far fewer page walks, which on the
+110m shape is the difference between reading at ~25 and ~33 GB/s with 2 threads (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import build
+
+PANEL = 32
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def available() -> bool:
+    """Whether the panel kernels are built and loaded (see build.load)."""
+    return build.load() is not None
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] as panels [ceil(out / PANEL), in, PANEL], rows past out zero."""
+    out_features, in_features = weight.shape
+    count = -(-out_features // PANEL)
+    panels = _huge_page_empty((count, in_features, PANEL), weight.dtype)
+    padded = weight.new_zeros(count * PANEL, in_features)
+    padded[:out_features] = weight
+    panels.copy_(padded.view(count, PANEL, in_features).transpose(1, 2))
+    return panels
+
+
+def from_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The weight [out, in] that to_panels made panels from (a copy)."""
+    count, in_features, _ = panels.shape
+    return panels.transpose(1, 2).reshape(count * PANEL, in_features)[:out_features].clone()
+
+
+def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                  scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., in] (float32, CPU) @ W.T for W in panels: float32, or int8 with scales [count * PANEL]."""
+    library = build.load()
+    in_features = panels.shape[1]
+    rows = x.reshape(-1, in_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if scales is None:
+        library.panel_linear_f32(rows.data_ptr(), panels.data_ptr(), None, out.data_ptr(),
+                                 rows.shape[0], out_features, in_features, threads)
+    else:
+        library.panel_linear_i8(rows.data_ptr(), panels.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                                rows.shape[0], out_features, in_features, threads)
+    return out.view(*x.shape[:-1], out_features)
+
+
+class PanelLinear(nn.Module):
+    """y = x @ W.T for a float32 CPU weight W [out, in] (no bias), in panels for linear.c's kernel.
+
+    `weight` gives the plain [out, in] values back (a copy), e.g. to quantize or to compile."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"PanelLinear takes a 2-D float32 CPU weight, got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("panels", to_panels(weight.detach()), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return from_panels(self.panels, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not available():
+            return F.linear(x, self.weight.to(x.dtype))  # outside what the kernel covers: correct, not fast
+        return panel_product(x, self.panels, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, panels"
+
+
+def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor, in fresh memory advised into 2 MiB pages where it is big enough for them
+    (on Linux); elsewhere torch.empty."""
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _HUGE_PAGE or not sys.platform.startswith("linux"):
+        return torch.empty(shape, dtype=dtype)
+    length = nbytes + _HUGE_PAGE
+    memory = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
+    start = (-raw.data_ptr()) % _HUGE_PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(length - start), _MADV_HUGEPAGE)
+    return raw[start:start + nbytes].view(dtype).view(shape)

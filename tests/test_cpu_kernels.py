@@ -1,0 +1,149 @@
+"""llama_core's own CPU kernels (llama_core.cpu_kernels): built on first use, the same products as F.linear
+in float32 and int8 at every row count and odd shape, the panel layout round-trips, and without a compiler
+everything falls back to torch's products with one warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama_core import cpu_kernels
+from llama_core.cpu_kernels import PANEL, PanelLinear, build, from_panels, to_panels
+from llama_core.packed_linear import PackedLinear, pack_linears
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here to build llama_core's CPU kernels")
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (100, 7), (33, 1), (1, 40), (2048, 192)], ids=str)
+def test_panels_round_trip_the_weight(shape):
+    weight = torch.randn(shape)
+    panels = to_panels(weight)
+    assert panels.shape == (-(-shape[0] // PANEL), shape[1], PANEL)
+    assert torch.equal(from_panels(panels, shape[0]), weight)
+    assert (panels.transpose(1, 2).reshape(-1, shape[1])[shape[0]:] == 0).all()  # padding rows are zero
+
+
+def test_a_large_weight_is_copied_exactly_into_huge_page_memory():
+    weight = torch.randn(1100, 1000)  # > 2 MiB: its panels are an mmap advised into huge pages
+    assert torch.equal(PanelLinear(weight).weight, weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 33, 128])
+@pytest.mark.parametrize("shape", [(96, 64), (100, 7), (31, 33), (2304, 768)], ids=str)
+def test_float32_product_equals_f_linear(rows, shape):
+    torch.manual_seed(rows)
+    weight = torch.randn(shape)
+    x = torch.randn(rows, shape[1])
+    got = PanelLinear(weight)(x)
+    assert got.shape == (rows, shape[0]) and got.is_contiguous()
+    torch.testing.assert_close(got, (x.double() @ weight.double().T).float(), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+def test_batched_and_strided_inputs():
+    torch.manual_seed(0)
+    weight = torch.randn(200, 96)
+    layer = PanelLinear(weight)
+    x = torch.randn(3, 5, 96)
+    torch.testing.assert_close(layer(x), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+    strided = torch.randn(96, 6).t()  # not contiguous
+    torch.testing.assert_close(layer(strided), F.linear(strided, weight), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+def test_a_row_gets_the_same_result_alone_and_in_a_batch():
+    # Each row's sums run in the same order whatever tile it falls in: batching changes no output.
+    torch.manual_seed(0)
+    layer = PanelLinear(torch.randn(512, 256))
+    rows = torch.randn(19, 256)
+    alone = torch.cat([layer(rows[i : i + 1]) for i in range(19)])
+    assert torch.equal(layer(rows), alone)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_any_thread_count_gives_the_same_product(threads):
+    torch.manual_seed(0)
+    layer, x = PanelLinear(torch.randn(300, 128)), torch.randn(5, 128)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(threads)
+        assert torch.equal(layer(x), one)  # panels are split between threads, never the sums
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_inputs_the_kernel_does_not_take_still_get_the_right_product():
+    torch.manual_seed(0)
+    weight = torch.randn(40, 24)
+    layer = PanelLinear(weight)
+    x = torch.randn(3, 24, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), F.linear(x, weight.double()))
+    wanting_grad = torch.randn(3, 24, requires_grad=True)
+    layer(wanting_grad).sum().backward()
+    torch.testing.assert_close(wanting_grad.grad, weight.sum(0).expand(3, 24))
+
+
+def test_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        PanelLinear(torch.randn(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="2-D"):
+        PanelLinear(torch.randn(4))
+
+
+@needs_kernels
+def test_pack_linears_puts_every_float32_bias_free_linear_in_panels():
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=True),
+                          nn.Linear(4, 4, bias=False), nn.Linear(64, 64, bias=False).double())
+    assert pack_linears(model) == 2
+    assert [type(m) for m in model] == [PanelLinear, nn.Linear, PanelLinear, nn.Linear]
+
+
+def test_without_a_compiler_products_fall_back_with_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(UserWarning, match="no C compiler .* found"):
+        assert build.load() is None
+    assert build.load() is None  # found missing once: no second warning (pytest would fail on an error)
+    model = nn.Sequential(nn.Linear(600, 600, bias=False))
+    weight = model[0].weight.detach().clone()
+    pack_linears(model)
+    assert not isinstance(model[0], PanelLinear)
+    x = torch.randn(2, 600)
+    torch.testing.assert_close(model(x), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_a_compiler_that_fails_falls_back_with_its_error(monkeypatch, tmp_path):
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho 'cc: fatal error: something broke' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="could not build the CPU kernels .*something broke"):
+        assert build.load() is None
+
+
+def test_the_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("LLAMA_CORE_CPU_KERNELS", "0")
+    assert not cpu_kernels.available()
+    model = nn.Sequential(nn.Linear(1024, 512, bias=False))
+    pack_linears(model)
+    assert not isinstance(model[0], PanelLinear)
+
+
+@needs_kernels
+def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "cc")
+    monkeypatch.setattr(build, "_loaded", {})
+    assert build.load() is not None
+    built = list((tmp_path / "kernels").glob("linear-*.so"))
+    assert len(built) == 1
+    monkeypatch.setattr(build, "_loaded", {})
+    stamp = built[0].stat().st_mtime_ns
+    assert build.load() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert not [p for p in (tmp_path / "kernels").iterdir() if p != built[0]]  # no partial file left

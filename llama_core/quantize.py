@@ -2,9 +2,9 @@
 channel (row).
 
 On CPU (float32) the product runs in llama_core's own kernel where it is built (llama_core.cpu_kernels):
-the int8 weight, in panels, is read once and widened to float32 in registers, so a one-row product reads a
-quarter of float32's bytes, and the activations stay in float32. Without it, the product runs in fbgemm's
-int8 GEMM (`torch.ops.quantized.linear_dynamic`, the kernel
+each row of activations is rounded to 8 bits on its own scale and multiplied with the int8 weight in
+integer arithmetic (VNNI's four-products-per-lane instruction where the CPU has it), reading the weight
+once per 8 rows. Without it, the product runs in fbgemm's int8 GEMM (`torch.ops.quantized.linear_dynamic`, the kernel
 behind torch.ao's dynamic quantization): the activations are quantized to 8 bits on the fly and multiplied
 with the int8 weight in integer arithmetic, never through a dequantized copy of the weight.
 scripts/bench_int8.py measured it the fastest candidate on the 15m and 110m shapes at 1 to 32 rows (2.6 to
@@ -17,8 +17,8 @@ magnitude, and two constant columns (+1 and -1, against zero weights) pin the in
 every row gets its own 8-bit scale, the same whatever other rows share the forward (a prompt's outlier
 token cannot coarsen a decoding row), and the output is multiplied back row by row.
 
-Under torch.compile, which cannot trace fbgemm's packed weight, the same rounding runs in float, so
-compiled and eager steps agree. Elsewhere (CUDA, other dtypes) the activations stay as they are and the
+Under torch.compile, which can trace neither kernel, the same rounding runs in float, so compiled and eager
+steps agree. Elsewhere (CUDA, other dtypes) the activations stay as they are and the
 product is the dequantized one, which inductor fuses under `--compile`.
 """
 
@@ -76,10 +76,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.available():
-            if torch.compiler.is_compiling():  # the same sums in float
-                return F.linear(x, self.weight.to(x.dtype)) * self.scales
-            panels, scales = self._panels_for_cpu()
-            return cpu_kernels.panel_product(x, panels, self.out_features, scales)
+            if torch.compiler.is_compiling():  # the kernel's rounding, the sums in float
+                return F.linear(_panel_rounding(x), self.weight.to(x.dtype)) * self.scales
+            panels, scales, weight_sums = self._panels_for_cpu()
+            return cpu_kernels.panel_product(x, panels, self.out_features, self.in_features, scales, weight_sums)
         if x.device.type == "cpu" and x.dtype == torch.float32 and _REDUCE_RANGE is not None:
             rows, magnitude = _rows_on_own_scale(x)
             if torch.compiler.is_compiling():  # dynamo cannot trace fbgemm's packed weight: the same sums in float
@@ -97,13 +97,15 @@ class Int8Linear(nn.Module):
             self._packed, self._packed_key = _fbgemm_pack(self.weight, self.scales), key
         return self._packed
 
-    def _panels_for_cpu(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The weight in panels and the scales padded to whole panels, for cpu_kernels, made on first use."""
+    def _panels_for_cpu(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For cpu_kernels, made on first use: the weight in int8 panels, its scales (float32) and its rows'
+        sums, both padded to whole panels."""
         key = self.weight.data_ptr()
         if getattr(self, "_panels_key", None) != key:
-            scales = self.scales.new_zeros(-(-self.out_features // cpu_kernels.PANEL) * cpu_kernels.PANEL)
+            panels, weight_sums = cpu_kernels.to_int8_panels(self.weight)
+            scales = torch.zeros(weight_sums.shape[0], dtype=torch.float32)
             scales[:self.out_features] = self.scales
-            self._panels, self._panels_key = (cpu_kernels.to_panels(self.weight), scales.float()), key
+            self._panels, self._panels_key = (panels, scales, weight_sums), key
         return self._panels
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
@@ -147,6 +149,14 @@ def _rows_on_own_scale(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.reshape(-1, x.shape[-1])
     magnitude = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)
     return torch.cat([rows / magnitude, _BOUNDS.expand(rows.shape[0], 2)], dim=1), magnitude
+
+
+def _panel_rounding(x: torch.Tensor) -> torch.Tensor:
+    """The activations cpu_kernels' int8 product multiplies: each row rounded to the nearest of 255 levels
+    over [-m, m], m its largest magnitude, as linear.c computes them."""
+    largest = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)
+    scale = torch.where(largest > 0, largest / 127.0, torch.ones_like(largest))
+    return (x * (1.0 / scale)).round() * scale
 
 
 def _fbgemm_rounding(rows: torch.Tensor) -> torch.Tensor:

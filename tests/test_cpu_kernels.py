@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_core import cpu_kernels
-from llama_core.cpu_kernels import PANEL, PanelLinear, build, from_panels, to_panels
+from llama_core.cpu_kernels import (PANEL, PanelLinear, build, from_int8_panels, from_panels, panel_product,
+                                    to_int8_panels, to_panels)
 from llama_core.packed_linear import PackedLinear, pack_linears
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here to build llama_core's CPU kernels")
@@ -23,6 +24,16 @@ def test_panels_round_trip_the_weight(shape):
     assert panels.shape == (-(-shape[0] // PANEL), shape[1], PANEL)
     assert torch.equal(from_panels(panels, shape[0]), weight)
     assert (panels.transpose(1, 2).reshape(-1, shape[1])[shape[0]:] == 0).all()  # padding rows are zero
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (100, 7), (33, 1), (1, 42)], ids=str)
+def test_int8_panels_round_trip_the_weight_and_sum_its_rows(shape):
+    weight = torch.randint(-127, 128, shape, dtype=torch.int8)
+    panels, sums = to_int8_panels(weight)
+    assert panels.shape == (-(-shape[0] // PANEL), -(-shape[1] // 4), PANEL, 4) and panels.dtype == torch.int8
+    assert torch.equal(from_int8_panels(panels, *shape), weight)
+    assert sums.dtype == torch.int32 and sums.shape == (panels.shape[0] * PANEL,)
+    assert torch.equal(sums[:shape[0]], weight.sum(dim=1, dtype=torch.int32)) and not sums[shape[0]:].any()
 
 
 def test_a_large_weight_is_copied_exactly_into_huge_page_memory():
@@ -40,6 +51,29 @@ def test_float32_product_equals_f_linear(rows, shape):
     got = PanelLinear(weight)(x)
     assert got.shape == (rows, shape[0]) and got.is_contiguous()
     torch.testing.assert_close(got, (x.double() @ weight.double().T).float(), atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("shape", [(96, 64), (100, 7), (31, 34), (2304, 768)], ids=str)
+def test_int8_product_is_the_exact_sum_of_each_row_rounded_on_its_own_scale(rows, shape):
+    torch.manual_seed(rows)
+    weight = torch.randint(-127, 128, shape, dtype=torch.int8)
+    scales = torch.rand(shape[0]) * 0.01
+    x = torch.randn(rows, shape[1]) * torch.logspace(-3, 3, rows)[:, None]
+    panels, sums = to_int8_panels(weight)
+    padded_scales = torch.zeros(sums.shape[0])
+    padded_scales[:shape[0]] = scales
+    got = panel_product(x, panels, shape[0], shape[1], padded_scales, sums)
+    step = x.abs().amax(dim=1, keepdim=True) / 127
+    levels = torch.round(x / step)
+    assert levels.abs().max() <= 127
+    expected = (levels.double() @ weight.double().T) * step.double() * scales.double()
+    torch.testing.assert_close(got, expected.float(), atol=1e-6, rtol=1e-5)
+    alone = torch.cat([panel_product(x[i : i + 1], panels, shape[0], shape[1], padded_scales, sums) for i in range(rows)])
+    assert torch.equal(got, alone)
+    zeros = panel_product(torch.zeros(2, shape[1]), panels, shape[0], shape[1], padded_scales, sums)
+    assert torch.equal(zeros, torch.zeros(2, shape[0]))
 
 
 @needs_kernels

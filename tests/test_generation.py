@@ -116,9 +116,10 @@ def llama_with_eos_for(llama: Llama, token: int) -> Llama:
     say `token` this one says EOS, and everything before is unchanged (softmax is permutation-invariant)."""
     model = copy.deepcopy(llama.model)
     eos = llama.tokenizer.eos_id
-    with torch.no_grad():
-        weight = model.output.weight
-        weight[[token, eos]] = weight[[eos, token]].clone()
+    weight = model.output.weight.detach().clone()  # a copy where the output layer holds a layout of its own
+    weight[[token, eos]] = weight[[eos, token]].clone()
+    model.output = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    model.output.weight = torch.nn.Parameter(weight, requires_grad=False)
     return Llama.from_model(model, llama.tokenizer, max_seq_len=MAX_SEQ_LEN, max_batch_size=4, seed=0)
 
 

@@ -6,6 +6,8 @@ where torch's products read the weight at about two thirds of it (docs/benchmark
 """
 
 from .build import enabled, load
-from .panels import PANEL, PanelLinear, available, from_panels, panel_product, to_panels
+from .panels import (PANEL, PanelLinear, available, from_int8_panels, from_panels, panel_product, to_int8_panels,
+                     to_panels)
 
-__all__ = ["PANEL", "PanelLinear", "available", "enabled", "from_panels", "load", "panel_product", "to_panels"]
+__all__ = ["PANEL", "PanelLinear", "available", "enabled", "from_int8_panels", "from_panels", "load", "panel_product",
+           "to_int8_panels", "to_panels"]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 SOURCE = Path(__file__).with_name("linear.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi", "-shared", "-fPIC")
 DISABLE_VARIABLE = "LLAMA_CORE_CPU_KERNELS"  # "0" keeps torch's own CPU products
 
 _lock = threading.Lock()
@@ -111,10 +111,10 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str:
 
 def _declare(library: ctypes.CDLL) -> None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    for name in ("panel_linear_f32", "panel_linear_i8"):
-        function = getattr(library, name)
-        function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
-        function.restype = None
+    library.panel_linear_f32.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+    library.panel_linear_f32.restype = None
+    library.panel_linear_i8.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+    library.panel_linear_i8.restype = ctypes.c_int
     library.panel_width.restype = ctypes.c_int
 
 

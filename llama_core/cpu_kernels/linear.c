@@ -1,5 +1,6 @@
 /* y = x @ W.T on the CPU for float32 x [M, K] and a weight stored in panels: W's rows in groups of PANEL,
- * each group [K][PANEL] contiguous, float32 or int8 (with one float scale per row of W).
+ * each group contiguous. float32 panels are [K][PANEL]; int8 panels (one float scale per row of W) are
+ * [K / 4][PANEL][4], the layout of VNNI's four-products-per-lane instruction.
  *
  * One panel is read as a single sequential stream and every row of x in a tile of up to TILE_ROWS rows is
  * multiplied with it while it is in registers, so the weight leaves memory once per TILE_ROWS rows: a one-row
@@ -7,7 +8,9 @@
  * -O3 -march=native -fopenmp; GCC's vector extensions map v16 to whatever vector registers the CPU has. */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#include <math.h>
+#include <stdlib.h>
+#if defined(__AVX512VNNI__)
 #include <immintrin.h>
 #endif
 
@@ -17,16 +20,6 @@
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
 static inline __attribute__((always_inline)) v16 load_f32(const float *p) { return *(const v16 *)p; }
-
-static inline __attribute__((always_inline)) v16 load_i8(const int8_t *p) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-  v16 r;
-  for (int i = 0; i < 16; i++) r[i] = p[i];
-  return r;
-#endif
-}
 
 /* Rows [0, rows) of x (row stride K) times one panel w [K][PANEL]; writes columns [n0, n0 + width) of y. */
 #define DEFINE_TILE(NAME, WEIGHT_T, LOAD, SCALE)                                                       \
@@ -53,7 +46,6 @@ static inline __attribute__((always_inline)) v16 load_i8(const int8_t *p) {
   }
 
 DEFINE_TILE(tile_f32, float, load_f32, )
-DEFINE_TILE(tile_i8, int8_t, load_i8, low[m] *= load_f32(scales + n0); high[m] *= load_f32(scales + n0 + 16);)
 
 /* The row count of the last tile is a constant in each case, so the compiler unrolls its loops. */
 #define DEFINE_PRODUCT(NAME, WEIGHT_T, TILE)                                                            \
@@ -80,7 +72,90 @@ DEFINE_TILE(tile_i8, int8_t, load_i8, low[m] *= load_f32(scales + n0); high[m] *
   }
 
 DEFINE_PRODUCT(panel_linear_f32, float, tile_f32)
-DEFINE_PRODUCT(panel_linear_i8, int8_t, tile_i8)
+
+/* int8: each row of x is quantized on its own scale (its largest magnitude / 127, rounded to nearest even)
+ * and offset by 128 to unsigned bytes; a lane then sums (x + 128) * w four at a time in int32, and the
+ * 128 * sum(w) this adds is taken off with the row sums of W that the caller keeps (`weight_sums`). The
+ * result for a row never depends on the other rows. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t K4, uint8_t *xq, float *x_scales) {
+  for (int64_t m = 0; m < M; m++) {
+    const float *row = x + m * K;
+    float largest = 0;
+    for (int64_t k = 0; k < K; k++) largest = fmaxf(largest, fabsf(row[k]));
+    float scale = largest > 0 ? largest / 127.0f : 1.0f, inverse = 1.0f / scale;
+    for (int64_t k = 0; k < K; k++) xq[m * K4 + k] = (uint8_t)((int)nearbyintf(row[k] * inverse) + 128);
+    for (int64_t k = K; k < K4; k++) xq[m * K4 + k] = 128;
+    x_scales[m] = scale;
+  }
+}
+
+static inline __attribute__((always_inline)) void tile_i8(
+    const uint8_t *xq, const float *x_scales, const int8_t *w, const float *scales, const int32_t *weight_sums,
+    float *y, int64_t K4, int64_t N, int64_t n0, int64_t width, int rows) {
+  int32_t sums[TILE_ROWS][PANEL];
+#if defined(__AVX512VNNI__)
+  __m512i low[TILE_ROWS], high[TILE_ROWS];
+  for (int m = 0; m < rows; m++) low[m] = high[m] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < K4 / 4; g++) {
+    __m512i w_low = _mm512_loadu_si512(w + g * 4 * PANEL), w_high = _mm512_loadu_si512(w + g * 4 * PANEL + 64);
+    for (int m = 0; m < rows; m++) {
+      int32_t four;
+      memcpy(&four, xq + m * K4 + g * 4, 4);
+      __m512i xs = _mm512_set1_epi32(four);
+      low[m] = _mm512_dpbusd_epi32(low[m], xs, w_low);
+      high[m] = _mm512_dpbusd_epi32(high[m], xs, w_high);
+    }
+  }
+  for (int m = 0; m < rows; m++) {
+    _mm512_storeu_si512(sums[m], low[m]);
+    _mm512_storeu_si512(sums[m] + 16, high[m]);
+  }
+#else
+  for (int m = 0; m < rows; m++) {
+    for (int j = 0; j < PANEL; j++) sums[m][j] = 0;
+    for (int64_t g = 0; g < K4 / 4; g++)
+      for (int j = 0; j < PANEL; j++)
+        for (int b = 0; b < 4; b++)
+          sums[m][j] += (int32_t)xq[m * K4 + g * 4 + b] * (int32_t)w[(g * PANEL + j) * 4 + b];
+  }
+#endif
+  for (int m = 0; m < rows; m++)
+    for (int64_t j = 0; j < width; j++)
+      y[m * N + n0 + j] = (float)(sums[m][j] - 128 * weight_sums[n0 + j]) * x_scales[m] * scales[n0 + j];
+}
+
+int panel_linear_i8(const float *x, const int8_t *w, const float *scales, const int32_t *weight_sums, float *y,
+                    int64_t M, int64_t N, int64_t K, int threads) {
+  int64_t K4 = (K + 3) / 4 * 4, panels = (N + PANEL - 1) / PANEL;
+  uint8_t *xq = malloc((size_t)(M * K4));
+  float *x_scales = malloc((size_t)M * sizeof(float));
+  if (xq == NULL || x_scales == NULL) {
+    free(xq);
+    free(x_scales);
+    return -1;
+  }
+  quantize_rows(x, M, K, K4, xq, x_scales);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t p = 0; p < panels; p++) {
+    const int8_t *panel = w + p * K4 * PANEL;
+    int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL, m0 = 0;
+    for (; m0 + TILE_ROWS <= M; m0 += TILE_ROWS)
+      tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, TILE_ROWS);
+    switch (M - m0) {
+      case 1: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 1); break;
+      case 2: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 2); break;
+      case 3: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 3); break;
+      case 4: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 4); break;
+      case 5: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 5); break;
+      case 6: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 6); break;
+      case 7: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 7); break;
+      default: break;
+    }
+  }
+  free(xq);
+  free(x_scales);
+  return 0;
+}
 
 /* The layout's constants, for the Python side to check against its own. */
 int panel_width(void) { return PANEL; }

@@ -1,7 +1,8 @@
 """Projections whose weights are stored in panels for the kernels of linear.c (see its header).
 
-A weight W [out, in] becomes panels [ceil(out / 32), in, 32]: each group of 32 rows of W transposed, so one
-panel is one contiguous stream. Where the OS allows it the panels sit in 2 MiB pages (transparent huge
+A float32 weight W [out, in] becomes panels [ceil(out / 32), in, 32]: each group of 32 rows of W transposed,
+so one panel is one contiguous stream (int8: [ceil(out / 32), ceil(in / 4), 32, 4], four inputs per output
+side by side for VNNI). Where the OS allows it the panels sit in 2 MiB pages (transparent huge
 pages, asked for with madvise): streaming the weight then costs far fewer page walks, which on the
 110m shape is the difference between reading at ~25 and ~33 GB/s with 2 threads (docs/benchmarks.md).
 """
@@ -30,13 +31,11 @@ def available() -> bool:
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] as panels [ceil(out / PANEL), in, PANEL], rows past out zero."""
+    """A float32 weight [out, in] as panels [ceil(out / PANEL), in, PANEL], rows past out zero."""
     out_features, in_features = weight.shape
     count = -(-out_features // PANEL)
     panels = _huge_page_empty((count, in_features, PANEL), weight.dtype)
-    padded = weight.new_zeros(count * PANEL, in_features)
-    padded[:out_features] = weight
-    panels.copy_(padded.view(count, PANEL, in_features).transpose(1, 2))
+    panels.copy_(_padded(weight, count * PANEL, in_features).view(count, PANEL, in_features).transpose(1, 2))
     return panels
 
 
@@ -46,11 +45,28 @@ def from_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(count * PANEL, in_features)[:out_features].clone()
 
 
-def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int,
-                  scales: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [..., in] (float32, CPU) @ W.T for W in panels: float32, or int8 with scales [count * PANEL]."""
+def to_int8_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 weight [out, in] as panels [ceil(out / PANEL), ceil(in / 4), PANEL, 4] (zeros past out and
+    in), and each padded row's sum [ceil(out / PANEL) * PANEL] in int32, which the kernel needs."""
+    out_features, in_features = weight.shape
+    count, groups = -(-out_features // PANEL), -(-in_features // 4)
+    padded = _padded(weight, count * PANEL, groups * 4)
+    panels = _huge_page_empty((count, groups, PANEL, 4), torch.int8)
+    panels.copy_(padded.view(count, PANEL, groups, 4).transpose(1, 2))
+    return panels, padded.sum(dim=1, dtype=torch.int32)
+
+
+def from_int8_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The int8 weight [out, in] that to_int8_panels made panels from (a copy)."""
+    count, groups = panels.shape[:2]
+    return panels.transpose(1, 2).reshape(count * PANEL, groups * 4)[:out_features, :in_features].clone()
+
+
+def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int, in_features: int,
+                  scales: Optional[torch.Tensor] = None, weight_sums: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., in] (float32, CPU) @ W.T for W in panels: float32 (to_panels), or int8 (to_int8_panels) with
+    float32 scales and int32 row sums, both [count * PANEL]."""
     library = build.load()
-    in_features = panels.shape[1]
     rows = x.reshape(-1, in_features)
     if not rows.is_contiguous():
         rows = rows.contiguous()
@@ -59,9 +75,9 @@ def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     if scales is None:
         library.panel_linear_f32(rows.data_ptr(), panels.data_ptr(), None, out.data_ptr(),
                                  rows.shape[0], out_features, in_features, threads)
-    else:
-        library.panel_linear_i8(rows.data_ptr(), panels.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                                rows.shape[0], out_features, in_features, threads)
+    elif library.panel_linear_i8(rows.data_ptr(), panels.data_ptr(), scales.data_ptr(), weight_sums.data_ptr(),
+                                 out.data_ptr(), rows.shape[0], out_features, in_features, threads):
+        raise MemoryError(f"no memory for {rows.shape[0]} rows of int8 activations")
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -85,10 +101,18 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not available():
             return F.linear(x, self.weight.to(x.dtype))  # outside what the kernel covers: correct, not fast
-        return panel_product(x, self.panels, self.out_features)
+        return panel_product(x, self.panels, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, panels"
+
+
+def _padded(weight: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    if tuple(weight.shape) == (rows, columns):
+        return weight
+    padded = weight.new_zeros(rows, columns)
+    padded[:weight.shape[0], :weight.shape[1]] = weight
+    return padded
 
 
 def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -25,9 +25,16 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 
 
+_KERNELS: Optional[ctypes.CDLL] = None  # the library, once loaded: products then skip build.load's checks
+
+
 def available() -> bool:
-    """Whether the panel kernels are built and loaded (see build.load)."""
-    return build.load() is not None
+    """Whether the panel kernels are built and loaded, and not turned off (see build.load)."""
+    global _KERNELS
+    library = build.load()
+    if library is not None:
+        _KERNELS = library
+    return library is not None
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -65,20 +72,22 @@ def from_int8_panels(panels: torch.Tensor, out_features: int, in_features: int) 
 def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int, in_features: int,
                   scales: Optional[torch.Tensor] = None, weight_sums: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., in] (float32, CPU) @ W.T for W in panels: float32 (to_panels), or int8 (to_int8_panels) with
-    float32 scales and int32 row sums, both [count * PANEL]."""
-    library = build.load()
-    rows = x.reshape(-1, in_features)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    threads = torch.get_num_threads()
+    float32 scales and int32 row sums, both [count * PANEL]. Raises RuntimeError where the kernels are not
+    built (see available)."""
+    library = _KERNELS or build.load()
+    if library is None:
+        raise RuntimeError("llama_core's CPU kernels are not built here (see llama_core.cpu_kernels.build)")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], out_features)
+    rows = x.numel() // in_features
     if scales is None:
-        library.panel_linear_f32(rows.data_ptr(), panels.data_ptr(), None, out.data_ptr(),
-                                 rows.shape[0], out_features, in_features, threads)
-    elif library.panel_linear_i8(rows.data_ptr(), panels.data_ptr(), scales.data_ptr(), weight_sums.data_ptr(),
-                                 out.data_ptr(), rows.shape[0], out_features, in_features, threads):
-        raise MemoryError(f"no memory for {rows.shape[0]} rows of int8 activations")
-    return out.view(*x.shape[:-1], out_features)
+        library.panel_linear_f32(x.data_ptr(), panels.data_ptr(), None, out.data_ptr(), rows, out_features,
+                                 in_features, torch.get_num_threads())
+    elif library.panel_linear_i8(x.data_ptr(), panels.data_ptr(), scales.data_ptr(), weight_sums.data_ptr(),
+                                 out.data_ptr(), rows, out_features, in_features, torch.get_num_threads()):
+        raise MemoryError(f"no memory for {rows} rows of int8 activations")
+    return out
 
 
 class PanelLinear(nn.Module):
@@ -93,13 +102,14 @@ class PanelLinear(nn.Module):
                              f"{tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.register_buffer("panels", to_panels(weight.detach()), persistent=False)
+        available()  # loads the kernels for forward, where they build
 
     @property
     def weight(self) -> torch.Tensor:
         return from_panels(self.panels, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or not available():
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad or _KERNELS is None:
             return F.linear(x, self.weight.to(x.dtype))  # outside what the kernel covers: correct, not fast
         return panel_product(x, self.panels, self.out_features, self.in_features)
 

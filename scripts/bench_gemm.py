@@ -1,7 +1,8 @@
 """Micro-benchmark of one forward's projection products at a model shape, in the weight layouts
 llama_core could use: q/k/v and gate/up fused or separate; weights row-major ([out, in] contiguous, as
-checkpoints store them), column-major (the transpose contiguous), or reordered once by oneDNN into its
-own blocked layout and multiplied by its kernel (`llama_core.packed_linear`).
+checkpoints store them), column-major (the transpose contiguous), reordered once by oneDNN into its
+own blocked layout and multiplied by its kernel (`llama_core.packed_linear`), or in llama_core's own
+panels and kernel (`llama_core.cpu_kernels`, where it builds).
 
     python scripts/bench_gemm.py --shape 110m --rows 1,8,32,128
 
@@ -21,12 +22,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from llama_core import cpu_kernels  # noqa: E402
 from llama_core.packed_linear import packing_available  # noqa: E402
 
 SHAPES = {"tiny": (192, 512, 6), "15m": (288, 768, 6), "110m": (768, 2048, 12)}  # dim, hidden, layers
 
 
-LAYOUTS = ("row", "column") + (("onednn",) if packing_available() else ())
+LAYOUTS = ("row", "column") + (("onednn",) if packing_available() else ()) + (("panels",) if cpu_kernels.available() else ())
 
 
 def layer_weights(dim: int, hidden: int, fused: bool, layout: str) -> list[torch.Tensor]:
@@ -39,13 +41,17 @@ def layer_weights(dim: int, hidden: int, fused: bool, layout: str) -> list[torch
         return [w.t().contiguous().t() for w in weights]
     if layout == "onednn":
         return [(w.shape[1], torch.ops.mkldnn._reorder_linear_weight(w)) for w in weights]
+    if layout == "panels":
+        return [cpu_kernels.PanelLinear(w) for w in weights]
     return weights
 
 
 def forward_products(layers: list[list], x: torch.Tensor, h: torch.Tensor) -> None:
     for weights in layers:
         for w in weights:
-            if isinstance(w, tuple):
+            if isinstance(w, cpu_kernels.PanelLinear):
+                w(h if w.in_features == h.shape[1] else x)
+            elif isinstance(w, tuple):
                 in_features, packed = w
                 torch.ops.mkldnn._linear_pointwise(h if in_features == h.shape[1] else x, packed, None, "none", [], "")
             else:

@@ -9,14 +9,18 @@ Each product runs over all of one forward's projections (every layer's fused q/k
 gate/up and down projection, then the vocabulary projection), each with its own random weights, so memory
 is read as a real forward reads it. Kernels (weights quantized per output channel, as llama_core does):
 
-    fp32         F.linear on the float32 weight stored column-major (llama_core's CPU float path)
+    fp32         F.linear on the float32 weight stored column-major (llama_core's CPU float path without
+                 its own kernels)
+    fp32-panels  llama_core's float32 kernel (llama_core.cpu_kernels.PanelLinear), where it builds
     dequant      F.linear(x, w_int8.float()) * scales: a whole dequantized copy per product
     int8pack     torch.ops.aten._weight_int8pack_mm(x, w_int8, scales), float32 x
     int8pack-bf16  the same with x and scales in bfloat16 (the gpt-fast path), output back to float32
     fbgemm       torch.ops.quantized.linear_dynamic: x quantized to uint8 on the fly with one scale for
                  the whole input, int8 x int8 products (what torch.ao.nn.quantized.dynamic.Linear runs)
     fbgemm-rr    the same with reduce_range (7-bit activations, torch.ao's default on x86)
-    llama_core   llama_core's Int8Linear: fbgemm with each row scaled to its own range (llama_core.quantize)
+    llama_core   llama_core's Int8Linear: its own int8 kernel where it builds (llama_core.cpu_kernels: each row
+                 of x rounded to 8 bits on its own scale, VNNI products), else fbgemm with each row scaled
+                 to its own range (llama_core.quantize)
     compiled     torch.compile of the dequant product (inductor may fuse the dequantization)
 
 The kernels take turns, --repeats times; the median is printed, in ms per forward, with each kernel's
@@ -43,6 +47,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from llama_core import cpu_kernels  # noqa: E402
+from llama_core.cpu_kernels import PanelLinear  # noqa: E402
 from llama_core.quantize import Int8Linear  # noqa: E402
 
 SHAPES = {"tiny": (192, 512, 6, 512), "15m": (288, 768, 6, 32000), "110m": (768, 2048, 12, 32000)}  # dim, hidden, layers, vocab
@@ -79,6 +85,7 @@ def kernels() -> dict[str, tuple[Callable, Callable]]:
     compiled = torch.compile(_dequant, dynamic=False)
     return {
         "fp32": (lambda w: (w.t().contiguous().t(),), F.linear),
+        **({"fp32-panels": (lambda w: (PanelLinear(w),), lambda x, layer: layer(x))} if cpu_kernels.available() else {}),
         "dequant": (quantized, _dequant),
         "int8pack": (quantized, torch.ops.aten._weight_int8pack_mm),
         "int8pack-bf16": (lambda w: (quantized(w)[0], quantized(w)[1].bfloat16()),

@@ -60,9 +60,10 @@ def test_gemm_bench_prints_a_time_for_every_layout_and_row_count():
     result = _run("bench_gemm.py", "--shape", "tiny", "--rows", "1,4", "--repeats", "1", "--threads", "1")
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
+    from llama_core import cpu_kernels
     from llama_core.packed_linear import packing_available
 
-    layouts = ["row", "column"] + (["onednn"] if packing_available() else [])
+    layouts = ["row", "column"] + (["onednn"] if packing_available() else []) + (["panels"] if cpu_kernels.available() else [])
     assert all(f"{stacking}, {layout}" in lines[1] for stacking in ("fused", "separate") for layout in layouts)
     rows = [line.split() for line in lines[2:]]
     assert [r[0] for r in rows] == ["1", "4"]

@@ -17,10 +17,11 @@ from llama_core.serving.engine_process import EngineProcess
 from conftest import STORIES_DIR, build_llama, needs_stories
 
 # Largest |int8 logprob - float32 logprob| over the whole vocabulary, at every position of the float model's
-# greedy continuations (measured 0.33 and 5.0: see README, "Quantization"); the bounds leave about 1.5x room.
+# greedy continuations (measured 0.34 and 6.5 with llama_core's kernel, 0.33 and 5.0 with fbgemm: see README,
+# "Quantization"); the bounds leave room above both.
 EMBEDDED_MAX_DEVIATION = 0.5
-STORIES_MAX_DEVIATION = 7.5
-# Share of those positions where int8's most likely token is float32's (measured 97 % and 87 %).
+STORIES_MAX_DEVIATION = 8.5
+# Share of those positions where int8's most likely token is float32's (measured 97 % and 89 %; fbgemm 87 %).
 EMBEDDED_ARGMAX_AGREEMENT = 0.95
 STORIES_ARGMAX_AGREEMENT = 0.8
 

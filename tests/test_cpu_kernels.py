@@ -181,3 +181,13 @@ def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
     stamp = built[0].stat().st_mtime_ns
     assert build.load() is not None and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert not [p for p in (tmp_path / "kernels").iterdir() if p != built[0]]  # no partial file left
+
+
+@needs_kernels
+def test_a_cache_that_cannot_be_written_falls_back_to_a_temporary_directory(monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path / "a-file" / "cache"))  # no directory can be made there
+    monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(build, "_loaded", {})
+    assert build.load() is not None
+    assert len(list((tmp_path / "tmp").glob("llama_core-kernels-*/linear-*.so"))) == 1

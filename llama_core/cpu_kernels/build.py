@@ -41,6 +41,12 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _cache_dirs() -> list[Path]:
+    """Where the library is kept: the cache directory, and a per-user temporary one for when the cache
+    cannot be written (a read-only home)."""
+    return [cache_dir(), Path(tempfile.gettempdir()) / f"llama_core-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}"]
+
+
 def load() -> Optional[ctypes.CDLL]:
     """The compiled kernels (built on first call), or None where they are turned off or cannot be built
     (one warning says why)."""
@@ -69,11 +75,14 @@ def _build_and_load(compiler: str) -> Optional[ctypes.CDLL]:
         flags = FLAGS + openmp
         key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                          platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
-        target = cache_dir() / f"linear-{key}.so"
-        if not target.exists():
+        target, last_error = next((d / f"linear-{key}.so" for d in _cache_dirs() if (d / f"linear-{key}.so").exists()), None), ""
+        for directory in ([] if target else _cache_dirs()):  # the cache, else a temporary directory
+            target = directory / f"linear-{key}.so"
             last_error = _compile(compiler, flags, target)
-            if last_error:
-                continue
+            if not last_error:
+                break
+        if last_error:
+            continue
         try:
             library = ctypes.CDLL(str(target))
         except OSError as error:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
+from .cpu_kernels import layer_ops
 from .devices import execution_device
 from .kv_cache import KVCache
 from .quantize import Int8Linear
@@ -26,7 +27,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    cpu_kernels = False  # set by Transformer.use_cpu_kernels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return layer_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused kernel, the same values
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x_float = x.float()
@@ -71,6 +76,8 @@ class Attention(nn.Module):
         self.wqkv: Optional[nn.Module] = None  # wq, wk, wv stacked; set by fuse_projections()
         self.kv_cache: Optional[KVCache] = None
 
+    cpu_kernels = False  # set by Transformer.use_cpu_kernels
+
     def fuse_projections(self) -> None:
         """Replaces wq, wk, wv by one stacked projection: one matrix-vector product instead of three."""
         self.wqkv = _stacked_linear(self.wq, self.wk, self.wv)
@@ -89,6 +96,10 @@ class Attention(nn.Module):
         """spans: x is one row holding several batches' tokens one after another (Transformer.forward_spans);
         mask is then a list of each span's mask, and each span has its own positions, cache rows and kv_len."""
         batch, seq_len, _ = x.shape
+        if (self.cpu_kernels and self.wqkv is not None and self.kv_cache is not None and x.dtype == torch.float32
+                and not torch.compiler.is_compiling()
+                and (seq_len == 1 if spans is None else any(span.seq_len == 1 for span in spans))):
+            return self._forward_with_cpu_kernels(x, rotation, input_pos, mask, cache_rows, kv_len, spans)
         kv_size = self.n_kv_heads * self.head_dim
         if self.wqkv is not None:  # queries and keys side by side: one rotation for both
             qk, v = _stacked_projection(self.wqkv, x, [self.n_heads * self.head_dim + kv_size, kv_size])
@@ -106,6 +117,41 @@ class Attention(nn.Module):
             outputs.append(self._attend(*pieces, span.input_pos, span_mask, span.cache_rows, span.kv_len).view(1, count, -1))
             start += count
         return self.wo(torch.cat(outputs, dim=1))
+
+    def _forward_with_cpu_kernels(self, x, rotation, input_pos, mask, cache_rows, kv_len, spans) -> torch.Tensor:
+        """forward where decoding rows (one token each) attend in layer.c's kernel, which also rotates their
+        query and key and writes the cache: every decoding row, whether prompts share its forward or not.
+        Prompts' tokens take the torch path."""
+        qkv = self.wqkv(x)
+        cache = self.kv_cache
+        if spans is None:  # all rows decoding
+            out = layer_ops.attend_decode(qkv.view(x.shape[0], -1), rotation, cache.k_cache, cache.v_cache,
+                                          cache_rows, input_pos, self.n_heads, self.n_kv_heads)
+            return self.wo(out.view(x.shape[0], 1, -1))
+        outputs, start = [], 0
+        for span, span_mask in zip(spans, mask):
+            count = span.batch * span.seq_len
+            piece, angles = qkv[0, start : start + count], rotation[0, start : start + count]
+            if span.seq_len == 1:
+                out = layer_ops.attend_decode(piece, angles, cache.k_cache, cache.v_cache, span.cache_rows,
+                                              span.input_pos, self.n_heads, self.n_kv_heads)
+            else:
+                out = self._attend_projected(piece.view(span.batch, span.seq_len, -1),
+                                             angles.view(span.batch, span.seq_len, *angles.shape[1:]),
+                                             span.input_pos, span_mask, span.cache_rows, span.kv_len)
+            outputs.append(out.view(1, count, -1))
+            start += count
+        return self.wo(torch.cat(outputs, dim=1))
+
+    def _attend_projected(self, qkv, rotation, input_pos, mask, cache_rows, kv_len) -> torch.Tensor:
+        """_attend from the stacked projection's output qkv [B, S, (heads + 2 * kv_heads) * head_dim]."""
+        batch, seq_len, _ = qkv.shape
+        kv_size = self.n_kv_heads * self.head_dim
+        qk, v = qkv.split([self.n_heads * self.head_dim + kv_size, kv_size], dim=-1)
+        qk = apply_rotary(qk.reshape(batch, seq_len, self.n_heads + self.n_kv_heads, self.head_dim), rotation)
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+        v = v.reshape(batch, seq_len, self.n_kv_heads, self.head_dim)
+        return self._attend(q, k, v, input_pos, mask, cache_rows, kv_len)
 
     def _attend(self, q, k, v, input_pos, mask, cache_rows, kv_len) -> torch.Tensor:
         """q [B, S, heads, head_dim], k and v [B, S, kv_heads, head_dim] -> [B, S, heads * head_dim]."""
@@ -134,7 +180,11 @@ class FeedForward(nn.Module):
         self.w13 = _stacked_linear(self.w1, self.w3)
         del self.w1, self.w3
 
+    cpu_kernels = False  # set by Transformer.use_cpu_kernels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernels and self.w13 is not None and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return self.w2(layer_ops.silu_mul(self.w13(x)))
         if self.w13 is not None:
             gate, up = _stacked_projection(self.w13, x, 2)
             return self.w2(F.silu(gate) * up)
@@ -179,6 +229,14 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.fuse_projections()
             layer.feed_forward.fuse_projections()
+
+    def use_cpu_kernels(self, enabled: bool = True) -> None:
+        """Runs the small operations of each layer (norms, SiLU gating, a decoding token's attention) in
+        llama_core.cpu_kernels, one call each, or (False) in torch. Only for float32 on the CPU, with the
+        kernels loaded: the runner turns it on there."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, FeedForward)):
+                module.cpu_kernels = enabled
 
     def use_column_major_weights(self) -> None:
         """Stores each projection's weight [out, in] column-major, i.e. its transpose contiguous. Shapes,

@@ -24,7 +24,7 @@ import torch
 from .devices import execution_device, on_one_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer
-from .cpu_kernels import PanelLinear
+from .cpu_kernels import PanelLinear, available as cpu_kernels_available
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
 from .quantize import Int8Linear
 
@@ -62,6 +62,8 @@ class ModelRunner:
             # The compiled step traces through plain products: it cannot take packed weights as inputs.
             if not compile and not tensor_parallel and on_one_device(model):
                 pack_linears(model)
+                if self.dtype == torch.float32 and cpu_kernels_available():
+                    model.use_cpu_kernels()
             model.use_column_major_weights()
         leading_rows = compile and self.device.type == "cpu"
         # The leading-rows step's throw-away tokens go to one spare position past the context, which nothing
@@ -157,6 +159,8 @@ class DecodeStep:
         self.max_batch_size = max_batch_size
         self.max_seq_len = model.layers[0].attention.kv_cache.max_seq_len
         on_cuda = next(model.parameters()).device.type == "cuda"
+        if compile:  # torch.compile traces torch's operations, not ctypes calls
+            model.use_cpu_kernels(False)
         if compile and unpack_linears(model):
             model.use_column_major_weights()
         self.compiled = compile

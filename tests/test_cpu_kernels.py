@@ -175,7 +175,7 @@ def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "cc")
     monkeypatch.setattr(build, "_loaded", {})
     assert build.load() is not None
-    built = list((tmp_path / "kernels").glob("linear-*.so"))
+    built = list((tmp_path / "kernels").glob("kernels-*.so"))
     assert len(built) == 1
     monkeypatch.setattr(build, "_loaded", {})
     stamp = built[0].stat().st_mtime_ns
@@ -190,4 +190,4 @@ def test_a_cache_that_cannot_be_written_falls_back_to_a_temporary_directory(monk
     monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     monkeypatch.setattr(build, "_loaded", {})
     assert build.load() is not None
-    assert len(list((tmp_path / "tmp").glob("llama_core-kernels-*/linear-*.so"))) == 1
+    assert len(list((tmp_path / "tmp").glob("llama_core-kernels-*/kernels-*.so"))) == 1

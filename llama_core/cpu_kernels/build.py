@@ -1,4 +1,4 @@
-"""Compiles linear.c for this machine once and loads it with ctypes.
+"""Compiles linear.c and layer.c for this machine once, into one library, and loads it with ctypes.
 
 The library is built with the system's C compiler (`$CC`, else `cc`) for the CPU it runs on
 (`-march=native`) and kept in a cache directory (`$LLAMA_CORE_CACHE`, else `~/.cache/llama_core`) under a
@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-SOURCE = Path(__file__).with_name("linear.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("linear.c", "layer.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi", "-shared", "-fPIC")
 DISABLE_VARIABLE = "LLAMA_CORE_CPU_KERNELS"  # "0" keeps torch's own CPU products
 
@@ -68,16 +68,16 @@ def _build_and_load(compiler: str) -> Optional[ctypes.CDLL]:
         warnings.warn(f"llama_core: no C compiler ({compiler!r}) found, so CPU products use torch's kernels, "
                       f"which are slower at a few rows; install gcc (or set CC) for the faster ones", stacklevel=3)
         return None
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = _run([compiler, "--version"]) or ""
     last_error = ""
     for openmp in (("-fopenmp",), ()):  # without OpenMP (e.g. Apple's clang) the product runs on one thread
         flags = FLAGS + openmp
         key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                          platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
-        target, last_error = next((d / f"linear-{key}.so" for d in _cache_dirs() if (d / f"linear-{key}.so").exists()), None), ""
+        target, last_error = next((d / f"kernels-{key}.so" for d in _cache_dirs() if (d / f"kernels-{key}.so").exists()), None), ""
         for directory in ([] if target else _cache_dirs()):  # the cache, else a temporary directory
-            target = directory / f"linear-{key}.so"
+            target = directory / f"kernels-{key}.so"
             last_error = _compile(compiler, flags, target)
             if not last_error:
                 break
@@ -105,7 +105,7 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str:
     except OSError as error:
         return f"cannot write to {target.parent}: {error}"
     try:
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True,
+        result = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", partial], capture_output=True, text=True,
                                 timeout=120)
         if result.returncode != 0:
             return result.stderr or f"{compiler} exited {result.returncode}"
@@ -125,6 +125,13 @@ def _declare(library: ctypes.CDLL) -> None:
     library.panel_linear_i8.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.panel_linear_i8.restype = ctypes.c_int
     library.panel_width.restype = ctypes.c_int
+    library.rms_norm.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_float, ctypes.c_int]
+    library.rms_norm.restype = None
+    library.silu_mul.argtypes = [pointer, pointer, size, size, ctypes.c_int]
+    library.silu_mul.restype = None
+    library.attend_decode.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size,
+                                      size, size, size, pointer, ctypes.c_int]
+    library.attend_decode.restype = ctypes.c_int
 
 
 def _run(command: list[str]) -> Optional[str]:

@@ -1,0 +1,97 @@
+"""A decoding layer's small operations in llama_core's CPU kernels (llama_core.cpu_kernels.layer_ops): the
+same values as the torch operations they replace, the KV cache written where torch writes it, and a model
+running them decodes as the torch path does."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama_core import cpu_kernels
+from llama_core.cpu_kernels import layer_ops
+from llama_core.kv_cache import KVCache
+from llama_core.model import apply_rotary, rotary_angles
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here to build llama_core's CPU kernels")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 288), (700, 100)], ids=str)
+def test_rms_norm_equals_torch(shape):
+    torch.manual_seed(0)
+    x, weight = torch.randn(shape) * 3, torch.rand(shape[-1]) + 0.5
+    torch.testing.assert_close(layer_ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (shape[-1],), weight, 1e-5),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 768), (4, 3, 2 * 100), (600, 2 * 200)], ids=str)
+def test_silu_gating_equals_torch(shape):
+    torch.manual_seed(0)
+    gate_up = torch.randn(shape) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(layer_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def _torch_decode(qkv, rotation, cache: KVCache, rows, positions, heads, kv_heads):
+    """What the model's torch path does for one token per row: rotary, cache write, SDPA under the causal mask."""
+    batch, head_dim = qkv.shape[0], cache.k_cache.shape[-1]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = apply_rotary(q.reshape(batch, 1, heads, head_dim), rotation)
+    k = apply_rotary(k.reshape(batch, 1, kv_heads, head_dim), rotation)
+    v = v.reshape(batch, 1, kv_heads, head_dim)
+    kv_len = int(positions.max()) + 1
+    keys, values = cache.update(positions[:, None], k.transpose(1, 2), v.transpose(1, 2), rows, kv_len)
+    hidden = (torch.arange(kv_len) > positions[:, None, None])[:, None]
+    mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=heads != kv_heads)
+    return out.transpose(1, 2).reshape(batch, heads * head_dim)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (8, 1, 64)])
+@pytest.mark.parametrize("rows", [None, slice(1, 4), torch.tensor([4, 0, 2])], ids=["none", "slice", "tensor"])
+def test_decode_attention_equals_the_torch_path_and_writes_the_same_cache(heads, kv_heads, head_dim, rows):
+    torch.manual_seed(0)
+    batch, slots, max_seq_len = 3, 5, 40
+    ours, theirs = (KVCache(slots, max_seq_len, kv_heads, head_dim, torch.float32, torch.device("cpu")) for _ in range(2))
+    for cache in (ours, theirs):  # earlier positions already cached, the same in both
+        torch.manual_seed(1)
+        cache.k_cache.copy_(torch.randn_like(cache.k_cache))
+        cache.v_cache.copy_(torch.randn_like(cache.v_cache))
+    positions = torch.tensor([7, 0, 31])
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim)
+    rotation = rotary_angles(positions[:, None], head_dim, 10000.0)
+    version = ours.k_cache._version
+    got = layer_ops.attend_decode(qkv, rotation, ours.k_cache, ours.v_cache, rows, positions, heads, kv_heads)
+    expected = _torch_decode(qkv, rotation, theirs, rows, positions, heads, kv_heads)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.k_cache, theirs.k_cache, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ours.v_cache, theirs.v_cache)
+    assert ours.k_cache._version > version  # the cache's owners see it was written
+
+
+def test_decode_attention_refuses_a_position_outside_the_cache():
+    cache = KVCache(2, 8, 2, 16, torch.float32, torch.device("cpu"))
+    qkv, positions = torch.randn(1, 6 * 16), torch.tensor([8])
+    before = cache.k_cache.clone()
+    with pytest.raises(IndexError, match="outside a KV cache of 2 rows and 8 positions"):
+        layer_ops.attend_decode(qkv, rotary_angles(positions[:, None], 16, 1e4), cache.k_cache, cache.v_cache,
+                                torch.tensor([1]), positions, 2, 2)
+    assert torch.equal(cache.k_cache, before)
+
+
+def test_a_model_decodes_the_same_with_its_small_operations_in_c_or_in_torch(meta_ckpt_dir, tokenizer):
+    from conftest import build_llama
+
+    llama = build_llama(meta_ckpt_dir, max_batch_size=4)
+    assert llama.model.layers[0].attention.cpu_kernels  # on by default on a float32 CPU model
+    torch_path = build_llama(meta_ckpt_dir, max_batch_size=4)
+    torch_path.model.use_cpu_kernels(False)
+    prompts = [tokenizer.encode(t, bos=True, eos=False) for t in ("Once upon a time", "The king", "A")]
+    tokens, logprobs = llama.generate(prompts, 12, temperature=0, logprobs=True)
+    expected_tokens, expected_logprobs = torch_path.generate(prompts, 12, temperature=0, logprobs=True)
+    assert tokens == expected_tokens
+    for ours, theirs in zip(logprobs, expected_logprobs):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+        assert all(math.isfinite(v) for v in ours)

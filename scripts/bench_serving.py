@@ -275,7 +275,11 @@ def _percentile(values: list[float], q: int) -> float:
 
 def _stop(process: subprocess.Popen) -> None:
     process.terminate()
-    process.wait(timeout=30)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:  # llama-server can wait on its clients' kept-alive connections
+        process.kill()
+        process.wait(timeout=15)
 
 
 def start_llama_server(a: argparse.Namespace, stack: contextlib.ExitStack) -> str:

@@ -4,6 +4,7 @@ the kernels loaded (panels.available()). The model calls them where its runner t
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -45,7 +46,7 @@ def attend_decode(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.Tens
     if rows is None:
         rows = slice(0, batch)
     if isinstance(rows, slice):
-        rows = torch.arange(rows.start or 0, rows.stop if rows.stop is not None else batch)
+        rows = _consecutive_rows(rows.start or 0, rows.stop if rows.stop is not None else batch)
     rows = rows.to(torch.int64).contiguous()
     positions = positions.reshape(-1).to(torch.int64).contiguous()
     if qkv.stride(-1) != 1:
@@ -63,3 +64,9 @@ def attend_decode(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.Tens
         raise MemoryError("no memory for the attention's scores")
     torch.autograd.graph.increment_version(k_cache)  # the cache was written: its owners watch this counter
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _consecutive_rows(start: int, stop: int) -> torch.Tensor:
+    """Rows start..stop-1 as an index tensor, made once (every layer of every step asks; never written)."""
+    return torch.arange(start, stop)

@@ -32,7 +32,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as exc:
         raise OptionError(f"--host {host}: no such address ({exc}); {HOST_FIX}") from exc
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of a socket
+    # made so; without it a response's second write waits for the client's delayed ACK, 40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT by a closed server is free
         sock.bind(address)

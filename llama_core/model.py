@@ -21,6 +21,11 @@ from .kv_cache import KVCache
 from .quantize import Int8Linear
 
 
+# Prompts up to this many tokens attend in llama_core.cpu_kernels (one token at a time, O(length) each);
+# longer ones in torch's SDPA, whose blocked kernel wins at length.
+C_ATTENTION_MAX_TOKENS = 64
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -98,7 +103,8 @@ class Attention(nn.Module):
         batch, seq_len, _ = x.shape
         if (self.cpu_kernels and self.wqkv is not None and self.kv_cache is not None and x.dtype == torch.float32
                 and not torch.compiler.is_compiling()
-                and (seq_len == 1 if spans is None else any(span.seq_len == 1 for span in spans))):
+                and (seq_len <= C_ATTENTION_MAX_TOKENS if spans is None
+                     else any(span.seq_len <= C_ATTENTION_MAX_TOKENS for span in spans))):
             return self._forward_with_cpu_kernels(x, rotation, input_pos, mask, cache_rows, kv_len, spans)
         kv_size = self.n_kv_heads * self.head_dim
         if self.wqkv is not None:  # queries and keys side by side: one rotation for both
@@ -119,20 +125,20 @@ class Attention(nn.Module):
         return self.wo(torch.cat(outputs, dim=1))
 
     def _forward_with_cpu_kernels(self, x, rotation, input_pos, mask, cache_rows, kv_len, spans) -> torch.Tensor:
-        """forward where decoding rows (one token each) attend in layer.c's kernel, which also rotates their
-        query and key and writes the cache: every decoding row, whether prompts share its forward or not.
-        Prompts' tokens take the torch path."""
+        """forward where tokens attend in layer.c's kernel, which also rotates their query and key and writes
+        the cache: every decoding row, whether prompts share its forward or not, and prompts of up to
+        C_ATTENTION_MAX_TOKENS tokens; longer prompts take torch's attention."""
         qkv = self.wqkv(x)
         cache = self.kv_cache
-        if spans is None:  # all rows decoding
-            out = layer_ops.attend_decode(qkv.view(x.shape[0], -1), rotation, cache.k_cache, cache.v_cache,
-                                          cache_rows, input_pos, self.n_heads, self.n_kv_heads)
-            return self.wo(out.view(x.shape[0], 1, -1))
+        if spans is None:
+            out = layer_ops.attend_decode(qkv, rotation, cache.k_cache, cache.v_cache, cache_rows, input_pos,
+                                          self.n_heads, self.n_kv_heads)
+            return self.wo(out.view(x.shape[0], x.shape[1], -1))
         outputs, start = [], 0
         for span, span_mask in zip(spans, mask):
             count = span.batch * span.seq_len
             piece, angles = qkv[0, start : start + count], rotation[0, start : start + count]
-            if span.seq_len == 1:
+            if span.seq_len <= C_ATTENTION_MAX_TOKENS:
                 out = layer_ops.attend_decode(piece, angles, cache.k_cache, cache.v_cache, span.cache_rows,
                                               span.input_pos, self.n_heads, self.n_kv_heads)
             else:

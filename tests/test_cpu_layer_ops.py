@@ -95,3 +95,32 @@ def test_a_model_decodes_the_same_with_its_small_operations_in_c_or_in_torch(met
     for ours, theirs in zip(logprobs, expected_logprobs):
         assert ours == pytest.approx(theirs, abs=1e-4)
         assert all(math.isfinite(v) for v in ours)
+
+
+def test_several_new_tokens_per_row_attend_causally_as_torch_does():
+    # A short prompt's tokens (after a cached prefix of its own length in each row) in one call: each token
+    # sees the cache up to its own position, including the tokens of this call before it.
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, tokens = 6, 2, 32, 5
+    ours, theirs = (KVCache(3, 64, kv_heads, head_dim, torch.float32, torch.device("cpu")) for _ in range(2))
+    prefix = torch.randn(3, kv_heads, 64, head_dim)
+    for cache in (ours, theirs):
+        cache.k_cache.copy_(prefix)
+        cache.v_cache.copy_(prefix.flip(-1))
+    starts = torch.tensor([0, 7, 30])
+    positions = starts[:, None] + torch.arange(tokens)
+    qkv = torch.randn(3, tokens, (heads + 2 * kv_heads) * head_dim)
+    rotation = rotary_angles(positions, head_dim, 10000.0)
+    got = layer_ops.attend_decode(qkv, rotation, ours.k_cache, ours.v_cache, None, positions, heads, kv_heads)
+
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = apply_rotary(q.reshape(3, tokens, heads, head_dim), rotation).transpose(1, 2)
+    k = apply_rotary(k.reshape(3, tokens, kv_heads, head_dim), rotation).transpose(1, 2)
+    kv_len = int(positions.max()) + 1
+    keys, values = theirs.update(positions, k, v.reshape(3, tokens, kv_heads, head_dim).transpose(1, 2), None, kv_len)
+    hidden = (torch.arange(kv_len) > positions[..., None])[:, None]
+    mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got, expected.transpose(1, 2).reshape(3 * tokens, -1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.k_cache, theirs.k_cache, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ours.v_cache, theirs.v_cache)

@@ -36,26 +36,33 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def attend_decode(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   rows: Optional[torch.Tensor | slice], positions: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """One new token per row: qkv [B, (heads + 2 * kv_heads) * head_dim] (its queries, keys and values, as
-    the stacked projection gives them), rotation [B, ..., head_dim / 2, 2] (cos, sin). Writes each row's
-    rotated key and value at positions [B] of its cache row (rows: [B], a slice, or None for 0..B-1) in
-    k_cache and v_cache [slots, kv_heads, max_seq_len, head_dim], and returns its attention over positions
-    0..its own [B, heads * head_dim]."""
-    batch = qkv.shape[0]
+    """S new tokens in each of B rows (S = 1 when decoding): qkv [B * S, (heads + 2 * kv_heads) * head_dim] or
+    [B, S, ...] (their queries, keys and values, as the stacked projection gives them), rotation with
+    [head_dim / 2, 2] (cos, sin) per token, positions [B, S] (or [B]). Writes each token's rotated key and
+    value at its position of its row's cache row (rows: [B], a slice, or None for 0..B-1) in k_cache and
+    v_cache [slots, kv_heads, max_seq_len, head_dim], all before any attends, and returns each token's
+    attention over positions 0..its own [B * S, heads * head_dim]."""
     slots, _, max_seq_len, head_dim = k_cache.shape
+    batch = positions.shape[0]
+    tokens_per_row = positions.numel() // batch
     if rows is None:
         rows = slice(0, batch)
     if isinstance(rows, slice):
         rows = _consecutive_rows(rows.start or 0, rows.stop if rows.stop is not None else batch)
-    rows = rows.to(torch.int64).contiguous()
+    rows = rows.to(torch.int64)
+    if tokens_per_row > 1:
+        rows = rows.repeat_interleave(tokens_per_row)
+    rows = rows.contiguous()
     positions = positions.reshape(-1).to(torch.int64).contiguous()
+    qkv = qkv.reshape(positions.shape[0], -1)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     rotation = rotation.contiguous()
-    out = torch.empty(batch, heads * head_dim)
+    count = positions.shape[0]
+    out = torch.empty(count, heads * head_dim)
     status = panels._KERNELS.attend_decode(
         qkv.data_ptr(), qkv.stride(0), rotation.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
-        positions.data_ptr(), batch, heads, kv_heads, head_dim, slots, max_seq_len, out.data_ptr(),
+        positions.data_ptr(), count, heads, kv_heads, head_dim, slots, max_seq_len, out.data_ptr(),
         torch.get_num_threads())
     if status == -1:
         raise IndexError(f"cache rows {rows.tolist()} or positions {positions.tolist()} outside a KV cache of "

@@ -111,9 +111,7 @@ class Attention(nn.Module):
             qk, v = _stacked_projection(self.wqkv, x, [self.n_heads * self.head_dim + kv_size, kv_size])
         else:
             qk, v = torch.cat([self.wq(x), self.wk(x)], dim=-1), self.wv(x)
-        qk = apply_rotary(qk.view(batch, seq_len, self.n_heads + self.n_kv_heads, self.head_dim), rotation)
-        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
-        v = v.view(batch, seq_len, self.n_kv_heads, self.head_dim)
+        q, k, v = self._rotated_heads(qk, v, rotation)
         if spans is None:
             return self.wo(self._attend(q, k, v, input_pos, mask, cache_rows, kv_len))
         outputs, start = [], 0  # one row of all spans' tokens: each span attends over its own cache rows
@@ -131,7 +129,7 @@ class Attention(nn.Module):
         qkv = self.wqkv(x)
         cache = self.kv_cache
         if spans is None:
-            out = layer_ops.attend_decode(qkv, rotation, cache.k_cache, cache.v_cache, cache_rows, input_pos,
+            out = layer_ops.attend_new_tokens(qkv, rotation, cache.k_cache, cache.v_cache, cache_rows, input_pos,
                                           self.n_heads, self.n_kv_heads)
             return self.wo(out.view(x.shape[0], x.shape[1], -1))
         outputs, start = [], 0
@@ -139,7 +137,7 @@ class Attention(nn.Module):
             count = span.batch * span.seq_len
             piece, angles = qkv[0, start : start + count], rotation[0, start : start + count]
             if span.seq_len <= C_ATTENTION_MAX_TOKENS:
-                out = layer_ops.attend_decode(piece, angles, cache.k_cache, cache.v_cache, span.cache_rows,
+                out = layer_ops.attend_new_tokens(piece, angles, cache.k_cache, cache.v_cache, span.cache_rows,
                                               span.input_pos, self.n_heads, self.n_kv_heads)
             else:
                 out = self._attend_projected(piece.view(span.batch, span.seq_len, -1),
@@ -151,13 +149,17 @@ class Attention(nn.Module):
 
     def _attend_projected(self, qkv, rotation, input_pos, mask, cache_rows, kv_len) -> torch.Tensor:
         """_attend from the stacked projection's output qkv [B, S, (heads + 2 * kv_heads) * head_dim]."""
-        batch, seq_len, _ = qkv.shape
         kv_size = self.n_kv_heads * self.head_dim
         qk, v = qkv.split([self.n_heads * self.head_dim + kv_size, kv_size], dim=-1)
+        return self._attend(*self._rotated_heads(qk, v, rotation), input_pos, mask, cache_rows, kv_len)
+
+    def _rotated_heads(self, qk, v, rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qk [B, S, (heads + kv_heads) * head_dim] and v [B, S, kv_heads * head_dim] as heads: q [B, S, heads,
+        head_dim] and k rotated (one rotation for both), v [B, S, kv_heads, head_dim]."""
+        batch, seq_len = qk.shape[:2]
         qk = apply_rotary(qk.reshape(batch, seq_len, self.n_heads + self.n_kv_heads, self.head_dim), rotation)
         q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
-        v = v.reshape(batch, seq_len, self.n_kv_heads, self.head_dim)
-        return self._attend(q, k, v, input_pos, mask, cache_rows, kv_len)
+        return q, k, v.reshape(batch, seq_len, self.n_kv_heads, self.head_dim)
 
     def _attend(self, q, k, v, input_pos, mask, cache_rows, kv_len) -> torch.Tensor:
         """q [B, S, heads, head_dim], k and v [B, S, kv_heads, head_dim] -> [B, S, heads * head_dim]."""

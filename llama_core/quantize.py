@@ -75,18 +75,19 @@ class Int8Linear(nn.Module):
         return self.weight.to(self.scales.dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and self._cpu_kernel() == "panels":
-            if torch.compiler.is_compiling():  # the kernel's rounding, the sums in float
-                return F.linear(_panel_rounding(x), self.weight.to(x.dtype)) * self.scales
-            panels, scales, weight_sums = self._panels_for_cpu()
-            return cpu_kernels.panel_product(x, panels, self.out_features, self.in_features, scales, weight_sums)
-        if x.device.type == "cpu" and x.dtype == torch.float32 and _REDUCE_RANGE is not None:
-            rows, magnitude = _rows_on_own_scale(x)
-            if torch.compiler.is_compiling():  # dynamo cannot trace fbgemm's packed weight: the same sums in float
-                out = F.linear(_fbgemm_rounding(rows), self.weight.to(x.dtype)) * self.scales
-            else:
-                out = torch.ops.quantized.linear_dynamic(rows, self._packed_for_cpu(), _REDUCE_RANGE)
-            return out.mul_(magnitude).view(*x.shape[:-1], self.out_features)
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            if self._cpu_kernel() == "panels":
+                if torch.compiler.is_compiling():  # the kernel's rounding, the sums in float
+                    return F.linear(_panel_rounding(x), self.weight.to(x.dtype)) * self.scales
+                panels, scales, weight_sums = self._panels_for_cpu()
+                return cpu_kernels.panel_product(x, panels, self.out_features, self.in_features, scales, weight_sums)
+            if _REDUCE_RANGE is not None:
+                rows, magnitude = _rows_on_own_scale(x)
+                if torch.compiler.is_compiling():  # dynamo cannot trace fbgemm's packed weight: the same sums in float
+                    out = F.linear(_fbgemm_rounding(rows), self.weight.to(x.dtype)) * self.scales
+                else:
+                    out = torch.ops.quantized.linear_dynamic(rows, self._packed_for_cpu(), _REDUCE_RANGE)
+                return out.mul_(magnitude).view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight.to(x.dtype)) * self.scales
 
     def _packed_for_cpu(self):

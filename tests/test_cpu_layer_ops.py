@@ -63,7 +63,7 @@ def test_decode_attention_equals_the_torch_path_and_writes_the_same_cache(heads,
     qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim)
     rotation = rotary_angles(positions[:, None], head_dim, 10000.0)
     version = ours.k_cache._version
-    got = layer_ops.attend_decode(qkv, rotation, ours.k_cache, ours.v_cache, rows, positions, heads, kv_heads)
+    got = layer_ops.attend_new_tokens(qkv, rotation, ours.k_cache, ours.v_cache, rows, positions, heads, kv_heads)
     expected = _torch_decode(qkv, rotation, theirs, rows, positions, heads, kv_heads)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.k_cache, theirs.k_cache, atol=1e-6, rtol=1e-6)
@@ -76,7 +76,7 @@ def test_decode_attention_refuses_a_position_outside_the_cache():
     qkv, positions = torch.randn(1, 6 * 16), torch.tensor([8])
     before = cache.k_cache.clone()
     with pytest.raises(IndexError, match="outside a KV cache of 2 rows and 8 positions"):
-        layer_ops.attend_decode(qkv, rotary_angles(positions[:, None], 16, 1e4), cache.k_cache, cache.v_cache,
+        layer_ops.attend_new_tokens(qkv, rotary_angles(positions[:, None], 16, 1e4), cache.k_cache, cache.v_cache,
                                 torch.tensor([1]), positions, 2, 2)
     assert torch.equal(cache.k_cache, before)
 
@@ -111,7 +111,7 @@ def test_several_new_tokens_per_row_attend_causally_as_torch_does():
     positions = starts[:, None] + torch.arange(tokens)
     qkv = torch.randn(3, tokens, (heads + 2 * kv_heads) * head_dim)
     rotation = rotary_angles(positions, head_dim, 10000.0)
-    got = layer_ops.attend_decode(qkv, rotation, ours.k_cache, ours.v_cache, None, positions, heads, kv_heads)
+    got = layer_ops.attend_new_tokens(qkv, rotation, ours.k_cache, ours.v_cache, None, positions, heads, kv_heads)
 
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q = apply_rotary(q.reshape(3, tokens, heads, head_dim), rotation).transpose(1, 2)

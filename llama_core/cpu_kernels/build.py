@@ -129,9 +129,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rms_norm.restype = None
     library.silu_mul.argtypes = [pointer, pointer, size, size, ctypes.c_int]
     library.silu_mul.restype = None
-    library.attend_decode.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size,
+    library.attend_new_tokens.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size,
                                       size, size, size, pointer, ctypes.c_int]
-    library.attend_decode.restype = ctypes.c_int
+    library.attend_new_tokens.restype = ctypes.c_int
 
 
 def _run(command: list[str]) -> Optional[str]:

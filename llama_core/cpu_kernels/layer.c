@@ -53,13 +53,14 @@ static void rotate(const float *x, const float *rotation, float *out, int64_t he
   }
 }
 
-/* One new token per batch row b: qkv [batch][qkv_stride] holds its query heads, key heads and value heads
- * side by side; rotation [batch][head_dim / 2][2]. Its rotated key and its value go to position
- * positions[b] of cache row rows[b] (caches [slots][kv_heads][max_seq_len][head_dim]), and each query head
- * attends over positions 0..positions[b] of that row (its kv head: h / (heads / kv_heads)), scaled by
- * 1/sqrt(head_dim). out [batch][heads * head_dim]. Returns -1, writing nothing, if a row or position is
- * outside the cache, -2 without memory. */
-int attend_decode(const float *qkv, int64_t qkv_stride, const float *rotation, float *k_cache, float *v_cache,
+/* New tokens, each with its own cache row and position (a decoding row's one token, or a prompt's tokens
+ * each with its row): qkv [count][qkv_stride] holds a token's query heads, key heads and value heads side by
+ * side; rotation [count][head_dim / 2][2]. Every token's rotated key and its value go to position
+ * positions[i] of cache row rows[i] (caches [slots][kv_heads][max_seq_len][head_dim]) before any attends;
+ * then each query head attends over positions 0..positions[i] of that row (its kv head: h / (heads /
+ * kv_heads)), scaled by 1/sqrt(head_dim). out [count][heads * head_dim]. Returns -1, writing nothing, if a
+ * row or position is outside the cache, -2 without memory. */
+int attend_new_tokens(const float *qkv, int64_t qkv_stride, const float *rotation, float *k_cache, float *v_cache,
                   const int64_t *rows, const int64_t *positions, int64_t batch, int64_t heads, int64_t kv_heads,
                   int64_t head_dim, int64_t slots, int64_t max_seq_len, float *out, int threads) {
   for (int64_t b = 0; b < batch; b++)

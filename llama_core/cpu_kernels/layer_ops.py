@@ -34,7 +34,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def attend_decode(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def attend_new_tokens(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   rows: Optional[torch.Tensor | slice], positions: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
     """S new tokens in each of B rows (S = 1 when decoding): qkv [B * S, (heads + 2 * kv_heads) * head_dim] or
     [B, S, ...] (their queries, keys and values, as the stacked projection gives them), rotation with
@@ -60,7 +60,7 @@ def attend_decode(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.Tens
     rotation = rotation.contiguous()
     count = positions.shape[0]
     out = torch.empty(count, heads * head_dim)
-    status = panels._KERNELS.attend_decode(
+    status = panels._KERNELS.attend_new_tokens(
         qkv.data_ptr(), qkv.stride(0), rotation.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
         positions.data_ptr(), count, heads, kv_heads, head_dim, slots, max_seq_len, out.data_ptr(),
         torch.get_num_threads())

@@ -10,6 +10,7 @@ pages, asked for with madvise): streaming the weight then costs far fewer page w
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 from typing import Optional
@@ -128,10 +129,7 @@ def _padded(weight: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
 def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor, in fresh memory advised into 2 MiB pages where it is big enough for them
     (on Linux); elsewhere torch.empty."""
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < _HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.empty(shape, dtype=dtype)
     length = nbytes + _HUGE_PAGE

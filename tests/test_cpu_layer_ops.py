@@ -34,6 +34,18 @@ def test_silu_gating_equals_torch(shape):
     torch.testing.assert_close(layer_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+def test_silu_gating_at_extreme_gates_equals_torch():
+    """The kernel's own exp clamps its argument to [-87, 88]: gates far outside still gate as torch's do,
+    and an infinite gate and NaN come out as they do there."""
+    gate = torch.tensor([-1e4, -200.0, -88.5, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 87.0, 88.5, 200.0, 1e4,
+                         float("inf"), float("nan")])
+    up = torch.linspace(-2, 2, gate.numel())
+    expected = F.silu(gate) * up
+    got = layer_ops.silu_mul(torch.cat([gate, up])[None])[0]
+    torch.testing.assert_close(got[:-2], expected[:-2], atol=1e-6, rtol=1e-6)
+    assert got[-2] == expected[-2] == float("inf") and got[-1].isnan() and expected[-1].isnan()
+
+
 def _torch_decode(qkv, rotation, cache: KVCache, rows, positions, heads, kv_heads):
     """What the model's torch path does for one token per row: rotary, cache write, SDPA under the causal mask."""
     batch, head_dim = qkv.shape[0], cache.k_cache.shape[-1]
@@ -49,7 +61,7 @@ def _torch_decode(qkv, rotation, cache: KVCache, rows, positions, heads, kv_head
     return out.transpose(1, 2).reshape(batch, heads * head_dim)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (8, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (8, 1, 64), (3, 1, 24)])
 @pytest.mark.parametrize("rows", [None, slice(1, 4), torch.tensor([4, 0, 2])], ids=["none", "slice", "tensor"])
 def test_decode_attention_equals_the_torch_path_and_writes_the_same_cache(heads, kv_heads, head_dim, rows):
     torch.manual_seed(0)

@@ -6,10 +6,54 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define ENOUGH_FOR_THREADS (1 << 16) /* elements; below this one thread is faster than waking others */
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+/* The 16 lanes' sum, halving: a few vector adds where a lane-by-lane sum takes 15 dependent ones. */
+static inline float sum_lanes(v16 lanes) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)lanes); /* in registers; the portable halving goes through memory */
+#else
+  v8 low8, high8;
+  memcpy(&low8, &lanes, sizeof low8);
+  memcpy(&high8, (const char *)&lanes + sizeof low8, sizeof high8);
+  v8 eight = low8 + high8;
+  v4 low4, high4;
+  memcpy(&low4, &eight, sizeof low4);
+  memcpy(&high4, (const char *)&eight + sizeof low4, sizeof high4);
+  v4 four = low4 + high4;
+  return (four[0] + four[2]) + (four[1] + four[3]);
+#endif
+}
+
+/* The largest of x[0..n), 16 lanes at a time. */
+static inline float max_of(const float *x, int64_t n) {
+  float lanes[16], largest = -INFINITY;
+  int64_t t = 0;
+  for (int k = 0; k < 16; k++) lanes[k] = -INFINITY;
+  for (; t + 16 <= n; t += 16)
+    for (int k = 0; k < 16; k++) lanes[k] = x[t + k] > lanes[k] ? x[t + k] : lanes[k];
+  for (int k = 0; k < 16; k++) largest = lanes[k] > largest ? lanes[k] : largest;
+  for (; t < n; t++) largest = x[t] > largest ? x[t] : largest;
+  return largest;
+}
+
+/* The sum of x[0..n) in 16 lanes, the same order for every row. */
+static inline float sum_of(const float *x, int64_t n) {
+  v16 lanes = {0};
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) lanes += *(const v16 *)(x + t);
+  float sum = sum_lanes(lanes);
+  for (; t < n; t++) sum += x[t];
+  return sum;
+}
 
 /* Sums of products in 16 lanes (the compiler does not reorder a float sum by itself), the same order for
  * every row. */
@@ -17,8 +61,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
   v16 lanes = {0};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) lanes += *(const v16 *)(a + i) * *(const v16 *)(b + i);
-  float sum = 0;
-  for (int k = 0; k < 16; k++) sum += lanes[k];
+  float sum = sum_lanes(lanes);
   for (; i < n; i++) sum += a[i] * b[i];
   return sum;
 }
@@ -27,11 +70,32 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * dim >= ENOUGH_FOR_THREADS)
   for (int64_t r = 0; r < rows; r++) {
     const float *row = x + r * dim;
-    float *normed = out + r * dim, squares = 0;
-    for (int64_t k = 0; k < dim; k++) squares += row[k] * row[k];
+    float *normed = out + r * dim, squares = dot(row, row, dim);
     float scale = 1.0f / sqrtf(squares / (float)dim + eps);
     for (int64_t k = 0; k < dim; k++) normed[k] = row[k] * scale * weight[k];
   }
+}
+
+/* e^x, within 1.1 ulp of the exact value for every float x in [-87, 88], clamped outside it (x = n ln 2 + r; e^r from
+ * Cephes' expf polynomial, 2^n from exponent bits). Unlike libm's expf, loops calling it vectorize: SiLU
+ * over a prompt's activations took 7x as long with expf as all else in the call. */
+static inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2), |x / ln 2| < 2^22 */
+  float r = x - n * 0.693359375f;                                       /* ln 2 in two parts, the first exact */
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23; /* 2^n, n in [-126, 127]: a normal float */
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 /* gate_up [rows][2 * hidden] (gate, then up) -> out [rows][hidden] = silu(gate) * up */
@@ -40,7 +104,7 @@ void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t hidden, in
   for (int64_t r = 0; r < rows; r++) {
     const float *gate = gate_up + r * 2 * hidden, *up = gate + hidden;
     float *o = out + r * hidden;
-    for (int64_t k = 0; k < hidden; k++) o[k] = gate[k] / (1.0f + expf(-gate[k])) * up[k];
+    for (int64_t k = 0; k < hidden; k++) o[k] = gate[k] / (1.0f + exp_approx(-gate[k])) * up[k];
   }
 }
 
@@ -98,21 +162,31 @@ int attend_new_tokens(const float *qkv, int64_t qkv_stride, const float *rotatio
       for (int64_t t = 0; t < length; t++)
         for (int64_t j = 0; j < group; j++) scores[j * length + t] = dot(q + j * head_dim, keys + t * head_dim, head_dim) * scale;
       for (int64_t j = 0; j < group; j++) {
-        float *row_scores = scores + j * length, largest = -INFINITY, total = 0;
-        for (int64_t t = 0; t < length; t++) largest = fmaxf(largest, row_scores[t]);
-        for (int64_t t = 0; t < length; t++) {
-          row_scores[t] = expf(row_scores[t] - largest);
-          total += row_scores[t];
-        }
+        float *row_scores = scores + j * length, largest = max_of(row_scores, length);
+        for (int64_t t = 0; t < length; t++) row_scores[t] = exp_approx(row_scores[t] - largest);
+        float total = sum_of(row_scores, length);
         for (int64_t t = 0; t < length; t++) row_scores[t] /= total;
       }
       float *o = out + (b * heads + g * group) * head_dim;
-      memset(o, 0, (size_t)(group * head_dim) * sizeof(float));
-      for (int64_t t = 0; t < length; t++)
-        for (int64_t j = 0; j < group; j++) {
-          float weight = scores[j * length + t];
-          for (int64_t d = 0; d < head_dim; d++) o[j * head_dim + d] += weight * values[t * head_dim + d];
+      for (int64_t j = 0; j < group; j++) {
+        const float *weights = scores + j * length;
+        int64_t d = 0;
+        for (; d + 16 <= head_dim; d += 16) { /* 16 of its outputs in registers over all positions, 4 sums apart */
+          const float *column = values + d;
+          v16 sums[4] = {{0}, {0}, {0}, {0}};
+          int64_t t = 0;
+          for (; t + 4 <= length; t += 4)
+            for (int k = 0; k < 4; k++) sums[k] += weights[t + k] * *(const v16 *)(column + (t + k) * head_dim);
+          for (; t < length; t++) sums[0] += weights[t] * *(const v16 *)(column + t * head_dim);
+          v16 sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+          memcpy(o + j * head_dim + d, &sum, sizeof sum);
         }
+        for (; d < head_dim; d++) {
+          float sum = 0;
+          for (int64_t t = 0; t < length; t++) sum += weights[t] * values[t * head_dim + d];
+          o[j * head_dim + d] = sum;
+        }
+      }
     }
     free(scores);
   }

@@ -50,7 +50,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                   redoc_url=None)
     keys = [key.encode() for key in api_keys]
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:  # async: no worker thread for a header check
         if not keys:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
-from .cpu_kernels import layer_ops
+from .cpu_kernels import PanelLinear, layer_ops
 from .devices import execution_device
 from .kv_cache import KVCache
 from .quantize import Int8Linear
@@ -97,10 +97,16 @@ class Attention(nn.Module):
         cache_rows: Optional[torch.Tensor | slice],
         kv_len: Optional[int],
         spans: Optional[list["Span"]] = None,
+        slots: Optional[layer_ops.TokenSlots] = None,
     ) -> torch.Tensor:
         """spans: x is one row holding several batches' tokens one after another (Transformer.forward_spans);
-        mask is then a list of each span's mask, and each span has its own positions, cache rows and kv_len."""
+        mask is then a list of each span's mask, and each span has its own positions, cache rows and kv_len.
+        slots: every token attends in llama_core.cpu_kernels, at these cache rows and positions."""
         batch, seq_len, _ = x.shape
+        if slots is not None and self.wqkv is not None:
+            cache = self.kv_cache
+            out = layer_ops.attend(self.wqkv(x), slots, cache.k_cache, cache.v_cache, self.n_heads, self.n_kv_heads)
+            return self.wo(out.view(batch, seq_len, -1))
         if (self.cpu_kernels and self.wqkv is not None and self.kv_cache is not None and x.dtype == torch.float32
                 and not torch.compiler.is_compiling()
                 and (seq_len <= C_ATTENTION_MAX_TOKENS if spans is None
@@ -207,9 +213,20 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, rotation, input_pos, mask, cache_rows, kv_len, spans=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rotation, input_pos, mask, cache_rows, kv_len, spans)
+    def forward(self, x, rotation, input_pos, mask, cache_rows, kv_len, spans=None, slots=None) -> torch.Tensor:
+        """slots (llama_core.cpu_kernels.layer_ops.TokenSlots): every token attends in the CPU kernels; with
+        float32 projections in panels the whole block then runs in one call of them."""
+        if slots is not None and self.in_one_call:
+            return layer_ops.decoder_block(x, slots, self)
+        h = x + self.attention(self.attention_norm(x), rotation, input_pos, mask, cache_rows, kv_len, spans, slots)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    @property
+    def in_one_call(self) -> bool:
+        """Whether llama_core.cpu_kernels can run this block in one call: fused float32 projections in panels."""
+        attention, feed_forward = self.attention, self.feed_forward
+        return all(isinstance(getattr(module, name, None), PanelLinear)
+                   for module, name in ((attention, "wqkv"), (attention, "wo"), (feed_forward, "w13"), (feed_forward, "w2")))
 
 
 class Transformer(nn.Module):
@@ -273,6 +290,13 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = None
 
     # -- forward ------------------------------------------------------------------------------
+    def _attends_in_cpu_kernels(self, h: torch.Tensor, seq_lens: list[int]) -> bool:
+        """Whether every token of a forward over h, in batches of these lengths, attends in the CPU kernels."""
+        first = self.layers[0].attention
+        return (first.cpu_kernels and first.wqkv is not None and first.kv_cache is not None
+                and h.dtype == torch.float32 and h.device.type == "cpu" and not torch.compiler.is_compiling()
+                and all(length <= C_ATTENTION_MAX_TOKENS for length in seq_lens))
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -299,16 +323,18 @@ class Transformer(nn.Module):
         if input_pos is None:
             input_pos = torch.arange(seq_len, device=tokens.device).expand(batch, seq_len)
         h = self.tok_embeddings(tokens)
-        mask = None
-        if self.caches_are_enabled():
+        rotation = rotary_angles(input_pos, self.args.head_dim, self.args.rope_theta)
+        mask, slots = None, None
+        if self._attends_in_cpu_kernels(h, [seq_len]):
+            slots = layer_ops.token_slots(cache_rows, input_pos, rotation)
+        elif self.caches_are_enabled():
             length = kv_len if kv_len is not None else self.layers[0].attention.kv_cache.max_seq_len
             mask = _causal_mask(input_pos, length, h.dtype)
-        rotation = rotary_angles(input_pos, self.args.head_dim, self.args.rope_theta)
         inputs = (rotation, input_pos, mask, cache_rows)
         for layer in self.layers:
             if inputs[0].device != h.device:  # layers placed on several devices
                 inputs = tuple(t.to(h.device) if isinstance(t, torch.Tensor) else t for t in inputs)
-            h = layer(h, *inputs, kv_len)
+            h = layer(h, *inputs, kv_len, slots=slots)
         if logit_index is not None:
             h = h[torch.arange(batch, device=h.device), logit_index.to(h.device)][:, None]
         return self.output(self.norm(h)).float()
@@ -321,9 +347,18 @@ class Transformer(nn.Module):
         h = torch.cat([self.tok_embeddings(span.tokens).flatten(0, 1) for span in spans])[None]  # [1, T, dim]
         positions = torch.cat([span.input_pos.reshape(-1) for span in spans])[None]
         rotation = rotary_angles(positions, self.args.head_dim, self.args.rope_theta)
-        masks = [span.mask(h.dtype) for span in spans]
+        slots, masks = None, None
+        if self._attends_in_cpu_kernels(h, [span.seq_len for span in spans]):
+            slots, start = [], 0
+            for span in spans:
+                count = span.batch * span.seq_len
+                slots.append(layer_ops.token_slots(span.cache_rows, span.input_pos, rotation[0, start : start + count]))
+                start += count
+            slots = layer_ops.joined_slots(slots)
+        else:
+            masks = [span.mask(h.dtype) for span in spans]
         for layer in self.layers:
-            h = layer(h, rotation, positions, masks, None, None, spans)
+            h = layer(h, rotation, positions, masks, None, None, spans, slots=slots)
         picks, start = [], 0
         for span in spans:
             rows = torch.arange(span.batch, device=h.device)

@@ -1,6 +1,6 @@
-"""A decoding layer's small operations in llama_core's CPU kernels (llama_core.cpu_kernels.layer_ops): the
-same values as the torch operations they replace, the KV cache written where torch writes it, and a model
-running them decodes as the torch path does."""
+"""A decoding layer's small operations in llama_core's CPU kernels (llama_core.cpu_kernels.layer_ops), and
+a whole block in one call of them: the same values as the torch operations they replace, the KV cache
+written where torch writes it, and a model running them decodes as the torch path does."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import torch.nn.functional as F
 
 from llama_core import cpu_kernels
 from llama_core.cpu_kernels import layer_ops
+from llama_core.config import ModelArgs
 from llama_core.kv_cache import KVCache
-from llama_core.model import apply_rotary, rotary_angles
+from llama_core.model import TransformerBlock, apply_rotary, rotary_angles
+from llama_core.packed_linear import pack_linears
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here to build llama_core's CPU kernels")
 
@@ -98,6 +100,7 @@ def test_a_model_decodes_the_same_with_its_small_operations_in_c_or_in_torch(met
 
     llama = build_llama(meta_ckpt_dir, max_batch_size=4)
     assert llama.model.layers[0].attention.cpu_kernels  # on by default on a float32 CPU model
+    assert all(layer.in_one_call for layer in llama.model.layers)  # each block in one call of them
     torch_path = build_llama(meta_ckpt_dir, max_batch_size=4)
     torch_path.model.use_cpu_kernels(False)
     prompts = [tokenizer.encode(t, bos=True, eos=False) for t in ("Once upon a time", "The king", "A")]
@@ -136,3 +139,52 @@ def test_several_new_tokens_per_row_attend_causally_as_torch_does():
     torch.testing.assert_close(got, expected.transpose(1, 2).reshape(3 * tokens, -1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours.k_cache, theirs.k_cache, atol=1e-6, rtol=1e-6)
     assert torch.equal(ours.v_cache, theirs.v_cache)
+
+
+def _block(seed: int) -> TransformerBlock:
+    torch.manual_seed(seed)
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=32, multiple_of=16)
+    block = TransformerBlock(args)
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    block.attention.kv_cache = KVCache(3, 32, args.n_kv_heads, args.head_dim, torch.float32, torch.device("cpu"))
+    block.attention.fuse_projections()
+    block.feed_forward.fuse_projections()
+    pack_linears(block)
+    for module in block.modules():  # as Transformer.use_cpu_kernels turns them on
+        if hasattr(module, "cpu_kernels"):
+            module.cpu_kernels = True
+    return block
+
+
+def test_a_block_in_one_call_gives_what_its_modules_give_one_by_one():
+    # Two rows of three new tokens each after cached positions of their own, as a prompt riding a decode step.
+    one_call, by_module = _block(0), _block(0)
+    assert one_call.in_one_call
+    for block in (one_call, by_module):
+        torch.manual_seed(1)
+        block.attention.kv_cache.k_cache.normal_()
+        block.attention.kv_cache.v_cache.normal_()
+    positions = torch.tensor([[4, 5, 6], [0, 1, 2]])
+    rows = torch.tensor([2, 0])
+    rotation = rotary_angles(positions, 16, 10000.0)
+    slots = layer_ops.token_slots(rows, positions, rotation)
+    x = torch.randn(2, 3, 64)
+    with torch.inference_mode():  # as the model runs
+        got = one_call(x, rotation, positions, None, rows, 7, slots=slots)
+        h = x + by_module.attention(by_module.attention_norm(x), rotation, positions, None, rows, 7, slots=slots)
+        expected = h + by_module.feed_forward(by_module.ffn_norm(h))
+    assert torch.equal(got, expected)
+    assert torch.equal(one_call.attention.kv_cache.k_cache, by_module.attention.kv_cache.k_cache)
+    assert torch.equal(one_call.attention.kv_cache.v_cache, by_module.attention.kv_cache.v_cache)
+
+
+def test_a_block_in_one_call_refuses_a_position_outside_the_cache_and_leaves_its_input():
+    block = _block(0)
+    positions = torch.tensor([[32]])
+    rotation = rotary_angles(positions, 16, 10000.0)
+    x = torch.randn(1, 1, 64)
+    before, cache = x.clone(), block.attention.kv_cache.k_cache.clone()
+    with pytest.raises(IndexError, match="outside a KV cache of 3 rows and 32 positions"), torch.inference_mode():
+        block(x, rotation, positions, None, torch.tensor([1]), 33, slots=layer_ops.token_slots(torch.tensor([1]), positions, rotation))
+    assert torch.equal(x, before) and torch.equal(block.attention.kv_cache.k_cache, cache)

@@ -1,4 +1,4 @@
-"""Compiles linear.c and layer.c for this machine once, into one library, and loads it with ctypes.
+"""Compiles linear.c, layer.c and block.c for this machine once, into one library, and loads it with ctypes.
 
 The library is built with the system's C compiler (`$CC`, else `cc`) for the CPU it runs on
 (`-march=native`) and kept in a cache directory (`$LLAMA_CORE_CACHE`, else `~/.cache/llama_core`) under a
@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("linear.c", "layer.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("linear.c", "layer.c", "block.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi", "-shared", "-fPIC")
 DISABLE_VARIABLE = "LLAMA_CORE_CPU_KERNELS"  # "0" keeps torch's own CPU products
 
@@ -132,6 +132,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.attend_new_tokens.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size,
                                       size, size, size, pointer, ctypes.c_int]
     library.attend_new_tokens.restype = ctypes.c_int
+    library.decoder_block.argtypes = [pointer, size, size, ctypes.c_float, pointer, pointer, pointer, pointer, pointer,
+                                      pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size, size,
+                                      size, ctypes.c_int]
+    library.decoder_block.restype = ctypes.c_int
 
 
 def _run(command: list[str]) -> Optional[str]:

@@ -1,10 +1,11 @@
-"""The small operations of a decoding layer in layer.c (see its header): float32 tensors on the CPU, with
-the kernels loaded (panels.available()). The model calls them where its runner turned them on
-(`Transformer.use_cpu_kernels`)."""
+"""The small operations of a decoding layer in layer.c (see its header), and a whole block in block.c:
+float32 tensors on the CPU, with the kernels loaded (panels.available()). The model calls them where its
+runner turned them on (`Transformer.use_cpu_kernels`)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,15 +35,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def attend_new_tokens(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  rows: Optional[torch.Tensor | slice], positions: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """S new tokens in each of B rows (S = 1 when decoding): qkv [B * S, (heads + 2 * kv_heads) * head_dim] or
-    [B, S, ...] (their queries, keys and values, as the stacked projection gives them), rotation with
-    [head_dim / 2, 2] (cos, sin) per token, positions [B, S] (or [B]). Writes each token's rotated key and
-    value at its position of its row's cache row (rows: [B], a slice, or None for 0..B-1) in k_cache and
-    v_cache [slots, kv_heads, max_seq_len, head_dim], all before any attends, and returns each token's
-    attention over positions 0..its own [B * S, heads * head_dim]."""
-    slots, _, max_seq_len, head_dim = k_cache.shape
+@dataclass(frozen=True)
+class TokenSlots:
+    """Where each of a forward's new tokens goes, as the kernels take it: its KV-cache row and position
+    (int64 [count]) and its rotation ([count, head_dim / 2, 2] cos, sin), made once per forward for all its
+    layers."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    rotation: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.positions.shape[0]
+
+
+def token_slots(rows: Optional[torch.Tensor | slice], positions: torch.Tensor, rotation: torch.Tensor) -> TokenSlots:
+    """B rows of S new tokens each (S = 1 when decoding): rows [B], a slice, or None for 0..B-1; positions [B, S]
+    (or [B]); rotation with [head_dim / 2, 2] per token."""
     batch = positions.shape[0]
     tokens_per_row = positions.numel() // batch
     if rows is None:
@@ -52,25 +62,67 @@ def attend_new_tokens(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.
     rows = rows.to(torch.int64)
     if tokens_per_row > 1:
         rows = rows.repeat_interleave(tokens_per_row)
-    rows = rows.contiguous()
     positions = positions.reshape(-1).to(torch.int64).contiguous()
-    qkv = qkv.reshape(positions.shape[0], -1)
+    return TokenSlots(rows.contiguous(), positions, rotation.reshape(positions.shape[0], -1).contiguous())
+
+
+def joined_slots(parts: list[TokenSlots]) -> TokenSlots:
+    """Several batches' slots as one, their tokens one after another."""
+    return TokenSlots(*(torch.cat([getattr(part, name) for part in parts]) for name in ("rows", "positions", "rotation")))
+
+
+def attend_new_tokens(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      rows: Optional[torch.Tensor | slice], positions: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """S new tokens in each of B rows (S = 1 when decoding): qkv [B * S, (heads + 2 * kv_heads) * head_dim] or
+    [B, S, ...] (their queries, keys and values, as the stacked projection gives them), rotation with
+    [head_dim / 2, 2] (cos, sin) per token, positions [B, S] (or [B]). Writes each token's rotated key and
+    value at its position of its row's cache row (rows: [B], a slice, or None for 0..B-1) in k_cache and
+    v_cache [slots, kv_heads, max_seq_len, head_dim], all before any attends, and returns each token's
+    attention over positions 0..its own [B * S, heads * head_dim]."""
+    return attend(qkv, token_slots(rows, positions, rotation), k_cache, v_cache, heads, kv_heads)
+
+
+def attend(qkv: torch.Tensor, slots: TokenSlots, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
+           kv_heads: int) -> torch.Tensor:
+    """attend_new_tokens for tokens whose slots are made already."""
+    cache_rows, max_seq_len, head_dim = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
+    qkv = qkv.reshape(slots.count, -1)
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    rotation = rotation.contiguous()
-    count = positions.shape[0]
-    out = torch.empty(count, heads * head_dim)
+    out = torch.empty(slots.count, heads * head_dim)
     status = panels._KERNELS.attend_new_tokens(
-        qkv.data_ptr(), qkv.stride(0), rotation.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
-        positions.data_ptr(), count, heads, kv_heads, head_dim, slots, max_seq_len, out.data_ptr(),
-        torch.get_num_threads())
+        qkv.data_ptr(), qkv.stride(0), slots.rotation.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slots.rows.data_ptr(), slots.positions.data_ptr(), slots.count, heads, kv_heads, head_dim, cache_rows,
+        max_seq_len, out.data_ptr(), torch.get_num_threads())
+    _check(status, slots, k_cache)
+    return out
+
+
+def decoder_block(x: torch.Tensor, slots: TokenSlots, block) -> torch.Tensor:
+    """A whole TransformerBlock (llama_core.model) in one call of block.c, for x [..., dim] holding the tokens
+    of slots in order; the block's projections must be PanelLinear and its attention cached. The same values
+    as its modules give one by one."""
+    attention, feed_forward = block.attention, block.feed_forward
+    cache = attention.kv_cache
+    out = x.contiguous().clone()
+    status = panels._KERNELS.decoder_block(
+        out.data_ptr(), slots.count, out.shape[-1], block.attention_norm.eps, block.attention_norm.weight.data_ptr(),
+        attention.wqkv.panels.data_ptr(), attention.wo.panels.data_ptr(), block.ffn_norm.weight.data_ptr(),
+        feed_forward.w13.panels.data_ptr(), feed_forward.w2.panels.data_ptr(), feed_forward.w2.in_features,
+        slots.rotation.data_ptr(), cache.k_cache.data_ptr(), cache.v_cache.data_ptr(), slots.rows.data_ptr(),
+        slots.positions.data_ptr(), attention.n_heads, attention.n_kv_heads, attention.head_dim,
+        cache.k_cache.shape[0], cache.k_cache.shape[2], torch.get_num_threads())
+    _check(status, slots, cache.k_cache)
+    return out
+
+
+def _check(status: int, slots: TokenSlots, k_cache: torch.Tensor) -> None:
     if status == -1:
-        raise IndexError(f"cache rows {rows.tolist()} or positions {positions.tolist()} outside a KV cache of "
-                         f"{slots} rows and {max_seq_len} positions")
+        raise IndexError(f"cache rows {slots.rows.tolist()} or positions {slots.positions.tolist()} outside a KV "
+                         f"cache of {k_cache.shape[0]} rows and {k_cache.shape[2]} positions")
     if status:
         raise MemoryError("no memory for the attention's scores")
     torch.autograd.graph.increment_version(k_cache)  # the cache was written: its owners watch this counter
-    return out
 
 
 @functools.lru_cache(maxsize=256)

@@ -115,6 +115,42 @@ def test_text_stream_batches_join_to_the_same_text(llama, prompts):
     assert batched.tokens_per_second > 0
 
 
+def _polled(stream, timeout: float = 30.0) -> list:
+    """Reads a stream as an event loop does: poll whenever its listener was called, never blocking on it."""
+    import threading
+
+    arrived = threading.Event()
+    assert stream.listen(arrived.set)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        arrived.clear()
+        got, ended = stream.poll()
+        chunks += got
+        if ended:
+            return chunks
+        if not got:
+            arrived.wait(1.0)
+    raise AssertionError("the stream neither ended nor woke its listener")
+
+
+def test_polling_a_stream_when_its_listener_wakes_gives_what_blocking_reads_give(llama, prompts, solo):
+    with llama.serve() as engine:
+        assert [c.token for c in _polled(engine.submit(prompts[2], 40, temperature=0))] == solo[2]
+        text = "".join(c.text for c in stream_completion(engine, "the king said", temperature=0, max_new_tokens=30,
+                                                         stop=["queen"]))
+        polled = stream_completion(engine, "the king said", temperature=0, max_new_tokens=30, stop=["queen"])
+        assert "".join(c.text for c in _polled(polled)) == text and text
+        assert polled.finish_reason in ("stop", "length", "eos") and polled.tokens_per_second > 0
+
+
+def test_a_stream_that_only_its_reader_drives_cannot_be_polled(llama, prompts):
+    with llama.serve() as engine:
+        pass
+    stream = engine.submit(prompts[0], 3, temperature=0)  # its thread stopped: reading runs its turns
+    assert not stream.listen(lambda: None)
+    assert len(_collect(stream)) == 3
+
+
 def test_cancelling_a_request_frees_its_slot_for_a_waiting_one(prompts):
     llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
     with llama.serve() as engine:
@@ -225,6 +261,8 @@ def test_a_failing_request_fails_alone(llama, prompts, solo):
         doomed = engine.submit(list(prompts[0][:1]) * 97, 10)
         with pytest.raises(RequestFailedError, match="memory"):
             _collect(doomed)
+        with pytest.raises(RequestFailedError, match="memory"):  # read by polling, as the web server reads
+            _polled(engine.submit(list(prompts[0][:1]) * 97, 10))
         assert _collect(engine.submit(prompts[4], 40, temperature=0)) == solo[4]
 
 

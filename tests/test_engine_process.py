@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from llama_core import CheckpointNotFoundError, EngineUnavailableError, InvalidRequestError, Llama, LlamaError
+from llama_core import (CheckpointNotFoundError, EngineUnavailableError, InvalidRequestError, Llama, LlamaError,
+                        ServerBusyError)
 from llama_core.serving import RequestFailedError
 from llama_core.serving.engine_process import EngineProcess, _Outbox
 from llama_core.serving import Finished, StreamChunk
@@ -78,6 +79,26 @@ def test_cancelling_reaches_the_child_and_frees_the_slot(prompts):  # noqa: F811
         first.cancel()
         assert 1 <= len(_collect(waiting)) <= 5
         assert list(chunks) == [] or first.finish_reason == "cancelled"
+
+
+def test_submitting_does_not_wait_for_the_child_and_a_full_engine_answers_busy(prompts):  # noqa: F811
+    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=1, **BUILD), max_waiting=1, threads=1) as process:
+        running = process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
+        waiting = process.submit(prompts[1], 3, temperature=0)
+        with pytest.raises(ServerBusyError, match="server busy: 1 requests running and 1 waiting"):
+            process.submit(prompts[2], 3, temperature=0)
+        running.cancel()
+        assert len(_collect(waiting)) == 3
+        assert len(_collect(process.submit(prompts[2], 3, temperature=0))) == 3  # room again once they ended
+
+
+def test_a_request_the_child_refuses_ends_its_stream_with_the_reason(served, prompts):  # noqa: F811
+    stream = served.submit(prompts[0], 3, temperature=0)
+    rid = max(served._channels)  # the child's refusal, as it answers a submit it cannot take
+    served._route(("rejected", rid, "LlamaError", "the engine is closed"))
+    with pytest.raises(RequestFailedError, match="the engine is closed"):
+        _collect(stream)
+    assert len(_collect(served.submit(prompts[1], 3, temperature=0))) == 3
 
 
 def wait_for_state(process: EngineProcess, state: str, seconds: float = 120) -> None:

@@ -34,6 +34,7 @@ from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Samp
 from .streaming import Batch, merged_batches
 
 MAX_CHOICES = 16  # most choices (n x prompts) in one request
+INLINE_SUBMIT_CHARACTERS = 4_000  # requests with at most this much text are tokenized on the event loop (~1 ms)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "stop", "seed")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
@@ -111,7 +112,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                 refusal[0] = True
             return stream
 
-        streams = await _submit_all(submit, _seeds(controls["seed"], _choices(body.n)), fields, rename)
+        characters = sum(len(message["content"]) for message in dialog)
+        streams = await _submit_all(submit, _seeds(controls["seed"], _choices(body.n)), fields, rename, characters)
         if refusal[0]:
             raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
         reply = _ChatReply(engine, model_id, streams, len(streams), _include_usage(body), bool(body.logprobs))
@@ -144,7 +146,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             return stream_completion(engine, job[0], max_new_tokens=max_new_tokens, prompt_logprobs=echo_logprobs,
                                      **dict(controls, seed=job[1]))
 
-        streams = await _submit_all(submit, jobs, set(body.model_fields_set) | {"prompt"}, {})
+        streams = await _submit_all(submit, jobs, set(body.model_fields_set) | {"prompt"}, {},
+                                    sum(len(prompt) for prompt in prompts))
         echoed = [job[0] for job in jobs] if body.echo else None
         reply = _CompletionReply(engine, model_id, streams, n, _include_usage(body), top, echoed)
         if body.stream:
@@ -254,9 +257,11 @@ def _include_usage(body: SamplingFields) -> bool:
 
 
 async def _submit_all(submit: Callable[[Any], TextStream], jobs: list[Any], fields: set[str],
-                      rename: dict[str, str]) -> list[TextStream]:
-    """Submits each job (in a worker thread: tokenizing and queueing may take a while); if one is refused,
-    the ones already running are cancelled and the refusal is answered."""
+                      rename: dict[str, str], characters: int) -> list[TextStream]:
+    """Submits each job; if one is refused, the ones already running are cancelled and the refusal is
+    answered. Submitting tokenizes the request's text (`characters` long) and queues it without waiting for
+    the engine: a short text on the event loop itself, sooner than a worker thread could start, a long one in
+    a worker thread, so the loop serving the other clients is never held up for long."""
     def submit_each() -> list[TextStream]:
         streams: list[TextStream] = []
         try:
@@ -269,6 +274,8 @@ async def _submit_all(submit: Callable[[Any], TextStream], jobs: list[Any], fiel
         return streams
 
     try:
+        if characters <= INLINE_SUBMIT_CHARACTERS:
+            return submit_each()
         return await run_in_threadpool(submit_each)
     except LlamaError as exc:
         raise from_llama_error(exc, fields, rename) from None

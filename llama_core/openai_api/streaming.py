@@ -1,8 +1,8 @@
 """Reading text streams from the web server's event loop, and cancelling them when the client goes away.
 
-A TextStream blocks its reader until tokens arrive; each is read here in a worker thread, a batch at a time,
-so the event loop never waits. Several streams (the `n` choices of one request) are merged into one
-sequence of (choice index, batch) items.
+The loop never blocks on a stream: the engine's thread wakes it when tokens arrive (TextStream.listen) and
+it takes what came (TextStream.poll); a stream that can only be read blocking is read in a worker thread.
+Several streams (the `n` choices of one request) are merged into one sequence of (choice index, batch) items.
 """
 
 from __future__ import annotations
@@ -59,6 +59,42 @@ async def merged_batches(streams: Sequence[TextStream], request: Optional[Reques
 
 
 async def _read(index: int, stream: TextStream, queue: asyncio.Queue, seconds: float) -> None:
+    """Puts stream's batches on queue as they come, then one marking its end."""
+    loop = asyncio.get_running_loop()
+    arrived = asyncio.Event()
+
+    def wake() -> None:  # in the engine's thread, after each event: one wake-up until the loop has looked
+        if not arrived.is_set():
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody reads any more
+                loop.call_soon_threadsafe(arrived.set)
+
+    if not stream.listen(wake):
+        await _read_in_thread(index, stream, queue, seconds)
+        return
+    next_at = 0.0
+    try:
+        while True:
+            pause = next_at - loop.time()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            arrived.clear()
+            chunks, ended = stream.poll()
+            if chunks:
+                next_at = loop.time() + seconds
+                await queue.put(Batch(index, chunks))
+            if ended:
+                break
+            if not chunks:
+                await arrived.wait()
+    except Exception as exc:  # the request failed in the engine: the others go on
+        await queue.put(Batch(index, [], done=True, error=exc))
+        return
+    await queue.put(Batch(index, [], done=True))
+
+
+async def _read_in_thread(index: int, stream: TextStream, queue: asyncio.Queue, seconds: float) -> None:
+    """_read for a stream whose reader must block (its engine runs turns only for its readers): each batch is
+    awaited in a worker thread."""
     global _limiter
     if _limiter is None:
         _limiter = anyio.CapacityLimiter(_READER_THREADS)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from .. import errors
-from ..errors import EngineUnavailableError, LlamaError
+from ..errors import EngineUnavailableError, LlamaError, ServerBusyError
 from ..loader import ModelInfo, load
 from ..tokenizer import Tokenizer
 from .engine import Engine
@@ -179,9 +179,14 @@ class EngineProcess:
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
                **controls) -> TokenStream:
-        """As Engine.submit: the request is checked here and queued by the child; its errors are raised here.
+        """As Engine.submit: the request is checked here, and sent to the child without waiting for it (the
+        caller may be an event loop), so the errors a request can meet are raised here: a bad request, and a
+        full engine, counted here as the requests sent and not yet ended. A refusal of the child's own (it is
+        shutting down) ends the stream with an error.
 
         Raises:
+            InvalidRequestError / ContextLengthError: a bad request.
+            ServerBusyError: every slot is busy and the waiting queue is full.
             EngineUnavailableError: the model process is restarting, or stopped.
         """
         if self.state != "running" or self._stopped:
@@ -192,10 +197,16 @@ class EngineProcess:
                                             max_seq_len=self.info.max_seq_len)
         rid = next(self._ids)
         channel = Channel(cancelled=_Cancel(lambda: self._send(("cancel", rid))))
+        slots = self.info.max_batch_size
         with self._lock:
-            self._channels[rid] = channel  # before asking: its tokens may arrive before the answer
+            in_flight = len(self._channels)
+            if in_flight >= slots + self._engine_options["max_waiting"]:
+                running = min(in_flight, slots)
+                raise ServerBusyError(f"server busy: {running} requests running and {in_flight - running} waiting; "
+                                      "try again shortly")
+            self._channels[rid] = channel
         try:
-            self._ask(("submit", rid, request))
+            self._send(("submit", rid, request))
         except Exception:
             with self._lock:
                 self._channels.pop(rid, None)
@@ -285,11 +296,13 @@ class EngineProcess:
         kind, rid = message[0], message[1]
         with self._lock:
             channel, reply = self._channels.get(rid), self._replies.get(rid)
-        if kind in ("accepted", "rejected", "stats") and reply is not None:
+        if kind in ("rejected", "stats") and reply is not None:
             reply[1] = (kind, message[2], message[3]) if kind == "rejected" else message
             reply[0].set()
         elif channel is None:
             return
+        elif kind == "rejected":  # a submitted request the child refused
+            self._finish(rid, "error", message[3])
         elif kind == "chunk":
             channel.events.put(StreamChunk(message[2], message[3], top_logprobs=message[4]))
         elif kind == "prompt_logprobs":
@@ -412,7 +425,6 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
                 send(("rejected", rid, type(exc).__name__, str(exc)))
                 continue
             channels[rid] = channel
-            send(("accepted", rid))
             for done in [r for r, c in channels.items() if c.finished.is_set()]:
                 del channels[done]
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 FINISH_REASONS = ("eos", "stop", "length", "cancelled", "error")
 
@@ -51,11 +51,26 @@ class EventSink(Protocol):
     def put(self, item: Any) -> None: ...
 
 
+class EventQueue(queue.Queue):
+    """A request's events as its reader takes them. A reader that does not block on it (an event loop) sets
+    `listener`: called after each event is put, in the thread that put it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listener: Optional[Callable[[], None]] = None
+
+    def put(self, item: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+        super().put(item, block, timeout)
+        listener = self.listener
+        if listener is not None:
+            listener()
+
+
 @dataclass
 class Channel:
     """Connects a request inside an engine with its reader: the engine puts events and sets `finished` with
     the last one; the reader sets `cancelled` to stop the request."""
 
-    events: Any = field(default_factory=queue.Queue)  # an EventSink; a queue.Queue where a reader gets them
+    events: Any = field(default_factory=EventQueue)  # an EventSink; an EventQueue where a reader gets them
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from .. import dialog as chat_format
 from ..errors import ContextLengthError, DialogError, LlamaError
 from ..tokenizer import StreamDecoder, Tokenizer
-from .events import Admitted, Channel, PromptLogprobs, StreamChunk
+from .events import Admitted, Channel, EventQueue, Finished, PromptLogprobs, StreamChunk
 from .requests import SamplingParams, check_max_new_tokens, completion_prompt, sampling_params, whole_number
 from .stops import StopMatcher
 
@@ -46,6 +46,7 @@ class TokenStream:
         self.prompt_logprobs: Optional[list[float]] = None  # with prompt_logprobs=True: tokens 1..n-1
         self.cached_tokens = 0  # prompt tokens found in the engine's KV cache (known before the first chunk)
         self.finished_at: Optional[float] = None  # time.perf_counter() when the engine ended the request
+        self._failure: Optional[RequestFailedError] = None  # for poll: raised once the chunks before it are read
 
     def cancel(self) -> None:
         self._channel.cancelled.set()
@@ -65,20 +66,7 @@ class TokenStream:
                 pause = next_at - time.monotonic()
                 if pause > 0 and (self._driver is None or self._driver.running):
                     self._channel.finished.wait(pause)  # tokens don't wake the reader; the end does
-                items = [self._next_event()]
-                while not events.empty():
-                    items.append(events.get_nowait())
-                chunks, done = [], None
-                for item in items:
-                    if isinstance(item, StreamChunk):
-                        chunks.append(item)
-                    elif isinstance(item, PromptLogprobs):
-                        self.prompt_logprobs = item.values
-                    elif isinstance(item, Admitted):
-                        self.cached_tokens = item.cached_tokens
-                    else:
-                        done = item
-                        self.finish_reason, self.finished_at = item.reason, item.at
+                chunks, done = self._taken([self._next_event()] + _drained(events))
                 if chunks:  # the pause runs from the last list yielded: news of admission does not delay the first token
                     next_at = time.monotonic() + seconds
                     yield chunks
@@ -90,6 +78,44 @@ class TokenStream:
             if self.finish_reason is None:
                 self.cancel()
 
+    def listen(self, listener: Callable[[], None]) -> bool:
+        """Has listener called (in the engine's thread) whenever an event for this stream arrives, for a reader
+        that polls instead of blocking; False, doing nothing, where events cannot be awaited so (a reader
+        that runs the engine's turns itself must read with batches)."""
+        events = self._channel.events
+        if not isinstance(events, EventQueue) or (self._driver is not None and not self._driver.running):
+            return False
+        events.listener = listener
+        return True
+
+    def poll(self) -> tuple[list[StreamChunk], bool]:
+        """What has arrived, without waiting: (chunks, whether the request has ended; `finish_reason` is then
+        set). Raises RequestFailedError if the request failed (after returning the chunks that came before)."""
+        if self._failure is not None:
+            raise self._failure
+        chunks, done = self._taken(_drained(self._channel.events))
+        if done is not None and done.reason == "error":
+            self._failure = RequestFailedError(done.message)
+            if not chunks:
+                raise self._failure
+            return chunks, False
+        return chunks, done is not None
+
+    def _taken(self, items: list[Any]) -> tuple[list[StreamChunk], Optional[Finished]]:
+        """The chunks among the events items, the others noted; the request's end if it came with them."""
+        chunks, done = [], None
+        for item in items:
+            if isinstance(item, StreamChunk):
+                chunks.append(item)
+            elif isinstance(item, PromptLogprobs):
+                self.prompt_logprobs = item.values
+            elif isinstance(item, Admitted):
+                self.cached_tokens = item.cached_tokens
+            else:
+                done = item
+                self.finish_reason, self.finished_at = item.reason, item.at
+        return chunks, done
+
     def _next_event(self) -> Any:
         events = self._channel.events
         while True:
@@ -99,6 +125,17 @@ class TokenStream:
                 pass
             if self._driver is None or not self._driver.pump():
                 return events.get()
+
+
+
+def _drained(events: Any) -> list[Any]:
+    """Every event waiting in the queue events, without blocking."""
+    items = []
+    while True:
+        try:
+            items.append(events.get_nowait())
+        except queue.Empty:
+            return items
 
 
 class TextStream:
@@ -176,18 +213,7 @@ class TextStream:
             return
         try:
             for batch in self._tokens.batches(seconds):
-                if self._first_token_at is None:
-                    self._first_token_at = time.perf_counter()
-                chunks = []
-                for c in batch:
-                    chunks.append(StreamChunk(c.token, c.logprob, self._stops.feed(self._decoder.push(c.token)),
-                                              c.top_logprobs))
-                    if self._stops.stopped:
-                        self._tokens.cancel()  # the engine stops at the same token; this is for a late end
-                        break
-                self.generated_tokens += len(chunks)
-                if self.finish_reason is not None:
-                    chunks += self._tail()
+                chunks = self._decoded(batch)
                 yield chunks
                 if self._stops.stopped:
                     return
@@ -197,6 +223,40 @@ class TextStream:
             self._finished_at = self._tokens.finished_at or time.perf_counter()
             if self._tokens.finish_reason is None:
                 self.cancel()
+
+    def listen(self, listener: Callable[[], None]) -> bool:
+        """As TokenStream.listen: listener is called whenever news of this request arrives, for a reader that
+        polls; False where it must read with batches instead. A refused request has nothing to wait for."""
+        return self._tokens is None or self._tokens.listen(listener)
+
+    def poll(self) -> tuple[list[StreamChunk], bool]:
+        """What batches would yield next, without waiting: (chunks, possibly none; whether the reply has
+        ended). Raises RequestFailedError if the request failed. Read until it ends, or cancel()."""
+        if self._tokens is None:
+            return [], True
+        batch, ended = self._tokens.poll()
+        chunks = self._decoded(batch) if batch else []
+        ended = ended or self._stops.stopped
+        if ended:
+            if not self._stops.stopped and self._tokens.finish_reason is not None and not chunks:
+                chunks = self._tail()  # the end came alone
+            self._finished_at = self._tokens.finished_at or time.perf_counter()
+        return chunks, ended
+
+    def _decoded(self, batch: list[StreamChunk]) -> list[StreamChunk]:
+        """A batch of the token stream as text chunks, up to a stop string, the held-back text added at the end."""
+        if self._first_token_at is None:
+            self._first_token_at = time.perf_counter()
+        chunks = []
+        for c in batch:
+            chunks.append(StreamChunk(c.token, c.logprob, self._stops.feed(self._decoder.push(c.token)), c.top_logprobs))
+            if self._stops.stopped:
+                self._tokens.cancel()  # the engine stops at the same token; this is for a late end
+                break
+        self.generated_tokens += len(chunks)
+        if self.finish_reason is not None:
+            chunks += self._tail()
+        return chunks
 
     def _tail(self) -> list[StreamChunk]:
         tail = self._stops.feed(self._decoder.flush())

@@ -11,7 +11,6 @@ k in HF's rotary layout), generation_config.json and a copy of tokenizer.model.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys

@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import tempfile
-from typing import Any, Iterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version checks
 # Gradio's queue rebuilds its monitoring summary, a pandas table of up to 10,000 past requests, after every
@@ -41,7 +41,7 @@ import gradio as gr  # noqa: E402
 from ..errors import ContextLengthError, LlamaError  # noqa: E402
 from ..loader import ModelInfo  # noqa: E402
 from ..prompt_library import PromptLibrary  # noqa: E402
-from ..serving import requests  # noqa: E402
+from ..serving import aio, requests  # noqa: E402
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion  # noqa: E402
 from ..tokenizer import StreamDecoder  # noqa: E402
 from . import branches, conversations  # noqa: E402
@@ -140,35 +140,90 @@ def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Itera
         yield reply
 
 
-def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
-             show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS,
-             **controls: Any) -> Iterator[tuple[str, list[dict], dict]]:
-    """Streams a completion as (text, tokens, stats) at most every `seconds`, as /complete does; the last
-    update has the final stats (one more update follows the text when the end came after it). With
-    show_probabilities each generated token also lists the model's most likely alternatives."""
+async def replies_async(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> AsyncIterator[str]:
+    """replies, for an event loop: it never blocks the loop (llama_core.serving.aio)."""
+    reply, shown = stream.refusal or "", False
+    with _streaming(stream):
+        async for chunks in aio.batches(stream, seconds):
+            added = "".join(chunk.text for chunk in chunks)
+            if added:
+                reply += added
+                yield reply
+                shown = True
+    if not shown:
+        yield reply
+
+
+class _CompletionUpdates:
+    """What /complete shows as a completion streams: (text, tokens with probabilities, stats) after each
+    batch of its stream."""
+
+    def __init__(self, engine: TextEngine, stream: TextStream, prompt: str, echo: bool,
+                 show_probabilities: bool) -> None:
+        self.engine, self.stream, self.prompt = engine, stream, prompt
+        self.echo, self.show_probabilities = echo, show_probabilities
+        self.text, self.generated, self.prompt_tokens, self.final_shown = "", [], [], False
+
+    def after(self, chunks: list) -> Optional[tuple[str, list[dict], dict]]:
+        """The update after a batch of chunks, or after the stream ended ([]: one more update with the final
+        stats, unless the last batch already came with them; None then)."""
+        if not chunks and self.final_shown:
+            return None
+        engine, stream = self.engine, self.stream
+        for chunk in chunks:
+            self.text += chunk.text
+            if self.show_probabilities and chunk.token != -1:
+                self.generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True,
+                                       "alternatives": _alternatives(engine, chunk.top_logprobs)})
+            elif self.show_probabilities and self.generated:  # text held back to the end (an incomplete character)
+                self.generated[-1]["token"] += chunk.text
+        if stream.prompt_logprobs and not self.prompt_tokens:  # echo with probabilities: set with the first token
+            self.prompt_tokens = _prompt_tokens(engine, self.prompt, stream.prompt_logprobs)
+        self.final_shown = stream.finish_reason is not None
+        return (self.prompt + self.text if self.echo else self.text), self.prompt_tokens + self.generated, request_stats(stream)
+
+
+def _start_completion(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
+                      show_probabilities: Any, **controls: Any) -> _CompletionUpdates:
     with _user_errors():
         prompt = requests.completion_prompt(prompt)
         echo, show_probabilities = requests.flag(echo, "echo"), requests.flag(show_probabilities, "show_probabilities")
         stream = stream_completion(engine, prompt, temperature, top_p, max_new_tokens,
                                    prompt_logprobs=echo and show_probabilities,
                                    top_logprobs=TOP_ALTERNATIVES if show_probabilities else 0, **controls)
-    text, generated, prompt_tokens, final_shown = "", [], [], False
-    with _streaming(stream):
-        # []: one more update with the final stats, unless the last batch already came with them
-        for chunks in itertools.chain(stream.batches(seconds), [[]]):
-            if not chunks and final_shown:
+    return _CompletionUpdates(engine, stream, prompt, echo, show_probabilities)
+
+
+def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
+             show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS,
+             **controls: Any) -> Iterator[tuple[str, list[dict], dict]]:
+    """Streams a completion as (text, tokens, stats) at most every `seconds`, as /complete does; the last
+    update has the final stats (one more update follows the text when the end came after it). With
+    show_probabilities each generated token also lists the model's most likely alternatives."""
+    updates = _start_completion(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
+                                **controls)
+    with _streaming(updates.stream):
+        for chunks in itertools.chain(updates.stream.batches(seconds), [[]]):
+            update = updates.after(chunks)
+            if update is None:
                 break
-            for chunk in chunks:
-                text += chunk.text
-                if show_probabilities and chunk.token != -1:
-                    generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True,
-                                      "alternatives": _alternatives(engine, chunk.top_logprobs)})
-                elif show_probabilities and generated:  # text held back to the end (an incomplete character)
-                    generated[-1]["token"] += chunk.text
-            if stream.prompt_logprobs and not prompt_tokens:  # echo with probabilities: set with the first token
-                prompt_tokens = _prompt_tokens(engine, prompt, stream.prompt_logprobs)
-            final_shown = stream.finish_reason is not None
-            yield (prompt + text if echo else text), prompt_tokens + generated, request_stats(stream)
+            yield update
+
+
+async def complete_async(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any,
+                         echo: Any, show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS,
+                         **controls: Any) -> AsyncIterator[tuple[str, list[dict], dict]]:
+    """complete, for an event loop: it never blocks the loop (llama_core.serving.aio)."""
+    updates = await aio.submitted(
+        lambda: _start_completion(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
+                                  **controls),
+        len(prompt) if isinstance(prompt, str) else 0)
+    with _streaming(updates.stream):
+        async for chunks in aio.batches(updates.stream, seconds):
+            yield updates.after(chunks)
+        final = updates.after([])
+        if final is not None:
+            yield final
 
 
 def _alternatives(engine: TextEngine, top_logprobs: Optional[list[tuple[int, float]]]) -> list[dict]:
@@ -312,27 +367,33 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     defaults: dict[str, Any] = {}  # the chat controls' initial values, as conversations.SETTINGS names them
     ui = dict(api_visibility="private")
 
-    def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
-             max_new_tokens: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-             presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
-             seed: Optional[int] = None) -> Iterator[str]:
+    # The API's two routes run on the server's event loop (async): no worker thread between a request and
+    # the engine, or between a token and its client.
+    async def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
+                   max_new_tokens: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
+                   seed: Optional[int] = None) -> AsyncIterator[str]:
         """Streams the assistant's reply to message after history: yields the reply so far."""
-        stream = start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens,
-                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
-                            seed=seed)
-        yield from replies(stream)
+        stream = await aio.submitted(
+            lambda: start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens,
+                               top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
+                               seed=seed),
+            len(str(message)) + len(str(history)) + len(str(system_prompt)))
+        async for reply in replies_async(stream):
+            yield reply
 
-    def complete_api(prompt: str, temperature: float, top_p: float, max_new_tokens: int, echo: bool,
-                     show_probabilities: bool, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                     stop: Optional[list[str]] = None,
-                     seed: Optional[int] = None) -> Iterator[tuple[str, list[dict], dict]]:
+    async def complete_api(prompt: str, temperature: float, top_p: float, max_new_tokens: int, echo: bool,
+                           show_probabilities: bool, top_k: int = 0, min_p: float = 0.0,
+                           repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                           frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
+                           seed: Optional[int] = None) -> AsyncIterator[tuple[str, list[dict], dict]]:
         """Streams a completion of prompt: yields (text, tokens with probabilities, stats)."""
-        yield from complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
-                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
-                            seed=seed)
+        async for update in complete_async(engine, prompt, temperature, top_p, max_new_tokens, echo,
+                                           show_probabilities, top_k=top_k, min_p=min_p,
+                                           repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                           frequency_penalty=frequency_penalty, stop=stop, seed=seed):
+            yield update
 
     # -- the chat tab: conversations kept in the browser (llama_core.app.conversations) ------------------
     def settings_of(values: tuple) -> dict[str, Any]:

@@ -19,12 +19,11 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..dialog import UNSAFE_ERROR, Dialog
 from ..errors import LlamaError
-from ..serving import requests
+from ..serving import aio, requests
 from ..serving.events import StreamChunk
 from ..serving.requests import MAX_SEED, SamplingParams
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion
@@ -34,7 +33,6 @@ from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Samp
 from .streaming import Batch, merged_batches
 
 MAX_CHOICES = 16  # most choices (n x prompts) in one request
-INLINE_SUBMIT_CHARACTERS = 4_000  # requests with at most this much text are tokenized on the event loop (~1 ms)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "stop", "seed")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
@@ -258,10 +256,8 @@ def _include_usage(body: SamplingFields) -> bool:
 
 async def _submit_all(submit: Callable[[Any], TextStream], jobs: list[Any], fields: set[str],
                       rename: dict[str, str], characters: int) -> list[TextStream]:
-    """Submits each job; if one is refused, the ones already running are cancelled and the refusal is
-    answered. Submitting tokenizes the request's text (`characters` long) and queues it without waiting for
-    the engine: a short text on the event loop itself, sooner than a worker thread could start, a long one in
-    a worker thread, so the loop serving the other clients is never held up for long."""
+    """Submits each job (tokenizing the request's text, `characters` long: see aio.submitted); if one is
+    refused, the ones already running are cancelled and the refusal is answered."""
     def submit_each() -> list[TextStream]:
         streams: list[TextStream] = []
         try:
@@ -274,9 +270,7 @@ async def _submit_all(submit: Callable[[Any], TextStream], jobs: list[Any], fiel
         return streams
 
     try:
-        if characters <= INLINE_SUBMIT_CHARACTERS:
-            return submit_each()
-        return await run_in_threadpool(submit_each)
+        return await aio.submitted(submit_each, characters)
     except LlamaError as exc:
         raise from_llama_error(exc, fields, rename) from None
 

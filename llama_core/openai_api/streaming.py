@@ -1,8 +1,7 @@
 """Reading text streams from the web server's event loop, and cancelling them when the client goes away.
 
-The loop never blocks on a stream: the engine's thread wakes it when tokens arrive (TextStream.listen) and
-it takes what came (TextStream.poll); a stream that can only be read blocking is read in a worker thread.
-Several streams (the `n` choices of one request) are merged into one sequence of (choice index, batch) items.
+The loop never blocks on a stream (llama_core.serving.aio). Several streams (the `n` choices of one request)
+are merged into one sequence of (choice index, batch) items.
 """
 
 from __future__ import annotations
@@ -12,18 +11,15 @@ import contextlib
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
-import anyio
 from fastapi import Request
 
+from ..serving import aio
 from ..serving.events import StreamChunk
 from ..serving.streams import TextStream
 
 # Least time between two events of a streamed reply: tokens that arrive within it go out together, so the
 # server does not wake up and write once per token for every client.
 STREAM_BATCH_SECONDS = 0.02
-_READER_THREADS = 1024  # streams read at once; more wait for a thread
-
-_limiter: Optional[anyio.CapacityLimiter] = None
 
 
 @dataclass
@@ -60,50 +56,8 @@ async def merged_batches(streams: Sequence[TextStream], request: Optional[Reques
 
 async def _read(index: int, stream: TextStream, queue: asyncio.Queue, seconds: float) -> None:
     """Puts stream's batches on queue as they come, then one marking its end."""
-    loop = asyncio.get_running_loop()
-    arrived = asyncio.Event()
-
-    def wake() -> None:  # in the engine's thread, after each event: one wake-up until the loop has looked
-        if not arrived.is_set():
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody reads any more
-                loop.call_soon_threadsafe(arrived.set)
-
-    if not stream.listen(wake):
-        await _read_in_thread(index, stream, queue, seconds)
-        return
-    next_at = 0.0
     try:
-        while True:
-            pause = next_at - loop.time()
-            if pause > 0:
-                await asyncio.sleep(pause)
-            arrived.clear()
-            chunks, ended = stream.poll()
-            if chunks:
-                next_at = loop.time() + seconds
-                await queue.put(Batch(index, chunks))
-            if ended:
-                break
-            if not chunks:
-                await arrived.wait()
-    except Exception as exc:  # the request failed in the engine: the others go on
-        await queue.put(Batch(index, [], done=True, error=exc))
-        return
-    await queue.put(Batch(index, [], done=True))
-
-
-async def _read_in_thread(index: int, stream: TextStream, queue: asyncio.Queue, seconds: float) -> None:
-    """_read for a stream whose reader must block (its engine runs turns only for its readers): each batch is
-    awaited in a worker thread."""
-    global _limiter
-    if _limiter is None:
-        _limiter = anyio.CapacityLimiter(_READER_THREADS)
-    batches = stream.batches(seconds)
-    try:
-        while True:
-            chunks = await anyio.to_thread.run_sync(next, batches, None, abandon_on_cancel=True, limiter=_limiter)
-            if chunks is None:
-                break
+        async for chunks in aio.batches(stream, seconds):
             await queue.put(Batch(index, chunks))
     except Exception as exc:  # the request failed in the engine: the others go on
         await queue.put(Batch(index, [], done=True, error=exc))

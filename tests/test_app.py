@@ -517,3 +517,19 @@ def test_every_bad_input_class_over_raw_http_is_named_and_serving_goes_on(served
         sys.path.remove(str(REPO_ROOT / "scripts"))
     with httpx.Client(timeout=60) as http:
         assert stress_server.check_bad_inputs(http, served[1]) == []
+
+
+def test_gradios_login_check_runs_on_the_event_loop():
+    import inspect
+
+    from fastapi import FastAPI
+    from starlette.routing import Mount
+
+    with gr.Blocks() as demo:
+        box = gr.Textbox()
+        gr.Button().click(lambda text: text, box, box, api_name="echo")
+    api = FastAPI()
+    gr.mount_gradio_app(api, demo, path="/")
+    page = next(route.app for route in api.routes if isinstance(route, Mount))
+    assert server.check_logins_on_the_loop(page) == 1  # this Gradio's one login check, as its routes depend on it
+    assert all(inspect.iscoroutinefunction(check) for check in page.dependency_overrides.values())

@@ -387,6 +387,10 @@ def test_logins_protect_the_page_and_keys_the_api_on_one_server():
 
     with app_server.serve_app(max_seq_len=64, max_batch_size=1, api_keys=(KEY,), auth=[("ann", "s3cret")]) as (_, url):
         assert httpx.get(url + "config", timeout=10).status_code == 401
+        # Gradio's API checks the login on the event loop (server.check_logins_on_the_loop), and still checks it
+        call = httpx.post(url + "gradio_api/call/complete", json={"data": ["ROMEO:", 0.0, 0.9, 4, False, False]},
+                          timeout=10)
+        assert call.status_code == 401 and "Not authenticated" in call.text
         assert httpx.get(url + "health", timeout=10).status_code == 200
         assert httpx.get(url + "v1/models", timeout=10).status_code == 401
         assert httpx.get(url + "v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200

@@ -217,7 +217,7 @@ async def complete_async(engine: TextEngine, prompt: Any, temperature: Any, top_
     updates = await aio.submitted(
         lambda: _start_completion(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
                                   **controls),
-        len(prompt) if isinstance(prompt, str) else 0)
+        aio.text_size(prompt))
     with _streaming(updates.stream):
         async for chunks in aio.batches(updates.stream, seconds):
             yield updates.after(chunks)
@@ -379,7 +379,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
                                seed=seed),
-            len(str(message)) + len(str(history)) + len(str(system_prompt)))
+            aio.text_size(message, history, system_prompt))
         async for reply in replies_async(stream):
             yield reply
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Callable, Optional, TypeVar
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 import anyio
 
@@ -23,6 +23,12 @@ _READER_THREADS = 1024  # streams read in worker threads at once; more wait for 
 
 _limiter: Optional[anyio.CapacityLimiter] = None
 T = TypeVar("T")
+
+
+def text_size(*values: Any) -> int:
+    """How many characters a request's values hold (a value that is not text: as printed), to choose where
+    to submit it."""
+    return sum(len(value) if isinstance(value, str) else len(str(value)) for value in values)
 
 
 async def submitted(submit: Callable[[], T], characters: int) -> T:

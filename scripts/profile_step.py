@@ -2,10 +2,13 @@
 
     python scripts/profile_step.py --rows 8 --threads 1            # the embedded model, as the app runs it
     python scripts/profile_step.py --rows 8 --threads 1 --compile  # with the compiled decode step
+    python scripts/profile_step.py --riders 7 --rider-tokens 12 --threads 1  # prompts riding a decode step
 
 Wall-clock per decode step with all rows busy, split into scheduling (retiring, admitting), the forward,
 sampling (the next tokens and their log-probabilities) and delivery (the events each stream gets), then
-the torch profiler's per-operator table over the same steps.
+the torch profiler's per-operator table over the same steps. With --riders P, instead: the forward of P
+new prompts of --rider-tokens tokens prefilled in the same step as one decoding row (what requests arriving
+together wait for before their first token), median ms.
 """
 
 from __future__ import annotations
@@ -33,8 +36,13 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default=None, help="default: the embedded model")
     p.add_argument("--compile", action="store_true", help="the compiled decode step")
     p.add_argument("--top-ops", type=int, default=15)
+    p.add_argument("--riders", type=int, default=0, help="time P prompts riding one decoding row instead")
+    p.add_argument("--rider-tokens", type=int, default=12, help="tokens of each riding prompt")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    if a.riders:
+        time_riders(a)
+        return
     loaded = load(a.ckpt_dir, max_seq_len=512, max_batch_size=a.rows, compile=a.compile)
     engine = Engine(loaded, seed=0)
     spent: dict[str, float] = collections.defaultdict(float)
@@ -84,6 +92,35 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         run_steps()
     print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top_ops))
+
+
+def time_riders(a: argparse.Namespace) -> None:
+    """The forward of a.riders fresh prompts prefilled together with one decoding row, as the engine runs
+    it when requests arrive while another decodes (Transformer.forward_spans)."""
+    from llama_core.model import Span
+    from llama_core.runner import cache_rows
+
+    runner = load(a.ckpt_dir, max_seq_len=512, max_batch_size=a.riders + 1).runner
+    vocab = runner.args.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> float:
+        prompts = torch.randint(0, vocab, (a.riders, a.rider_tokens), generator=generator)
+        positions = torch.arange(a.rider_tokens)[None].expand(a.riders, a.rider_tokens)
+        decoding = Span(torch.randint(0, vocab, (1, 1), generator=generator), torch.tensor([[100]]),
+                        cache_rows([0], "cpu"), 101, torch.zeros(1, dtype=torch.long))
+        riding = Span(prompts, positions, cache_rows(list(range(1, a.riders + 1)), "cpu"), a.rider_tokens,
+                      torch.full((a.riders,), a.rider_tokens - 1))
+        start = time.perf_counter()
+        with torch.inference_mode():
+            runner.forward_spans([decoding, riding])
+        return time.perf_counter() - start
+
+    for _ in range(5):
+        step()
+    median = statistics.median(step() for _ in range(40)) * 1e3
+    print(f"{a.riders} prompts of {a.rider_tokens} tokens riding one decoding row, {torch.get_num_threads()} "
+          f"thread(s): {median:.2f} ms per forward (median of 40)")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,15 @@ def test_int8_bench_prints_every_kernel_and_the_deviation():
     assert lines[-1].startswith("embedded default: max |int8 - float32 logprob| ")
 
 
+@pytest.mark.parametrize("mode", [["--rows", "2", "--new-tokens", "6", "--top-ops", "3"],
+                                  ["--riders", "2", "--rider-tokens", "5"]], ids=["decode-step", "riders"])
+def test_step_profile_prints_its_figures(mode):
+    result = _run("profile_step.py", "--threads", "1", *mode)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ("median ms per step" in result.stdout if mode[0] == "--rows"
+            else "2 prompts of 5 tokens riding one decoding row" in result.stdout), result.stdout[-2000:]
+
+
 def test_bench_answers_a_bad_device_with_one_line():
     result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "1", "--n-heads", "4",
                   "--device", "tpu:0", timeout=120)

@@ -411,3 +411,30 @@ def test_usage_reports_the_prompt_tokens_the_cache_held(client, model_id):
     assert again.choices[0].message.content == first.choices[0].message.content
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert again.usage.prompt_tokens - 2 <= cached < again.usage.prompt_tokens
+
+
+def test_a_stream_whose_model_process_dies_ends_with_an_error_and_serving_resumes():
+    """The web server reads streams on its event loop, woken by the engine's events: the model process dying
+    mid-reply ends the reply with an error event (not a hang), and once the process is restarted the server
+    answers again."""
+    import os
+    import signal
+
+    with app_server.serve_app(max_seq_len=256, max_batch_size=2) as (engine, url):
+        body = {"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0, "stream": True,  # greedy: 200 tokens
+                "stream_options": {"include_usage": True}}
+        events = []
+        with httpx.stream("POST", url + "v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 1:
+                        os.kill(engine.pid, signal.SIGKILL)
+        assert "error" in events[-1] and "stopped unexpectedly" in events[-1]["error"]["message"]
+        deadline = time.monotonic() + 120
+        while engine.state != "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        reply = httpx.post(url + "v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0},
+                           timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3

@@ -128,30 +128,38 @@ def open_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any
 def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[str]:
     """The reply so far when it has grown, at most every `seconds`; at least once (the refusal for a refused
     chat, or an empty reply)."""
-    reply, shown = stream.refusal or "", False
+    reply = _Reply(stream)
     with _streaming(stream):
         for chunks in stream.batches(seconds):
-            added = "".join(chunk.text for chunk in chunks)
-            if added:
-                reply += added
-                yield reply
-                shown = True
-    if not shown:
-        yield reply
+            if reply.grew(chunks):
+                yield reply.text
+    if not reply.shown:
+        yield reply.text
 
 
 async def replies_async(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> AsyncIterator[str]:
     """replies, for an event loop: it never blocks the loop (llama_core.serving.aio)."""
-    reply, shown = stream.refusal or "", False
+    reply = _Reply(stream)
     with _streaming(stream):
         async for chunks in aio.batches(stream, seconds):
-            added = "".join(chunk.text for chunk in chunks)
-            if added:
-                reply += added
-                yield reply
-                shown = True
-    if not shown:
-        yield reply
+            if reply.grew(chunks):
+                yield reply.text
+    if not reply.shown:
+        yield reply.text
+
+
+class _Reply:
+    """A chat reply as it streams: its text so far, and whether any of it was shown."""
+
+    def __init__(self, stream: TextStream) -> None:
+        self.text, self.shown = stream.refusal or "", False
+
+    def grew(self, chunks: list) -> bool:
+        """Adds a batch's text; whether there was any (the reply is then shown)."""
+        added = "".join(chunk.text for chunk in chunks)
+        self.text += added
+        self.shown = self.shown or bool(added)
+        return bool(added)
 
 
 class _CompletionUpdates:

@@ -188,3 +188,17 @@ def test_a_block_in_one_call_refuses_a_position_outside_the_cache_and_leaves_its
     with pytest.raises(IndexError, match="outside a KV cache of 3 rows and 32 positions"), torch.inference_mode():
         block(x, rotation, positions, None, torch.tensor([1]), 33, slots=layer_ops.token_slots(torch.tensor([1]), positions, rotation))
     assert torch.equal(x, before) and torch.equal(block.attention.kv_cache.k_cache, cache)
+
+
+def test_argmax_gives_torchs_indices_ties_infinities_and_nans_included():
+    torch.manual_seed(0)
+    rows = [torch.randn(32000), torch.randn(2048), torch.randn(37), torch.randn(1),
+            torch.tensor([1.0, 3.0, 3.0, 2.0] * 9),  # equal maxima: the first
+            torch.full((40,), float("-inf")), torch.full((5,), float("inf")),
+            torch.tensor([-0.0, 0.0, -1.0]), torch.tensor([0.0] * 20 + [float("nan")] + [5.0] * 30),
+            torch.tensor([9.0] * 3 + [float("nan")] * 2), torch.tensor([float("nan")] * 17)]
+    for row in rows:
+        for batch in (row[None], torch.stack([row, row.flip(0)])):
+            assert torch.equal(layer_ops.argmax(batch), torch.argmax(batch, dim=-1)), batch
+    strided = torch.randn(64, 6)[:, ::2].t()  # not contiguous
+    assert torch.equal(layer_ops.argmax(strided), torch.argmax(strided, dim=-1))

@@ -136,6 +136,8 @@ def _declare(library: ctypes.CDLL) -> None:
                                       pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size, size,
                                       size, ctypes.c_int]
     library.decoder_block.restype = ctypes.c_int
+    library.argmax_rows.argtypes = [pointer, size, size, pointer]
+    library.argmax_rows.restype = None
 
 
 def _run(command: list[str]) -> Optional[str]:

@@ -55,6 +55,47 @@ static inline float sum_of(const float *x, int64_t n) {
   return sum;
 }
 
+/* torch.argmax of each row of x [rows][n] into out [rows]: the index of the largest value, the first where
+ * several are equal, and the first NaN where there is one (torch counts NaN as the largest). Two passes of
+ * 16 lanes, one for the largest value and one for where it first is; torch's argmax reads a row an element
+ * at a time, ~2 ns each (8 rows of a 32000-token vocabulary: 0.44 ms). */
+static int64_t argmax_of(const float *row, int64_t n) {
+  float largest = -INFINITY;
+  int any_nan = 0;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 lanes = _mm512_set1_ps(-INFINITY);
+  __mmask16 nans = 0;
+  for (; t + 16 <= n; t += 16) {
+    __m512 v = _mm512_loadu_ps(row + t);
+    nans |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    lanes = _mm512_max_ps(lanes, v);
+  }
+  largest = _mm512_reduce_max_ps(lanes);
+  any_nan = nans != 0;
+#endif
+  for (; t < n; t++) {
+    largest = row[t] > largest ? row[t] : largest;
+    any_nan |= row[t] != row[t];
+  }
+  t = 0;
+#if defined(__AVX512F__)
+  __m512 target = _mm512_set1_ps(largest);
+  for (; t + 16 <= n; t += 16) {
+    __m512 v = _mm512_loadu_ps(row + t);
+    __mmask16 hits = any_nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+    if (hits) return t + __builtin_ctz(hits);
+  }
+#endif
+  for (; t < n; t++)
+    if (any_nan ? row[t] != row[t] : row[t] == largest) return t;
+  return 0;
+}
+
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+  for (int64_t r = 0; r < rows; r++) out[r] = argmax_of(x + r * n, n);
+}
+
 /* Sums of products in 16 lanes (the compiler does not reorder a float sum by itself), the same order for
  * every row. */
 static inline float dot(const float *a, const float *b, int64_t n) {

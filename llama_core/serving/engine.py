@@ -28,7 +28,7 @@ from ..errors import LlamaError, InvalidRequestError, ServerBusyError
 from ..loader import LoadedModel, ModelInfo
 from ..model import Span
 from ..runner import cache_rows, right_padded
-from ..sampling import apply_penalties, sample, token_logprobs, top_logprobs
+from ..sampling import apply_penalties, greedy_tokens, sample, token_logprobs, top_logprobs
 from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
 from .prefix_cache import Placement, PrefixCache
@@ -543,7 +543,7 @@ class Engine:
             logits = self._penalized(sequences, logits)
         temperatures = [p.temperature for p in params]
         if not any(temperatures):  # all greedy: no softmax, no draw
-            next_tokens = torch.argmax(logits, dim=-1)
+            next_tokens = greedy_tokens(logits)
         else:
             def column(values):
                 return torch.tensor(values, device=device) if any(v != values[0] for v in values) else values[0]

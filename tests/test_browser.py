@@ -3,6 +3,7 @@ chatbot, and a completion shows its tokens coloured by probability. Saves docs/s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -291,13 +292,13 @@ def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypat
     bot = page.locator('#chatbot [data-testid="bot"]')
     real_replies = ui.replies
 
-    def held_replies(stream, *args, **kwargs):
+    async def held_replies(stream, *args, **kwargs):
         """The real reply, then held open until Stop: the tiny model may end its reply before a click lands."""
         reply = ""
-        for reply in real_replies(stream, *args, **kwargs):
+        async for reply in real_replies(stream, *args, **kwargs):
             yield reply
         for _ in range(600):
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)
             yield reply + " …"
 
     monkeypatch.setattr(ui, "replies", held_replies)

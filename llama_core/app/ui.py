@@ -21,7 +21,6 @@ from __future__ import annotations
 import colorsys
 import contextlib
 import importlib.util
-import itertools
 import math
 import os
 import sys
@@ -125,113 +124,60 @@ def open_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any
     return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **_advanced(advanced))
 
 
-def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> Iterator[str]:
+async def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> AsyncIterator[str]:
     """The reply so far when it has grown, at most every `seconds`; at least once (the refusal for a refused
-    chat, or an empty reply)."""
-    reply = _Reply(stream)
-    with _streaming(stream):
-        for chunks in stream.batches(seconds):
-            if reply.grew(chunks):
-                yield reply.text
-    if not reply.shown:
-        yield reply.text
-
-
-async def replies_async(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> AsyncIterator[str]:
-    """replies, for an event loop: it never blocks the loop (llama_core.serving.aio)."""
-    reply = _Reply(stream)
+    chat, or an empty reply). Read on the event loop, which it never blocks (llama_core.serving.aio)."""
+    reply, shown = stream.refusal or "", False
     with _streaming(stream):
         async for chunks in aio.batches(stream, seconds):
-            if reply.grew(chunks):
-                yield reply.text
-    if not reply.shown:
-        yield reply.text
+            added = "".join(chunk.text for chunk in chunks)
+            if added:
+                reply += added
+                yield reply
+                shown = True
+    if not shown:
+        yield reply
 
 
-class _Reply:
-    """A chat reply as it streams: its text so far, and whether any of it was shown."""
-
-    def __init__(self, stream: TextStream) -> None:
-        self.text, self.shown = stream.refusal or "", False
-
-    def grew(self, chunks: list) -> bool:
-        """Adds a batch's text; whether there was any (the reply is then shown)."""
-        added = "".join(chunk.text for chunk in chunks)
-        self.text += added
-        self.shown = self.shown or bool(added)
-        return bool(added)
-
-
-class _CompletionUpdates:
-    """What /complete shows as a completion streams: (text, tokens with probabilities, stats) after each
-    batch of its stream."""
-
-    def __init__(self, engine: TextEngine, stream: TextStream, prompt: str, echo: bool,
-                 show_probabilities: bool) -> None:
-        self.engine, self.stream, self.prompt = engine, stream, prompt
-        self.echo, self.show_probabilities = echo, show_probabilities
-        self.text, self.generated, self.prompt_tokens, self.final_shown = "", [], [], False
-
-    def after(self, chunks: list) -> Optional[tuple[str, list[dict], dict]]:
-        """The update after a batch of chunks, or after the stream ended ([]: one more update with the final
-        stats, unless the last batch already came with them; None then)."""
-        if not chunks and self.final_shown:
-            return None
-        engine, stream = self.engine, self.stream
-        for chunk in chunks:
-            self.text += chunk.text
-            if self.show_probabilities and chunk.token != -1:
-                self.generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True,
-                                       "alternatives": _alternatives(engine, chunk.top_logprobs)})
-            elif self.show_probabilities and self.generated:  # text held back to the end (an incomplete character)
-                self.generated[-1]["token"] += chunk.text
-        if stream.prompt_logprobs and not self.prompt_tokens:  # echo with probabilities: set with the first token
-            self.prompt_tokens = _prompt_tokens(engine, self.prompt, stream.prompt_logprobs)
-        self.final_shown = stream.finish_reason is not None
-        return (self.prompt + self.text if self.echo else self.text), self.prompt_tokens + self.generated, request_stats(stream)
-
-
-def _start_completion(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
-                      show_probabilities: Any, **controls: Any) -> _CompletionUpdates:
-    with _user_errors():
-        prompt = requests.completion_prompt(prompt)
-        echo, show_probabilities = requests.flag(echo, "echo"), requests.flag(show_probabilities, "show_probabilities")
-        stream = stream_completion(engine, prompt, temperature, top_p, max_new_tokens,
-                                   prompt_logprobs=echo and show_probabilities,
-                                   top_logprobs=TOP_ALTERNATIVES if show_probabilities else 0, **controls)
-    return _CompletionUpdates(engine, stream, prompt, echo, show_probabilities)
-
-
-def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
-             show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS,
-             **controls: Any) -> Iterator[tuple[str, list[dict], dict]]:
+async def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
+                   show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS,
+                   **controls: Any) -> AsyncIterator[tuple[str, list[dict], dict]]:
     """Streams a completion as (text, tokens, stats) at most every `seconds`, as /complete does; the last
     update has the final stats (one more update follows the text when the end came after it). With
-    show_probabilities each generated token also lists the model's most likely alternatives."""
-    updates = _start_completion(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
-                                **controls)
-    with _streaming(updates.stream):
-        for chunks in itertools.chain(updates.stream.batches(seconds), [[]]):
-            update = updates.after(chunks)
-            if update is None:
+    show_probabilities each generated token also lists the model's most likely alternatives. Runs on the
+    event loop, which it never blocks (llama_core.serving.aio)."""
+    def start() -> tuple[str, bool, bool, TextStream]:  # (the prompt, echo, show_probabilities, its stream)
+        with _user_errors():
+            text = requests.completion_prompt(prompt)
+            echoed, probabilities = requests.flag(echo, "echo"), requests.flag(show_probabilities, "show_probabilities")
+            return text, echoed, probabilities, stream_completion(
+                engine, text, temperature, top_p, max_new_tokens, prompt_logprobs=echoed and probabilities,
+                top_logprobs=TOP_ALTERNATIVES if probabilities else 0, **controls)
+
+    prompt_text, echoed, probabilities, stream = await aio.submitted(start, aio.text_size(prompt))
+    text, generated, prompt_tokens, final_shown = "", [], [], False
+    with _streaming(stream):
+        async for chunks in _then_one_more(aio.batches(stream, seconds)):
+            if not chunks and final_shown:  # the end came with the last batch: no update repeats it
                 break
-            yield update
+            for chunk in chunks:
+                text += chunk.text
+                if probabilities and chunk.token != -1:
+                    generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True,
+                                      "alternatives": _alternatives(engine, chunk.top_logprobs)})
+                elif probabilities and generated:  # text held back to the end (an incomplete character)
+                    generated[-1]["token"] += chunk.text
+            if stream.prompt_logprobs and not prompt_tokens:  # echo with probabilities: set with the first token
+                prompt_tokens = _prompt_tokens(engine, prompt_text, stream.prompt_logprobs)
+            final_shown = stream.finish_reason is not None
+            yield (prompt_text + text if echoed else text), prompt_tokens + generated, request_stats(stream)
 
 
-async def complete_async(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any,
-                         echo: Any, show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS,
-                         **controls: Any) -> AsyncIterator[tuple[str, list[dict], dict]]:
-    """complete, for an event loop: it never blocks the loop (llama_core.serving.aio)."""
-    updates = await aio.submitted(
-        lambda: _start_completion(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
-                                  **controls),
-        aio.text_size(prompt))
-    with _streaming(updates.stream):
-        async for chunks in aio.batches(updates.stream, seconds):
-            yield updates.after(chunks)
-        final = updates.after([])
-        if final is not None:
-            yield final
+async def _then_one_more(batches: AsyncIterator[list]) -> AsyncIterator[list]:
+    """The batches, then [] (one more update with the final stats, unless the last batch already came with them)."""
+    async for chunks in batches:
+        yield chunks
+    yield []
 
 
 def _alternatives(engine: TextEngine, top_logprobs: Optional[list[tuple[int, float]]]) -> list[dict]:
@@ -388,7 +334,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
                                seed=seed),
             aio.text_size(message, history, system_prompt))
-        async for reply in replies_async(stream):
+        async for reply in replies(stream):
             yield reply
 
     async def complete_api(prompt: str, temperature: float, top_p: float, max_new_tokens: int, echo: bool,
@@ -397,7 +343,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                            frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
                            seed: Optional[int] = None) -> AsyncIterator[tuple[str, list[dict], dict]]:
         """Streams a completion of prompt: yields (text, tokens with probabilities, stats)."""
-        async for update in complete_async(engine, prompt, temperature, top_p, max_new_tokens, echo,
+        async for update in complete(engine, prompt, temperature, top_p, max_new_tokens, echo,
                                            show_probabilities, top_k=top_k, min_p=min_p,
                                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                            frequency_penalty=frequency_penalty, stop=stop, seed=seed):
@@ -498,10 +444,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         conversation = branches.flipped(conversations.active(store), at, step)
         return view(conversations.with_conversation(store, conversation), at=at)
 
-    def respond(pending: Optional[dict], store: Any, system_prompt: str, *controls):
+    async def respond(pending: Optional[dict], store: Any, system_prompt: str, *controls):
         """Streams the reply to the pending message. A turn that is refused or fails is not kept: the chat
         shows why and how to fix it, the message goes back to the box, and the conversation goes on from
-        its last good state."""
+        its last good state. Runs on the server's event loop, as the API's routes do."""
         if pending is None:
             yield [gr.skip()] * 7
             return
@@ -511,7 +457,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         shown = conversation["messages"][:keep] + [{"role": "user", "content": message}]
         reply, notice, stream = "", None, None
         try:
-            stream = open_chat(engine, message, history, system_prompt, *controls)
+            stream = await aio.submitted(lambda: open_chat(engine, message, history, system_prompt, *controls),
+                                         aio.text_size(message, history, system_prompt))
         except ContextLengthError:
             notice = conversations.context_notice(engine.tokenizer, info.max_seq_len, message, system_prompt,
                                                   controls[2])
@@ -522,7 +469,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                       else conversations.REFUSED_NOTICE)
         elif stream is not None:
             try:
-                for reply in replies(stream):
+                async for reply in replies(stream):
                     yield [shown + [{"role": "assistant", "content": reply}]] + [gr.skip()] * 6
             except gr.Error as exc:
                 notice = f"The reply failed: {exc.message} Send the message again."
@@ -624,12 +571,12 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return view(conversations.with_conversation(store, conversation),
                     stats=f"Imported “{conversation['title']}”.")
 
-    def complete_ui(prompt, temperature, top_p, max_new_tokens, *advanced_and_flags):
+    async def complete_ui(prompt, temperature, top_p, max_new_tokens, *advanced_and_flags):
         *advanced, echo, show_probabilities = advanced_and_flags
         updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
                            **_advanced(advanced))
         shown = []
-        for text, tokens, stats in updates:
+        async for text, tokens, stats in updates:
             shown = [t for t in tokens if t["token"]]
             generated = text[len(prompt):] if echo else text
             yield (text, _highlights(shown), gr.skip(), shown, marked_completion(prompt, generated),

@@ -11,6 +11,9 @@
 #include <string.h>
 #include <math.h>
 #include <stdlib.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 #if defined(__AVX512VNNI__)
 #include <immintrin.h>
 #endif
@@ -106,14 +109,25 @@ void panel_linear_f32(const float *x, const float *w, const float *scales, float
     panel_product_f32(x, w, scales, y, M, N, K, threads);
     return;
   }
-  int64_t panels = (N + PANEL - 1) / PANEL, groups = (panels + STREAMS - 1) / STREAMS;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t g = 0; g < groups; g++) {
-    int64_t p0 = g * STREAMS, left = panels - p0;
-    if (left >= STREAMS)
-      row_times_panels(x, w, y, K, N, p0, STREAMS);
-    else
-      for (int64_t p = p0; p < panels; p++) row_times_panels(x, w, y, K, N, p, 1);
+  int64_t panels = (N + PANEL - 1) / PANEL;
+  if (threads > panels) threads = (int)panels;
+  /* Each thread an equal share of the panels (groups of STREAMS dealt out would leave a 9-panel product to
+   * one thread of two), read STREAMS at a time. */
+#pragma omp parallel num_threads(threads)
+  {
+#if defined(_OPENMP)
+    int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+    int64_t team = 1, me = 0;
+#endif
+    int64_t p = panels * me / team, end = panels * (me + 1) / team;
+    for (; p + STREAMS <= end; p += STREAMS) row_times_panels(x, w, y, K, N, p, STREAMS);
+    switch (end - p) {
+      case 3: row_times_panels(x, w, y, K, N, p, 3); break;
+      case 2: row_times_panels(x, w, y, K, N, p, 2); break;
+      case 1: row_times_panels(x, w, y, K, N, p, 1); break;
+      default: break;
+    }
   }
 }
 

@@ -127,7 +127,6 @@ class TokenStream:
                 return events.get()
 
 
-
 def _drained(events: Any) -> list[Any]:
     """Every event waiting in the queue events, without blocking."""
     items = []

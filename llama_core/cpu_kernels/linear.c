@@ -111,6 +111,7 @@ void panel_linear_f32(const float *x, const float *w, const float *scales, float
   }
   int64_t panels = (N + PANEL - 1) / PANEL;
   if (threads > panels) threads = (int)panels;
+  if (threads < 1) threads = 1;
   /* Each thread an equal share of the panels (groups of STREAMS dealt out would leave a 9-panel product to
    * one thread of two), read STREAMS at a time. */
 #pragma omp parallel num_threads(threads)

@@ -28,6 +28,11 @@ class ContextLengthError(InvalidRequestError):
 class ServerBusyError(LlamaError, RuntimeError):
     """The serving engine's queue is full; the request may be retried later."""
 
+    @classmethod
+    def full(cls, running: int, waiting: int) -> "ServerBusyError":
+        """The refusal of an engine with this many requests running and waiting."""
+        return cls(f"server busy: {running} requests running and {waiting} waiting; try again shortly")
+
 
 class EngineUnavailableError(LlamaError, RuntimeError):
     """The engine does not take requests now: its process is restarting after a crash, or has stopped."""

@@ -107,11 +107,10 @@ class Attention(nn.Module):
             cache = self.kv_cache
             out = layer_ops.attend(self.wqkv(x), slots, cache.k_cache, cache.v_cache, self.n_heads, self.n_kv_heads)
             return self.wo(out.view(batch, seq_len, -1))
-        if (self.cpu_kernels and self.wqkv is not None and self.kv_cache is not None and x.dtype == torch.float32
-                and not torch.compiler.is_compiling()
-                and (seq_len <= C_ATTENTION_MAX_TOKENS if spans is None
-                     else any(span.seq_len <= C_ATTENTION_MAX_TOKENS for span in spans))):
-            return self._forward_with_cpu_kernels(x, rotation, input_pos, mask, cache_rows, kv_len, spans)
+        if (spans is not None and self.cpu_kernels and self.wqkv is not None and self.kv_cache is not None
+                and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+                and any(span.seq_len <= C_ATTENTION_MAX_TOKENS for span in spans)):
+            return self._spans_partly_in_cpu_kernels(x, rotation, mask, spans)
         kv_size = self.n_kv_heads * self.head_dim
         if self.wqkv is not None:  # queries and keys side by side: one rotation for both
             qk, v = _stacked_projection(self.wqkv, x, [self.n_heads * self.head_dim + kv_size, kv_size])
@@ -128,23 +127,19 @@ class Attention(nn.Module):
             start += count
         return self.wo(torch.cat(outputs, dim=1))
 
-    def _forward_with_cpu_kernels(self, x, rotation, input_pos, mask, cache_rows, kv_len, spans) -> torch.Tensor:
-        """forward where tokens attend in layer.c's kernel, which also rotates their query and key and writes
-        the cache: every decoding row, whether prompts share its forward or not, and prompts of up to
-        C_ATTENTION_MAX_TOKENS tokens; longer prompts take torch's attention."""
+    def _spans_partly_in_cpu_kernels(self, x, rotation, mask, spans) -> torch.Tensor:
+        """forward over spans of which some attend in layer.c's kernel (decoding rows, prompts of up to
+        C_ATTENTION_MAX_TOKENS tokens), which also rotates their query and key and writes the cache, and the
+        longer prompts in torch's attention. (Where every span fits, the Transformer passes slots instead.)"""
         qkv = self.wqkv(x)
         cache = self.kv_cache
-        if spans is None:
-            out = layer_ops.attend_new_tokens(qkv, rotation, cache.k_cache, cache.v_cache, cache_rows, input_pos,
-                                          self.n_heads, self.n_kv_heads)
-            return self.wo(out.view(x.shape[0], x.shape[1], -1))
         outputs, start = [], 0
         for span, span_mask in zip(spans, mask):
             count = span.batch * span.seq_len
             piece, angles = qkv[0, start : start + count], rotation[0, start : start + count]
             if span.seq_len <= C_ATTENTION_MAX_TOKENS:
                 out = layer_ops.attend_new_tokens(piece, angles, cache.k_cache, cache.v_cache, span.cache_rows,
-                                              span.input_pos, self.n_heads, self.n_kv_heads)
+                                                  span.input_pos, self.n_heads, self.n_kv_heads)
             else:
                 out = self._attend_projected(piece.view(span.batch, span.seq_len, -1),
                                              angles.view(span.batch, span.seq_len, *angles.shape[1:]),
@@ -326,7 +321,7 @@ class Transformer(nn.Module):
         rotation = rotary_angles(input_pos, self.args.head_dim, self.args.rope_theta)
         mask, slots = None, None
         if self._attends_in_cpu_kernels(h, [seq_len]):
-            slots = layer_ops.token_slots(cache_rows, input_pos, rotation)
+            slots = layer_ops.token_slots(layer_ops.token_rows(cache_rows, batch, seq_len), input_pos, rotation)
         elif self.caches_are_enabled():
             length = kv_len if kv_len is not None else self.layers[0].attention.kv_cache.max_seq_len
             mask = _causal_mask(input_pos, length, h.dtype)
@@ -349,12 +344,8 @@ class Transformer(nn.Module):
         rotation = rotary_angles(positions, self.args.head_dim, self.args.rope_theta)
         slots, masks = None, None
         if self._attends_in_cpu_kernels(h, [span.seq_len for span in spans]):
-            slots, start = [], 0
-            for span in spans:
-                count = span.batch * span.seq_len
-                slots.append(layer_ops.token_slots(span.cache_rows, span.input_pos, rotation[0, start : start + count]))
-                start += count
-            slots = layer_ops.joined_slots(slots)
+            rows = torch.cat([layer_ops.token_rows(span.cache_rows, span.batch, span.seq_len) for span in spans])
+            slots = layer_ops.token_slots(rows, positions[0], rotation[0])
         else:
             masks = [span.mask(h.dtype) for span in spans]
         for layer in self.layers:

@@ -168,7 +168,7 @@ def test_a_block_in_one_call_gives_what_its_modules_give_one_by_one():
     positions = torch.tensor([[4, 5, 6], [0, 1, 2]])
     rows = torch.tensor([2, 0])
     rotation = rotary_angles(positions, 16, 10000.0)
-    slots = layer_ops.token_slots(rows, positions, rotation)
+    slots = layer_ops.token_slots(layer_ops.token_rows(rows, 2, 3), positions, rotation)
     x = torch.randn(2, 3, 64)
     with torch.inference_mode():  # as the model runs
         got = one_call(x, rotation, positions, None, rows, 7, slots=slots)
@@ -186,7 +186,7 @@ def test_a_block_in_one_call_refuses_a_position_outside_the_cache_and_leaves_its
     x = torch.randn(1, 1, 64)
     before, cache = x.clone(), block.attention.kv_cache.k_cache.clone()
     with pytest.raises(IndexError, match="outside a KV cache of 3 rows and 32 positions"), torch.inference_mode():
-        block(x, rotation, positions, None, torch.tensor([1]), 33, slots=layer_ops.token_slots(torch.tensor([1]), positions, rotation))
+        block(x, rotation, positions, None, torch.tensor([1]), 33, slots=layer_ops.token_slots(layer_ops.token_rows(torch.tensor([1]), 1, 1), positions, rotation))
     assert torch.equal(x, before) and torch.equal(block.attention.kv_cache.k_cache, cache)
 
 

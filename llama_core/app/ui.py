@@ -155,29 +155,28 @@ async def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any
                 top_logprobs=TOP_ALTERNATIVES if probabilities else 0, **controls)
 
     prompt_text, echoed, probabilities, stream = await aio.submitted(start, aio.text_size(prompt))
-    text, generated, prompt_tokens, final_shown = "", [], [], False
+    text, generated, prompt_tokens = "", [], []
+
+    def update(chunks: list) -> tuple[str, list[dict], dict]:
+        nonlocal text, prompt_tokens
+        for chunk in chunks:
+            text += chunk.text
+            if probabilities and chunk.token != -1:
+                generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True,
+                                  "alternatives": _alternatives(engine, chunk.top_logprobs)})
+            elif probabilities and generated:  # text held back to the end (an incomplete character)
+                generated[-1]["token"] += chunk.text
+        if stream.prompt_logprobs and not prompt_tokens:  # echo with probabilities: set with the first token
+            prompt_tokens = _prompt_tokens(engine, prompt_text, stream.prompt_logprobs)
+        return (prompt_text + text if echoed else text), prompt_tokens + generated, request_stats(stream)
+
     with _streaming(stream):
-        async for chunks in _then_one_more(aio.batches(stream, seconds)):
-            if not chunks and final_shown:  # the end came with the last batch: no update repeats it
-                break
-            for chunk in chunks:
-                text += chunk.text
-                if probabilities and chunk.token != -1:
-                    generated.append({"token": chunk.text, "probability": math.exp(chunk.logprob), "generated": True,
-                                      "alternatives": _alternatives(engine, chunk.top_logprobs)})
-                elif probabilities and generated:  # text held back to the end (an incomplete character)
-                    generated[-1]["token"] += chunk.text
-            if stream.prompt_logprobs and not prompt_tokens:  # echo with probabilities: set with the first token
-                prompt_tokens = _prompt_tokens(engine, prompt_text, stream.prompt_logprobs)
+        final_shown = False
+        async for chunks in aio.batches(stream, seconds):
             final_shown = stream.finish_reason is not None
-            yield (prompt_text + text if echoed else text), prompt_tokens + generated, request_stats(stream)
-
-
-async def _then_one_more(batches: AsyncIterator[list]) -> AsyncIterator[list]:
-    """The batches, then [] (one more update with the final stats, unless the last batch already came with them)."""
-    async for chunks in batches:
-        yield chunks
-    yield []
+            yield update(chunks)
+        if not final_shown:  # the end came after the last text: one more update with the final stats
+            yield update([])
 
 
 def _alternatives(engine: TextEngine, top_logprobs: Optional[list[tuple[int, float]]]) -> list[dict]:
@@ -343,10 +342,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                            frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
                            seed: Optional[int] = None) -> AsyncIterator[tuple[str, list[dict], dict]]:
         """Streams a completion of prompt: yields (text, tokens with probabilities, stats)."""
-        async for update in complete(engine, prompt, temperature, top_p, max_new_tokens, echo,
-                                           show_probabilities, top_k=top_k, min_p=min_p,
-                                           repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                           frequency_penalty=frequency_penalty, stop=stop, seed=seed):
+        async for update in complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
+                                     top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
+                                     seed=seed):
             yield update
 
     # -- the chat tab: conversations kept in the browser (llama_core.app.conversations) ------------------

@@ -60,25 +60,23 @@ class TokenSlots:
         return self.positions.shape[0]
 
 
-def token_slots(rows: Optional[torch.Tensor | slice], positions: torch.Tensor, rotation: torch.Tensor) -> TokenSlots:
-    """B rows of S new tokens each (S = 1 when decoding): rows [B], a slice, or None for 0..B-1; positions [B, S]
-    (or [B]); rotation with [head_dim / 2, 2] per token."""
-    batch = positions.shape[0]
-    tokens_per_row = positions.numel() // batch
+def token_slots(rows: torch.Tensor, positions: torch.Tensor, rotation: torch.Tensor) -> TokenSlots:
+    """New tokens at their cache rows (one per token, as token_rows gives them) and positions (any shape, one
+    per token), with rotation [head_dim / 2, 2] per token."""
+    count = positions.numel()
+    return TokenSlots(rows.contiguous(), positions.reshape(-1).to(torch.int64).contiguous(),
+                      rotation.reshape(count, -1).contiguous())
+
+
+def token_rows(rows: Optional[torch.Tensor | slice], batch: int, tokens_per_row: int) -> torch.Tensor:
+    """Each token's cache row (int64), for `batch` rows of `tokens_per_row` tokens in rows ([batch], a slice,
+    or None for 0..batch-1)."""
     if rows is None:
         rows = slice(0, batch)
     if isinstance(rows, slice):
         rows = _consecutive_rows(rows.start or 0, rows.stop if rows.stop is not None else batch)
     rows = rows.to(torch.int64)
-    if tokens_per_row > 1:
-        rows = rows.repeat_interleave(tokens_per_row)
-    positions = positions.reshape(-1).to(torch.int64).contiguous()
-    return TokenSlots(rows.contiguous(), positions, rotation.reshape(positions.shape[0], -1).contiguous())
-
-
-def joined_slots(parts: list[TokenSlots]) -> TokenSlots:
-    """Several batches' slots as one, their tokens one after another."""
-    return TokenSlots(*(torch.cat([getattr(part, name) for part in parts]) for name in ("rows", "positions", "rotation")))
+    return rows.repeat_interleave(tokens_per_row) if tokens_per_row > 1 else rows
 
 
 def attend_new_tokens(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -89,7 +87,9 @@ def attend_new_tokens(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.
     value at its position of its row's cache row (rows: [B], a slice, or None for 0..B-1) in k_cache and
     v_cache [slots, kv_heads, max_seq_len, head_dim], all before any attends, and returns each token's
     attention over positions 0..its own [B * S, heads * head_dim]."""
-    return attend(qkv, token_slots(rows, positions, rotation), k_cache, v_cache, heads, kv_heads)
+    batch = positions.shape[0]
+    slots = token_slots(token_rows(rows, batch, positions.numel() // batch), positions, rotation)
+    return attend(qkv, slots, k_cache, v_cache, heads, kv_heads)
 
 
 def attend(qkv: torch.Tensor, slots: TokenSlots, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,

@@ -110,8 +110,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                 refusal[0] = True
             return stream
 
-        characters = sum(len(message["content"]) for message in dialog)
-        streams = await _submit_all(submit, _seeds(controls["seed"], _choices(body.n)), fields, rename, characters)
+        streams = await _submit_all(submit, _seeds(controls["seed"], _choices(body.n)), fields, rename,
+                                    aio.text_size(*(message["content"] for message in dialog)))
         if refusal[0]:
             raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
         reply = _ChatReply(engine, model_id, streams, len(streams), _include_usage(body), bool(body.logprobs))
@@ -145,7 +145,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                                      **dict(controls, seed=job[1]))
 
         streams = await _submit_all(submit, jobs, set(body.model_fields_set) | {"prompt"}, {},
-                                    sum(len(prompt) for prompt in prompts))
+                                    aio.text_size(*prompts))
         echoed = [job[0] for job in jobs] if body.echo else None
         reply = _CompletionReply(engine, model_id, streams, n, _include_usage(body), top, echoed)
         if body.stream:

@@ -28,7 +28,7 @@ T = TypeVar("T")
 def text_size(*values: Any) -> int:
     """How many characters a request's values hold (a value that is not text: as printed), to choose where
     to submit it."""
-    return sum(len(value) if isinstance(value, str) else len(str(value)) for value in values)
+    return sum(len(str(value)) for value in values)
 
 
 async def submitted(submit: Callable[[], T], characters: int) -> T:

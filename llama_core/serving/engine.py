@@ -272,9 +272,7 @@ class Engine:
             if self._closed:
                 raise LlamaError("the engine is closed")
             if len(self._waiting) >= self.max_waiting + self.free_slots:
-                raise ServerBusyError(
-                    f"server busy: {len(self._slots)} requests running and {len(self._waiting)} waiting; try again shortly"
-                )
+                raise ServerBusyError.full(len(self._slots), len(self._waiting))
             self._waiting.append(sequence)
             self._wakeup.notify()
 

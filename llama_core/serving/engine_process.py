@@ -202,8 +202,7 @@ class EngineProcess:
             in_flight = len(self._channels)
             if in_flight >= slots + self._engine_options["max_waiting"]:
                 running = min(in_flight, slots)
-                raise ServerBusyError(f"server busy: {running} requests running and {in_flight - running} waiting; "
-                                      "try again shortly")
+                raise ServerBusyError.full(running, in_flight - running)
             self._channels[rid] = channel
         try:
             self._send(("submit", rid, request))

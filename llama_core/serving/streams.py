@@ -237,7 +237,7 @@ class TextStream:
         chunks = self._decoded(batch) if batch else []
         ended = ended or self._stops.stopped
         if ended:
-            if not self._stops.stopped and self._tokens.finish_reason is not None and not chunks:
+            if not chunks and not self._stops.stopped:
                 chunks = self._tail()  # the end came alone
             self._finished_at = self._tokens.finished_at or time.perf_counter()
         return chunks, ended

@@ -1,4 +1,4 @@
-"""Compiles linear.c, layer.c and block.c for this machine once, into one library, and loads it with ctypes.
+"""Compiles linear.c, layer.c, block.c and threads.c for this machine once, into one library, and loads it with ctypes.
 
 The library is built with the system's C compiler (`$CC`, else `cc`) for the CPU it runs on
 (`-march=native`) and kept in a cache directory (`$LLAMA_CORE_CACHE`, else `~/.cache/llama_core`) under a
@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("linear.c", "layer.c", "block.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("linear.c", "layer.c", "block.c", "threads.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi", "-shared", "-fPIC")
 DISABLE_VARIABLE = "LLAMA_CORE_CPU_KERNELS"  # "0" keeps torch's own CPU products
 
@@ -138,6 +138,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.decoder_block.restype = ctypes.c_int
     library.argmax_rows.argtypes = [pointer, size, size, pointer]
     library.argmax_rows.restype = None
+    library.release_openmp_workers.argtypes = []
+    library.release_openmp_workers.restype = ctypes.c_int
 
 
 def _run(command: list[str]) -> Optional[str]:

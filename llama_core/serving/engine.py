@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..cpu_kernels import threads as cpu_threads
 from ..errors import LlamaError, InvalidRequestError, ServerBusyError
 from ..loader import LoadedModel, ModelInfo
 from ..model import Span
@@ -175,6 +176,8 @@ class Engine:
         if self._running:
             return self
         self._running = True
+        if self.runner.device.type == "cpu":  # the model's work moves to the engine's thread from here
+            cpu_threads.release_workers()  # (a second pool of OpenMP workers would slow every step)
         self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
         self._thread.start()
         atexit.register(self.shutdown)  # stop the loop before the interpreter tears torch down

@@ -3,12 +3,15 @@
     python scripts/profile_step.py --rows 8 --threads 1            # the embedded model, as the app runs it
     python scripts/profile_step.py --rows 8 --threads 1 --compile  # with the compiled decode step
     python scripts/profile_step.py --riders 7 --rider-tokens 12 --threads 1  # prompts riding a decode step
+    python scripts/profile_step.py --rows 8 --threads 2 --engine-thread      # steps in the engine's own thread
 
 Wall-clock per decode step with all rows busy, split into scheduling (retiring, admitting), the forward,
 sampling (the next tokens and their log-probabilities) and delivery (the events each stream gets), then
 the torch profiler's per-operator table over the same steps. With --riders P, instead: the forward of P
 new prompts of --rider-tokens tokens prefilled in the same step as one decoding row (what requests arriving
-together wait for before their first token), median ms.
+together wait for before their first token), median ms. With --engine-thread, instead: the steps as a
+started engine's own thread runs them, the model loaded in this thread as the app's engine process loads it
+(rows kept busy by new requests as others end), ms per step over each of three one-second windows.
 """
 
 from __future__ import annotations
@@ -37,11 +40,15 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="the compiled decode step")
     p.add_argument("--top-ops", type=int, default=15)
     p.add_argument("--riders", type=int, default=0, help="time P prompts riding one decoding row instead")
+    p.add_argument("--engine-thread", action="store_true", help="time the steps of a started engine's thread instead")
     p.add_argument("--rider-tokens", type=int, default=12, help="tokens of each riding prompt")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if a.riders:
         time_riders(a)
+        return
+    if a.engine_thread:
+        time_engine_thread(a)
         return
     loaded = load(a.ckpt_dir, max_seq_len=512, max_batch_size=a.rows, compile=a.compile)
     engine = Engine(loaded, seed=0)
@@ -92,6 +99,32 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         run_steps()
     print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top_ops))
+
+
+def time_engine_thread(a: argparse.Namespace) -> None:
+    """Steps as Engine.start()'s thread runs them, a.rows requests decoding at all times: ms per step in
+    each of three one-second windows (this thread only tops the rows up, as the engine process's command
+    reader only hands requests over)."""
+    loaded = load(a.ckpt_dir, max_seq_len=512, max_batch_size=a.rows, compile=a.compile)
+    engine = Engine(loaded, seed=0).start()
+    prompt = loaded.tokenizer.encode("ROMEO:\nBut soft, what light through yonder", bos=True, eos=False)
+    streams = []
+
+    def window(seconds: float) -> float:
+        start, steps = time.perf_counter(), engine.steps
+        while time.perf_counter() - start < seconds:
+            while engine.active_count + engine.waiting_count < a.rows:
+                streams.append(engine.submit(prompt, a.new_tokens, temperature=0))
+            time.sleep(0.0005)
+        return (time.perf_counter() - start) / max(1, engine.steps - steps) * 1e3
+
+    try:
+        window(0.5)  # warm-up
+        figures = [window(1.0) for _ in range(3)]
+    finally:
+        engine.shutdown()
+    print(f"{a.rows} rows decoding in the engine's own thread, {torch.get_num_threads()} thread(s): "
+          f"{', '.join(f'{ms:.2f}' for ms in figures)} ms per step (three one-second windows)")
 
 
 def time_riders(a: argparse.Namespace) -> None:

@@ -84,13 +84,18 @@ def test_int8_bench_prints_every_kernel_and_the_deviation():
     assert lines[-1].startswith("embedded default: max |int8 - float32 logprob| ")
 
 
-@pytest.mark.parametrize("mode", [["--rows", "2", "--new-tokens", "6", "--top-ops", "3"],
-                                  ["--riders", "2", "--rider-tokens", "5"]], ids=["decode-step", "riders"])
-def test_step_profile_prints_its_figures(mode):
+@pytest.mark.parametrize("mode, expected", [
+    (["--rows", "2", "--new-tokens", "6", "--top-ops", "3"], "median ms per step"),
+    (["--riders", "2", "--rider-tokens", "5"], "2 prompts of 5 tokens riding one decoding row"),
+    (["--rows", "2", "--new-tokens", "6", "--engine-thread"], "2 rows decoding in the engine's own thread"),
+], ids=["decode-step", "riders", "engine-thread"])
+def test_step_profile_prints_its_figures(mode, expected):
     result = _run("profile_step.py", "--threads", "1", *mode)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert ("median ms per step" in result.stdout if mode[0] == "--rows"
-            else "2 prompts of 5 tokens riding one decoding row" in result.stdout), result.stdout[-2000:]
+    assert expected in result.stdout, result.stdout[-2000:]
+    if "--engine-thread" in mode:
+        figures = result.stdout.split("thread(s): ")[1].split(" ms per step")[0].split(", ")
+        assert len(figures) == 3 and all(float(ms) > 0 for ms in figures)
 
 
 def test_bench_answers_a_bad_device_with_one_line():

@@ -4,14 +4,17 @@
  * pays for waking its workers. A model loaded in one thread and served from another leaves two pools. */
 #include <stddef.h>
 
+#if defined(_OPENMP)
 /* OpenMP 5.0's, where the runtime has it (weak: a runtime without it leaves this null). */
 extern int omp_pause_resource_all(int kind) __attribute__((weak));
-
 #define OMP_PAUSE_SOFT 1
+#endif
 
 /* Ends the worker threads of the calling thread's pool (the next region it runs starts new ones): 0 when
- * done, nonzero where the runtime cannot. */
+ * done, nonzero where the runtime cannot (or the kernels run without OpenMP). */
 int release_openmp_workers(void) {
-  if (omp_pause_resource_all == NULL) return -1;
-  return omp_pause_resource_all(OMP_PAUSE_SOFT);
+#if defined(_OPENMP)
+  if (omp_pause_resource_all != NULL) return omp_pause_resource_all(OMP_PAUSE_SOFT);
+#endif
+  return -1;
 }

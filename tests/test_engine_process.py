@@ -81,6 +81,22 @@ def test_cancelling_reaches_the_child_and_frees_the_slot(prompts):  # noqa: F811
         assert list(chunks) == [] or first.finish_reason == "cancelled"
 
 
+def test_cancelling_a_finished_request_sends_the_child_nothing(served, prompts, monkeypatch):  # noqa: F811
+    """The app cancels every stream it leaves, finished or not (Stop, a closed page): a finished one's cancel
+    would be a message over the pipe, and a wake-up of the child's reader, for nothing."""
+    sent = []
+    send = served._send
+    monkeypatch.setattr(served, "_send", lambda message: (sent.append(message[0]), send(message))[1])
+    finished = served.submit(prompts[2], 3, temperature=0)
+    assert len(_collect(finished)) == 3 and finished.finish_reason == "length"
+    finished.cancel()
+    running = served.submit(prompts[3], 200, temperature=0)
+    next(iter(running))
+    running.cancel()
+    assert sent == ["submit", "submit", "cancel"]
+    assert _collect(running) == [] or running.finish_reason == "cancelled"
+
+
 def test_submitting_does_not_wait_for_the_child_and_a_full_engine_answers_busy(prompts):  # noqa: F811
     with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=1, **BUILD), max_waiting=1, threads=1) as process:
         running = process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)

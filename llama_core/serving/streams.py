@@ -49,7 +49,10 @@ class TokenStream:
         self._failure: Optional[RequestFailedError] = None  # for poll: raised once the chunks before it are read
 
     def cancel(self) -> None:
-        self._channel.cancelled.set()
+        """Stops the request in the engine; nothing to do once the engine has ended it (in a model process,
+        a cancel is a message over the pipe)."""
+        if not self._channel.finished.is_set():
+            self._channel.cancelled.set()
 
     def __iter__(self) -> Iterator[StreamChunk]:
         for chunks in self.batches():

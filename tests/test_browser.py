@@ -56,14 +56,30 @@ def set_number(page, selector: str, value: int) -> None:
     box.press("Enter")
 
 
+def settled(page, selector: str, quiet_ms: int = 600) -> str:
+    """The element's text once it has stopped changing for quiet_ms (a streamed reply has ended: the app
+    updates a running one every 0.1 s)."""
+    text, since = page.locator(selector).inner_text(), time.monotonic()
+    while (time.monotonic() - since) * 1000 < quiet_ms:
+        page.wait_for_timeout(100)
+        now = page.locator(selector).inner_text()
+        if now != text:
+            text, since = now, time.monotonic()
+    return text
+
+
 def test_chat_reply_streams_into_the_chatbot(page):
     message = "Good morrow, my lord. What news from the court?"
     page.fill("#chat-input textarea", message)
     page.click("#chat-send")
     expect(page.locator('#chatbot [data-testid="user"]')).to_have_text(message)
     expect(page.locator('#chatbot [data-testid="bot"]').first).to_have_text(re.compile(r"\S"))
-    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")  # the reply has finished
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
     expect(page.locator("#chat-input textarea")).to_have_value("")
+    expect(page.locator("#chat-send")).to_be_visible()  # the turn has ended: Send is back, the chat is saved
+    expect(page.locator("#chat-stop")).to_be_hidden()
+    expect(page.locator("#chat-list")).to_contain_text("Good morrow, my lord")
+    page.wait_for_timeout(500)  # for the screenshot: the last update's fade to end
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot.png"))
 
 
@@ -80,6 +96,7 @@ def test_completion_shows_tokens_coloured_by_probability(page):
     assert len(probabilities) == tokens.count() and all(0.0 <= p <= 1.0 for p in probabilities)
     colours = tokens.evaluate_all("els => els.map(e => getComputedStyle(e).backgroundColor)")
     assert all(c not in ("rgba(0, 0, 0, 0)", "transparent") for c in colours)
+    settled(page, "#completion-stats")  # for the screenshot: the completion at its end
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-completion.png"), full_page=True)
 
 

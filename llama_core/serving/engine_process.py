@@ -345,6 +345,10 @@ class _Outbox:
     def queue_for(self, rid: int) -> "_Forward":
         return _Forward(rid, self)
 
+    def send(self, message: tuple) -> None:
+        """A message of the child's own (an answer to a command), sent at once."""
+        self._send(message)
+
     def add(self, event: tuple) -> None:
         with self._lock:
             self._events.append(event)
@@ -377,57 +381,61 @@ class _Forward:
 
 
 def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> None:
-    """The child process: loads the model, runs an Engine, and serves the parent's commands."""
+    """The child process: loads the model, runs an Engine, and serves the parent's commands. One thread does
+    it all, the one that loaded the model (a second would share the interpreter, and OpenMP's workers, with
+    the turns): a turn, then whatever commands came during it; with nothing to do, it waits for the next."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches both; the parent stops the child
     if threads:
         torch.set_num_threads(threads)
-    send_lock = threading.Lock()
-
-    def send(message: tuple) -> None:
-        with send_lock:
-            conn.send(message)
-
-    outbox = _Outbox(send)
+    outbox = _Outbox(conn.send)
     try:
         build = dict(build)
         seed = build.pop("seed", None)
         loaded = load(**build)
-        engine = Engine(loaded, seed=seed, **engine_options, after_turn=outbox.flush).start()
+        engine = Engine(loaded, seed=seed, **engine_options, after_turn=outbox.flush)
     except BaseException as exc:  # reported to the parent, which raises it from start()
         conn.send(("failed", type(exc).__name__, str(exc)))
         return
-    send(("ready", loaded.info))
+    conn.send(("ready", loaded.info))
     channels: dict[int, Channel] = {}
     try:
-        while True:
-            try:
-                command = conn.recv()
-            except (EOFError, OSError):
-                break  # the parent is gone
-            if command[0] == "stop":
-                break
-            if command[0] == "cancel":
-                channel = channels.get(command[1])
-                if channel is not None:
-                    channel.cancelled.set()
-                continue
-            if command[0] == "stats":
-                stats = dict(active=engine.active_count, waiting=engine.waiting_count, steps=engine.steps,
-                             prefilled_tokens=engine.prefilled_tokens, cached_tokens=engine.cached_tokens)
-                send(("stats", command[1], stats))
-                continue
-            _, rid, request = command
-            channel = Channel(events=outbox.queue_for(rid))
-            try:
-                engine.add(request, channel)
-            except LlamaError as exc:
-                send(("rejected", rid, type(exc).__name__, str(exc)))
-                continue
-            channels[rid] = channel
-            for done in [r for r, c in channels.items() if c.finished.is_set()]:
-                del channels[done]
+        serving = True
+        while serving:
+            worked = engine.pump()  # one turn, if a request runs or waits
+            while serving and (not worked or conn.poll()):
+                try:
+                    serving = _obey(conn.recv(), engine, channels, outbox)
+                except (EOFError, OSError):
+                    serving = False  # the parent is gone
+                worked = True  # a new request: a turn for it
     finally:
         engine.close()
+
+
+def _obey(command: tuple, engine: Engine, channels: dict[int, Channel], outbox: _Outbox) -> bool:
+    """Carries out one of the parent's commands in the child; False for "stop"."""
+    if command[0] == "stop":
+        return False
+    if command[0] == "cancel":
+        channel = channels.get(command[1])
+        if channel is not None:
+            channel.cancelled.set()
+    elif command[0] == "stats":
+        stats = dict(active=engine.active_count, waiting=engine.waiting_count, steps=engine.steps,
+                     prefilled_tokens=engine.prefilled_tokens, cached_tokens=engine.cached_tokens)
+        outbox.send(("stats", command[1], stats))
+    else:
+        _, rid, request = command
+        channel = Channel(events=outbox.queue_for(rid))
+        try:
+            engine.add(request, channel)
+        except LlamaError as exc:
+            outbox.send(("rejected", rid, type(exc).__name__, str(exc)))
+            return True
+        channels[rid] = channel
+        for done in [r for r, c in channels.items() if c.finished.is_set()]:
+            del channels[done]
+    return True
 
 
 @contextlib.contextmanager

@@ -235,7 +235,7 @@ class EngineProcess:
         """Prompt tokens the engine found in its KV cache instead of computing them."""
         return self._stats()["cached_tokens"]
 
-    def _stats(self) -> dict:
+    def _stats(self) -> dict:  # the child answers between two turns
         return self._ask(("stats", next(self._ids)))[2]
 
     def _ask(self, message: tuple) -> tuple:

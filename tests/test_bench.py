@@ -54,6 +54,8 @@ def test_serving_bench_reports_serial_and_batched(tmp_path, through):
         assert figures["requests"] == 2 and not figures["errors"]
         assert figures["aggregate_tokens_per_s"] > 0 and figures["ttft_p50_s"] > 0
     assert report["batched_over_serial"] > 0
+    assert report["ttft_p50_s_median_of_runs"] == {name: report[name]["ttft_p50_s"] for name in ("serial", "batched")}
+    assert "time to first token, median of the runs' p50s: serial " in result.stdout
 
 
 def test_gemm_bench_prints_a_time_for_every_layout_and_row_count():

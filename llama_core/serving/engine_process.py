@@ -239,8 +239,8 @@ class EngineProcess:
         return self._ask(("stats", next(self._ids)))[2]
 
     def _ask(self, message: tuple) -> tuple:
-        """Sends message (its second item a fresh id) and waits for the child's answer to it; an answer of
-        "rejected" is raised as the exception the child raised."""
+        """Sends message (its second item a fresh id) and waits for the child's answer to it; raises
+        EngineUnavailableError where the child stopped before answering."""
         rid, reply = message[1], [threading.Event(), None]
         with self._lock:
             self._replies[rid] = reply
@@ -295,8 +295,8 @@ class EngineProcess:
         kind, rid = message[0], message[1]
         with self._lock:
             channel, reply = self._channels.get(rid), self._replies.get(rid)
-        if kind in ("rejected", "stats") and reply is not None:
-            reply[1] = (kind, message[2], message[3]) if kind == "rejected" else message
+        if kind == "stats" and reply is not None:  # the child's only answers to _ask
+            reply[1] = message
             reply[0].set()
         elif channel is None:
             return
@@ -337,10 +337,11 @@ class _Cancel(threading.Event):
 
 class _Outbox:
     """The child's side of its requests' event queues: events wait here and go to the parent together, one
-    pipe message per engine turn (Engine's after_turn), rather than one per token."""
+    pipe message per engine turn (Engine's after_turn), rather than one per token. Used by the child's one
+    thread only."""
 
     def __init__(self, send) -> None:
-        self._send, self._events, self._lock = send, [], threading.Lock()
+        self._send, self._events = send, []
 
     def queue_for(self, rid: int) -> "_Forward":
         return _Forward(rid, self)
@@ -350,12 +351,10 @@ class _Outbox:
         self._send(message)
 
     def add(self, event: tuple) -> None:
-        with self._lock:
-            self._events.append(event)
+        self._events.append(event)
 
     def flush(self) -> None:
-        with self._lock:
-            events, self._events = self._events, []
+        events, self._events = self._events, []
         if events:
             try:
                 self._send(("events", events))

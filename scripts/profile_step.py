@@ -10,8 +10,9 @@ sampling (the next tokens and their log-probabilities) and delivery (the events 
 the torch profiler's per-operator table over the same steps. With --riders P, instead: the forward of P
 new prompts of --rider-tokens tokens prefilled in the same step as one decoding row (what requests arriving
 together wait for before their first token), median ms. With --engine-thread, instead: the steps as a
-started engine's own thread runs them, the model loaded in this thread as the app's engine process loads it
-(rows kept busy by new requests as others end), ms per step over each of three one-second windows.
+started engine's own thread runs them, the model loaded in this thread, as an in-process engine serves
+(`llama.serve()`, the app's --single-process; rows kept busy by new requests as others end), ms per step
+over each of three one-second windows.
 """
 
 from __future__ import annotations
@@ -103,8 +104,7 @@ def main() -> None:
 
 def time_engine_thread(a: argparse.Namespace) -> None:
     """Steps as Engine.start()'s thread runs them, a.rows requests decoding at all times: ms per step in
-    each of three one-second windows (this thread only tops the rows up, as the engine process's command
-    reader only hands requests over)."""
+    each of three one-second windows (this thread only tops the rows up)."""
     loaded = load(a.ckpt_dir, max_seq_len=512, max_batch_size=a.rows, compile=a.compile)
     engine = Engine(loaded, seed=0).start()
     prompt = loaded.tokenizer.encode("ROMEO:\nBut soft, what light through yonder", bos=True, eos=False)

@@ -517,6 +517,19 @@ def test_every_bad_input_class_over_raw_http_is_named_and_serving_goes_on(served
         assert stress_server.check_bad_inputs(http, served[1]) == []
 
 
+def test_gradios_monitoring_summary_is_not_rebuilt_after_every_event(monkeypatch, client):
+    """Gradio's queue rebuilds its /monitoring summary, a pandas table of up to 10,000 past events, after each
+    event unless told otherwise (~7.5 ms of the web process's interpreter lock per request once full); the app
+    has it rebuilt once every server.MONITORING_SUMMARY_EVERY events."""
+    from gradio.queueing import Queue
+
+    rebuilt, build = [], Queue._get_df
+    monkeypatch.setattr(Queue, "_get_df", staticmethod(lambda records: rebuilt.append(len(records)) or build(records)))
+    for _ in range(3):
+        assert client.predict(**complete_args(max_new_tokens=2), api_name="/complete")[0]
+    assert rebuilt == []
+
+
 def test_gradios_login_check_runs_on_the_event_loop():
     import inspect
 

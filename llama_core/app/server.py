@@ -4,6 +4,7 @@ Gradio interface mounted at /, run by uvicorn on the socket the command line bou
 from __future__ import annotations
 
 import inspect
+import os
 import secrets
 import signal
 import sys
@@ -24,6 +25,12 @@ from .web_server import BackgroundServer
 # that comes back after that starts a fresh session (its conversations live in the browser).
 SESSION_CAPACITY = 256
 
+# Gradio rebuilds the traffic summary of its /monitoring page (a pandas table of up to 10,000 past events)
+# after each event, by default after every one, in a worker thread that holds the interpreter lock: ~1 ms
+# per event on a fresh server, ~7.5 ms once it keeps 10,000, time the web server's event loop waits. Every
+# this many events instead (the environment's GRADIO_ANALYTICS_CACHE_FREQUENCY, if set, wins).
+MONITORING_SUMMARY_EVERY = 1000
+
 
 @dataclass
 class RunningApp:
@@ -42,13 +49,21 @@ def web_app(demo: gr.Blocks, engine: Any, api_keys: Sequence[str] = (), auth: Op
     """(the FastAPI app to serve, the mounted Gradio app): the API's routes on `engine` first, then the page
     at / behind `auth` (user, password) pairs when given."""
     api = create_api(engine, model_name, api_keys)
+    return api, mount_page(api, demo, auth)
+
+
+def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] = None) -> Any:
+    """Mounts demo at / of the FastAPI app `api`, its queue set up as the app serves it (bounded sessions,
+    miscounted values named, the monitoring summary rebuilt seldom, the login check on the event loop);
+    returns the mounted Gradio app."""
     demo.state_session_capacity = SESSION_CAPACITY
     name_miscounted_values(demo)
+    os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(MONITORING_SUMMARY_EVERY))  # read by queue()
     demo.queue()
     gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS)
     page = next(route.app for route in api.routes if isinstance(route, Mount))
     check_logins_on_the_loop(page)
-    return api, page
+    return page
 
 
 def check_logins_on_the_loop(page: Any) -> int:

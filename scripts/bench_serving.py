@@ -62,6 +62,13 @@ def parse_args() -> argparse.Namespace:
                         "or gradio_client")
     p.add_argument("--runs", type=int, default=1,
                    help="serial and batched runs, taking turns; the ratio reported is their median")
+    p.add_argument("--gradio-floor", action="store_true",
+                   help="compare our app with a Gradio app that has the same /complete route and no model "
+                        "(scripts/gradio_floor_app.py), both called through --client http or gradio_client: "
+                        "what Gradio itself costs a request")
+    p.add_argument("--served-before", type=int, default=0, metavar="N",
+                   help="each server first answers N one-token requests from the clients, as one that has been "
+                        "up a while has (Gradio keeps a record of its last 10,000 events)")
     p.add_argument("--compile", action="store_true", help="our engine with its compiled decode step (--compile)")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="compute threads of the engine (and of llama-server); default: the app's own on CPU")
@@ -69,7 +76,10 @@ def parse_args() -> argparse.Namespace:
                    help="compare with llama.cpp's llama-server (built in DIR by ../shared/peers/build_llama_cpp.sh) "
                         "on the same model, both with --slots slots, instead of serial against batched")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
-    return p.parse_args()
+    a = p.parse_args()
+    if a.gradio_floor and (a.llama_server or a.engine_only or a.client == "openai"):
+        p.error("--gradio-floor compares Gradio routes: not with --llama-server, --engine-only or --client openai")
+    return a
 
 
 def free_port() -> int:
@@ -84,6 +94,16 @@ def start_app(slots: int, ckpt_dir, threads: int, compile: bool = False) -> tupl
                "--threads", str(threads)] + (["--compile"] if compile else [])
     if ckpt_dir:
         command += ["--ckpt-dir", ckpt_dir]
+    return _serve(command, port)
+
+
+def start_gradio_floor() -> tuple[subprocess.Popen, str]:
+    """scripts/gradio_floor_app.py: the app's /complete in Gradio, answering canned text with no model."""
+    port = free_port()
+    return _serve([sys.executable, str(ROOT / "scripts" / "gradio_floor_app.py"), "--port", str(port)], port)
+
+
+def _serve(command: list[str], port: int) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False")
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/"
@@ -300,13 +320,15 @@ def start_llama_server(a: argparse.Namespace, stack: contextlib.ExitStack) -> st
     exported = export_hf(Path(a.ckpt_dir) if a.ckpt_dir else DEFAULT_CKPT_DIR, folder / "hf")
     gguf = peer.convert(folder / "hf", folder / "model-f32.gguf", "f32")
     port = free_port()
-    process = peer.server(gguf, port, a.threads, a.slots, context=exported.max_position_embeddings)
+    log = stack.enter_context(tempfile.TemporaryFile("w+"))
+    process = peer.server(gguf, port, a.threads, a.slots, context=exported.max_position_embeddings, log=log)
     stack.callback(_stop, process)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.time() + 120
     while time.time() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited with code {process.returncode}: {process.stderr.read()[-1000:]}")
+            log.seek(0)
+            raise RuntimeError(f"llama-server exited with code {process.returncode}: {log.read()[-1000:]}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "health", timeout=2).status_code == 200:
                 return url
@@ -330,6 +352,8 @@ def main() -> None:
     warm_up = argparse.Namespace(**{**vars(a), "requests": 1})  # every client once: its connection and session
     if a.llama_server:
         configurations = (("llama_server", a.slots), ("llama_core", a.slots))
+    elif a.gradio_floor:
+        configurations = (("gradio_floor", a.slots), ("llama_core", a.slots))
     else:
         configurations = (("serial", 1), ("batched", a.slots))
     client = {"http": http_request, "openai": openai_request, "gradio_client": gradio_client_request}[a.client]
@@ -338,6 +362,10 @@ def main() -> None:
         for name, slots in configurations:  # both servers up at once, so their runs can take turns
             if name == "llama_server":
                 requests[name] = openai_request(start_llama_server(a, stack), a.clients)
+            elif name == "gradio_floor":
+                process, url = start_gradio_floor()
+                stack.callback(_stop, process)
+                requests[name] = client(url, a.clients)
             elif a.engine_only:
                 sys.path.insert(0, str(ROOT))
                 import torch
@@ -354,6 +382,14 @@ def main() -> None:
                 requests[name] = client(url, a.clients)
         for name in requests:
             run_clients(requests[name], warm_up)
+        if a.served_before:
+            before = argparse.Namespace(**{**vars(a), "requests": -(-a.served_before // a.clients), "max_new_tokens": 1})
+            report["served_before"] = {}
+            for name in requests:
+                served = run_clients(requests[name], before)
+                report["served_before"][name] = {k: served[k] for k in ("requests", "wall_s", "errors")}
+                print(f"{name} first served {served['requests']} one-token requests in {served['wall_s']:.1f} s "
+                      f"({served['requests'] / served['wall_s']:.0f}/s, {len(served['errors'])} errors)", flush=True)
         runs = []
         for _ in range(a.runs):
             runs.append({name: {"slots": slots, **run_clients(requests[name], a)} for name, slots in configurations})
@@ -362,7 +398,8 @@ def main() -> None:
     for name, _ in configurations:  # the figures of the run whose ratio is the median
         report[name] = runs[ratios.index(statistics.median_low(ratios))][name]
         r, slots = report[name], report[name]["slots"]
-        through = "llama-server (/v1/completions)" if name == "llama_server" else report["through"]
+        through = ("llama-server (/v1/completions)" if name == "llama_server" else
+                   f"Gradio without a model ({a.client})" if name == "gradio_floor" else report["through"])
         print(f"{through} {name:>8} ({slots} slot{'s' if slots > 1 else ''}): {r['aggregate_tokens_per_s']:.1f} tok/s aggregate, "
               f"TTFT p50 {r['ttft_p50_s'] * 1000:.0f} ms / p95 {r['ttft_p95_s'] * 1000:.0f} ms, "
               f"per token p50 {r['per_token_p50_s'] * 1000:.1f} ms / p95 {r['per_token_p95_s'] * 1000:.1f} ms, "
@@ -376,7 +413,7 @@ def main() -> None:
                                            for name, _ in configurations}
     print("time to first token, median of the runs' p50s: " + ", ".join(
         f"{name} {seconds * 1000:.1f} ms" for name, seconds in report["ttft_p50_s_median_of_runs"].items()))
-    if a.temperature == 0:
+    if a.temperature == 0 and not a.gradio_floor:
         texts = [report[name]["texts"] for name, _ in configurations]
         common = sorted(set(texts[0]) & set(texts[1]))
         report["identical_greedy_texts"] = sum(texts[0][i] == texts[1][i] for i in common)

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 
 class PeerError(RuntimeError):
@@ -70,13 +70,16 @@ class LlamaCpp:
                                       "tokens_per_s_with_prefill": row["pl"] * row["tg"] / row["t"]}
         return figures
 
-    def server(self, gguf: Path, port: int, threads: int, slots: int, context: Optional[int] = None) -> subprocess.Popen:
-        """Starts `llama-server` on 127.0.0.1:port with `slots` parallel sequences; the caller stops it."""
+    def server(self, gguf: Path, port: int, threads: int, slots: int, context: Optional[int] = None,
+               log: Optional[IO[str]] = None) -> subprocess.Popen:
+        """Starts `llama-server` on 127.0.0.1:port with `slots` parallel sequences, its log (a few lines per
+        request) written to the file `log` or else dropped: a pipe nobody reads would fill and stop it. The
+        caller stops it."""
         command = [str(self.tool("llama-server")), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                    "-t", str(threads), "-tb", str(threads), "-np", str(slots), "--no-webui"]
         if context:
             command += ["-c", str(context * slots)]
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log or subprocess.DEVNULL, text=True)
 
     def _bench(self, gguf: Path, threads: int, repeats: int, *extra: str) -> list[dict]:
         command = [str(self.tool("llama-bench")), "-m", str(gguf), "-t", str(threads), "-r", str(repeats),

@@ -58,6 +58,23 @@ def test_serving_bench_reports_serial_and_batched(tmp_path, through):
     assert "time to first token, median of the runs' p50s: serial " in result.stdout
 
 
+def test_serving_bench_compares_the_app_with_gradio_alone_after_serving_requests_first(tmp_path):
+    report_path = tmp_path / "floor.json"
+    result = _run("bench_serving.py", "--gradio-floor", "--client", "http", "--clients", "2", "--slots", "2",
+                  "--requests", "1", "--max-new-tokens", "4", "--served-before", "4", "--json", str(report_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    for name in ("gradio_floor", "llama_core"):
+        figures = report[name]
+        assert figures["requests"] == 2 and not figures["errors"] and figures["ttft_p50_s"] > 0
+        assert report["served_before"][name]["requests"] == 4 and not report["served_before"][name]["errors"]
+    assert report["gradio_floor"]["tokens"] == 2 * 4  # the canned replies are max_new_tokens long
+    assert report["llama_core_over_gradio_floor"] > 0
+    assert "gradio_floor first served 4 one-token requests" in result.stdout
+    refused = _run("bench_serving.py", "--gradio-floor", "--client", "openai")
+    assert refused.returncode == 2 and "--gradio-floor compares Gradio routes" in refused.stderr
+
+
 def test_gemm_bench_prints_a_time_for_every_layout_and_row_count():
     result = _run("bench_gemm.py", "--shape", "tiny", "--rows", "1,4", "--repeats", "1", "--threads", "1")
     assert result.returncode == 0, result.stderr[-2000:]

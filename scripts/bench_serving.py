@@ -10,7 +10,9 @@ batched/serial ratio; with --runs N the two take turns N times and the median ra
 With --llama-server DIR the two configurations are llama.cpp's llama-server and our app, each with --slots
 slots and --threads threads, on the same model (exported, converted to GGUF f32), called by the same
 clients (llama-server through its /v1/completions); the ratio is ours over llama-server's, and with
---temperature 0 the greedy texts of the two are compared.
+--temperature 0 the greedy texts of the two are compared. With --gradio-floor they are a Gradio app with the
+same /complete route and no model (scripts/gradio_floor_app.py) and our app: what Gradio itself costs. With
+--served-before N each server first answers N one-token requests, as a server that has been up a while has.
 """
 
 from __future__ import annotations

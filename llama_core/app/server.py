@@ -3,7 +3,6 @@ Gradio interface mounted at /, run by uvicorn on the socket the command line bou
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import secrets
@@ -71,23 +70,24 @@ def check_logins_on_the_loop(page: Any) -> int:
     """Has the mounted Gradio app's login check, a plain function that its routes depend on, run on the event
     loop: FastAPI runs such a function in a worker thread, one thread hop per call of the API (/call/complete,
     its event stream, /queue/join), which with 8 clients streaming cost ~5 ms before a request reached the
-    queue. The check only reads the request's cookies. Each route's dependency is changed in place: with
-    dependency_overrides FastAPI would rebuild every dependency of every request from its signature. Returns
-    how many checks were moved (0 where Gradio has none of this kind)."""
-    moved: dict[Any, Any] = {}
+    queue. The check only reads the request's cookies. Returns how many checks were moved (0 where Gradio
+    has none of this kind)."""
+    moved = {}
     for route in page.routes:
         for dependency in getattr(getattr(route, "dependant", None), "dependencies", ()):
             check = dependency.call
-            if getattr(check, "__name__", "") == "login_check" and not inspect.iscoroutinefunction(check):
-                dependency.call = moved.setdefault(check, _on_the_loop(check))
+            if (getattr(check, "__name__", "") == "login_check" and not inspect.iscoroutinefunction(check)
+                    and check not in moved):
+                moved[check] = _on_the_loop(check)
+    page.dependency_overrides.update(moved)
     return len(moved)
 
 
 def _on_the_loop(check: Any) -> Any:
-    @functools.wraps(check)  # its name, and its signature: FastAPI resolves the check's own dependencies
     async def on_the_loop(**kwargs: Any) -> Any:
         return check(**kwargs)
 
+    on_the_loop.__signature__ = inspect.signature(check)  # FastAPI resolves the check's own dependencies
     return on_the_loop
 
 

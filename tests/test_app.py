@@ -530,6 +530,28 @@ def test_gradios_monitoring_summary_is_not_rebuilt_after_every_event(monkeypatch
     assert rebuilt == []
 
 
+def test_a_gradio_api_call_runs_no_dependency_in_a_worker_thread(monkeypatch, served):
+    """Gradio's login check, a plain function every route of its API depends on, runs on the event loop
+    (server.check_logins_on_the_loop), those of its included router too: a call of /complete and its event
+    stream hop to no worker thread for a dependency."""
+    import fastapi.dependencies.utils as dependencies
+
+    hops, in_thread = [], dependencies.run_in_threadpool
+
+    async def spy(function, *args, **kwargs):
+        hops.append(getattr(function, "__name__", repr(function)))
+        return await in_thread(function, *args, **kwargs)
+
+    monkeypatch.setattr(dependencies, "run_in_threadpool", spy)
+    endpoint = served[1] + "gradio_api/call/complete"
+    with httpx.Client(timeout=60) as http:
+        call = http.post(endpoint, json={"data": ["ROMEO:", 0.0, 0.9, 4, False, False, 0, 0.0, 1.0, 0.0, 0.0, None, None]})
+        assert call.status_code == 200, call.text
+        events = http.get(f"{endpoint}/{call.json()['event_id']}").text
+    assert "event: complete" in events
+    assert hops == []
+
+
 def test_gradios_login_check_runs_on_the_event_loop():
     import inspect
 

@@ -385,7 +385,8 @@ def main() -> None:
         for name in requests:
             run_clients(requests[name], warm_up)
         if a.served_before:
-            before = argparse.Namespace(**{**vars(a), "requests": -(-a.served_before // a.clients), "max_new_tokens": 1})
+            per_client = -(-a.served_before // a.clients)
+            before = argparse.Namespace(**{**vars(a), "requests": per_client, "max_new_tokens": 1})
             report["served_before"] = {}
             for name in requests:
                 served = run_clients(requests[name], before)

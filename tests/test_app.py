@@ -545,7 +545,8 @@ def test_a_gradio_api_call_runs_no_dependency_in_a_worker_thread(monkeypatch, se
     monkeypatch.setattr(dependencies, "run_in_threadpool", spy)
     endpoint = served[1] + "gradio_api/call/complete"
     with httpx.Client(timeout=60) as http:
-        call = http.post(endpoint, json={"data": ["ROMEO:", 0.0, 0.9, 4, False, False, 0, 0.0, 1.0, 0.0, 0.0, None, None]})
+        data = ["ROMEO:", 0.0, 0.9, 4, False, False, 0, 0.0, 1.0, 0.0, 0.0, None, None]
+        call = http.post(endpoint, json={"data": data})
         assert call.status_code == 200, call.text
         events = http.get(f"{endpoint}/{call.json()['event_id']}").text
     assert "event: complete" in events

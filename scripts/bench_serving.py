@@ -364,10 +364,6 @@ def main() -> None:
         for name, slots in configurations:  # both servers up at once, so their runs can take turns
             if name == "llama_server":
                 requests[name] = openai_request(start_llama_server(a, stack), a.clients)
-            elif name == "gradio_floor":
-                process, url = start_gradio_floor()
-                stack.callback(_stop, process)
-                requests[name] = client(url, a.clients)
             elif a.engine_only:
                 sys.path.insert(0, str(ROOT))
                 import torch
@@ -379,7 +375,8 @@ def main() -> None:
                 engine = stack.enter_context(Engine(loaded, seed=0))
                 requests[name] = engine_request(engine)
             else:
-                process, url = start_app(slots, a.ckpt_dir, a.threads, a.compile)
+                process, url = (start_gradio_floor() if name == "gradio_floor"
+                                else start_app(slots, a.ckpt_dir, a.threads, a.compile))
                 stack.callback(_stop, process)
                 requests[name] = client(url, a.clients)
         for name in requests:

@@ -17,6 +17,7 @@ with the Llama-2 tokenizer the converter needs). Prints a table and writes the f
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import json
@@ -41,6 +42,10 @@ from llama_core.quantize import quantize_int8  # noqa: E402
 
 LLAMA2_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "llama2" / "tokenizer.model"
 BATCHED_PROMPT, BATCHED_NEW = 32, 32  # llama-batched-bench -npp 32 -ntg 32
+AGREEMENT_PROMPT = 16
+# Profiler events that make the host wait for the device, or move data between them.
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+               "cudaMemcpyAsync", "aten::_local_scalar_dense")
 
 SHAPES = {
     "15m": dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=32000, multiple_of=32),
@@ -80,6 +85,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="measure llama_core only")
     p.add_argument("--compile", action="store_true", help="llama_core with the static, torch.compile'd decode step")
     p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
+    p.add_argument("--agreement-tokens", type=int, default=0, metavar="N",
+                   help="also greedy-decode N tokens with llama_core and HF from one prompt and report how far they "
+                        "agree: the identical prefix, and llama_core's top-1 under HF's tokens (teacher-forced)")
+    p.add_argument("--count-syncs", action="store_true",
+                   help="also count, with the torch profiler, what llama_core's batch-1 decode loop does per token "
+                        "that makes the host wait: CUDA synchronisations, copies between host and device, .item()")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
@@ -286,7 +297,8 @@ def main() -> None:
         except PeerError as exc:
             raise LlamaError(str(exc)) from None
     workdir = tempfile.TemporaryDirectory()
-    max_len = max(max(int(x) for x in a.prompt_lengths.split(",")) + a.decode_tokens, BATCHED_PROMPT + BATCHED_NEW) + 8
+    max_len = max(max(int(x) for x in a.prompt_lengths.split(",")) + a.decode_tokens, BATCHED_PROMPT + BATCHED_NEW,
+                  AGREEMENT_PROMPT + a.agreement_tokens) + 8
     max_batch = max(int(x) for x in a.batch_sizes.split(","))
     model = random_model(args, device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -331,6 +343,10 @@ def main() -> None:
     if hf is not None:
         impls["hf_eager"] = lambda p, n: _hf_generate(hf, p, n)
     report["results"] = measure(impls, a, args.vocab_size, device)
+    if a.count_syncs:
+        report["per_decoded_token"] = per_token_events(impls["llama_core"], args.vocab_size, a.decode_tokens, device)
+    if hf is not None and a.agreement_tokens > 0:
+        report["greedy_agreement_with_hf"] = greedy_agreement(llama, hf, args.vocab_size, a.agreement_tokens)
     if hf is not None and a.hf_compile:
         try:
             hf.generation_config.cache_implementation = "static"
@@ -351,9 +367,65 @@ def main() -> None:
             achieved = report.get("weight_bytes_int8", weight_bytes) * result["decode_tokens_per_s"]
             result["achieved_bandwidth_bytes_per_s"] = achieved
             result["share_of_copy_bandwidth"] = achieved / bandwidth
+    report["ratios"] = ratios(report)
     print_table(report)
     if a.json:
         a.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def per_token_events(generate: Callable[[list[list[int]], int], None], vocab: int, tokens: int,
+                     device: torch.device) -> dict[str, float]:
+    """How often each of SYNC_EVENTS happens per token of batch-1 greedy decoding, from the torch profiler:
+    (events generating tokens + 1 tokens - events generating 1) / tokens, so prefill and setup cancel out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    gen = torch.Generator().manual_seed(4)
+
+    def counts(n: int) -> collections.Counter:
+        prompt = torch.randint(3, vocab, (1, 16), generator=gen).tolist()  # fresh: no prefix-cache hit
+        with profile(activities=activities) as prof:
+            generate(prompt, n)
+        return collections.Counter(event.name for event in prof.events())
+
+    one, many = counts(1), counts(tokens + 1)
+    return {name: (many[name] - one[name]) / tokens for name in SYNC_EVENTS}
+
+
+def greedy_agreement(llama: Llama, hf, vocab: int, tokens: int) -> dict:
+    """Greedy continuations of one random prompt by llama_core and HF: the length of their identical prefix,
+    and how often llama_core's most likely token is HF's, fed HF's continuation (teacher-forced)."""
+    prompt = torch.randint(3, vocab, (1, AGREEMENT_PROMPT), generator=torch.Generator().manual_seed(3)).tolist()
+    ours = llama.generate(prompt, tokens, temperature=0)[0][0]
+    ids = torch.tensor(prompt, device=hf.device)
+    with torch.inference_mode():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)[0, AGREEMENT_PROMPT:].tolist()
+        sequence = torch.tensor([prompt[0] + theirs], device=llama.device)
+        logits = llama.model(sequence, kv_len=sequence.shape[1])[0, AGREEMENT_PROMPT - 1 : -1]
+    top1 = (logits.argmax(-1).cpu() == torch.tensor(theirs)).float().mean()
+    identical = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
+    return {"tokens": tokens, "identical_prefix": identical, "teacher_forced_top1": float(top1)}
+
+
+def ratios(report: dict) -> dict:
+    """The comparisons the targets are stated in, from one run's figures."""
+    results, out = report["results"], {}
+    ours = results["llama_core"]
+    out["aggregate_over_batch1_decode"] = {b: t / ours["decode_tokens_per_s"]
+                                           for b, t in ours["aggregate_tokens_per_s"].items()}
+    for peer in ("hf_eager", "hf_static_compiled", "llama_cpp_f32"):
+        if peer in results:
+            other = results[peer]
+            out[f"decode_over_{peer}"] = ours["decode_tokens_per_s"] / other["decode_tokens_per_s"]
+            out[f"ttft_{peer}_over_ours"] = {n: other["ttft_s"][n] / t for n, t in ours["ttft_s"].items()
+                                             if n in other["ttft_s"]}
+    for other in ("llama_core_float", "llama_core_compiled"):
+        if other in results:
+            out[f"decode_over_{other}"] = ours["decode_tokens_per_s"] / results[other]["decode_tokens_per_s"]
+    if "share_of_copy_bandwidth" in ours:
+        out["share_of_copy_bandwidth"] = ours["share_of_copy_bandwidth"]
+    return out
 
 
 @contextlib.contextmanager
@@ -420,6 +492,17 @@ def print_table(report: dict) -> None:
         ours, ref = results["llama_core"], results["llama_core_float"]
         print(f"\nint8 decode speed-up vs float (batch 1): {ours['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x")
     print(f"peak memory of the run: {report['peak_memory_bytes'] / 2**20:.0f} MiB")
+    if "per_decoded_token" in report:
+        print("per decoded token: " + ", ".join(f"{name} {count:.2f}" for name, count in report["per_decoded_token"].items()))
+    if "greedy_agreement_with_hf" in report:
+        g = report["greedy_agreement_with_hf"]
+        print(f"greedy vs HF over {g['tokens']} tokens: identical for {g['identical_prefix']}, "
+              f"teacher-forced top-1 agreement {100 * g['teacher_forced_top1']:.1f}%")
+    for batch, ratio in report["ratios"]["aggregate_over_batch1_decode"].items():
+        print(f"llama_core {batch} seqs aggregate / its batch-1 decode: {ratio:.2f}x")
+    for name, value in report["ratios"].items():
+        if name.startswith("ttft_"):
+            print(f"time to first token, {name[len('ttft_'):-len('_over_ours')]} / llama_core: " + ", ".join(f"{n} tokens {r:.2f}x" for n, r in value.items()))
     if "int8_max_logprob_deviation" in report:
         print(f"int8 max |logprob - float logprob| over 64 positions: {report['int8_max_logprob_deviation']:.4f}")
     if "copy_bandwidth_bytes_per_s" in report:

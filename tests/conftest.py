@@ -3,12 +3,14 @@ layouts (Meta single file, Meta two model-parallel shards, Hugging Face sharded 
 Hugging Face LlamaForCausalLM holding the same weights as reference, and paths into ../shared.
 
 Everything here is built from scratch in temporary directories; only fixtures named shared_* need
-../shared, and tests that use them skip where it is absent.
+../shared (or the folder LLAMA_SHARED_DIR names, e.g. a copy carried to a GPU machine), and tests that use
+them skip where it is absent.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -29,7 +31,7 @@ from llama_core.model import Transformer  # noqa: E402
 # The models here are tiny: one thread avoids oversubscribing small CPUs (and any job running beside the tests).
 torch.set_num_threads(1)
 
-shared_dir = Path(__file__).resolve().parents[2] / "shared"
+shared_dir = Path(os.environ.get("LLAMA_SHARED_DIR") or Path(__file__).resolve().parents[2] / "shared").resolve()
 LLAMA2_TOKENIZER = shared_dir / "llama2" / "tokenizer.model"
 STORIES_DIR = shared_dir / "models" / "stories260K"
 

@@ -24,9 +24,19 @@ def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
     report_path = tmp_path / "report.json"
     result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
                   "--n-kv-heads", "2", "--vocab-size", "256", "--prompt-lengths", "8,16", "--batch-sizes", "2",
-                  "--decode-tokens", "4", "--repeats", "1", "--threads", "1", "--json", str(report_path), *extra)
+                  "--decode-tokens", "4", "--repeats", "1", "--threads", "1", "--json", str(report_path),
+                  "--count-syncs", "--agreement-tokens", "24", *extra)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(report_path.read_text())
+    assert set(report["per_decoded_token"]) >= {"cudaStreamSynchronize", "aten::_local_scalar_dense"}
+    agreement = report["greedy_agreement_with_hf"]
+    assert agreement["tokens"] == 24 and 0 <= agreement["identical_prefix"] <= 24
+    if not extra:  # float32 on the same weights: the same greedy tokens
+        assert agreement["identical_prefix"] == 24 and agreement["teacher_forced_top1"] == 1.0
+    ratios = report["ratios"]
+    assert ratios["decode_over_hf_eager"] == pytest.approx(
+        report["results"]["llama_core"]["decode_tokens_per_s"] / report["results"]["hf_eager"]["decode_tokens_per_s"])
+    assert set(ratios["ttft_hf_eager_over_ours"]) == {"8", "16"} and set(ratios["aggregate_over_batch1_decode"]) == {"2"}
     assert set(report["results"]) == {"llama_core", "hf_eager"}
     for figures in report["results"].values():
         assert figures["decode_tokens_per_s"] > 0
@@ -40,6 +50,24 @@ def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
         assert 0 < report["int8_max_logprob_deviation"] < 1.0
         assert report["weight_bytes_int8"] < report["weight_bytes"]
     assert "llama_core / hf_eager: decode " in result.stdout
+
+
+def test_bench_counts_events_per_decoded_token():
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def generate(prompts, n):  # reads a value back to the host once per token, twice in its set-up
+        for _ in range(n + 2):
+            torch.ones(3).sum().item()
+
+    counts = bench.per_token_events(generate, 100, 6, torch.device("cpu"))
+    assert counts["aten::_local_scalar_dense"] == 1.0
+    assert counts["cudaStreamSynchronize"] == 0.0
 
 
 @pytest.mark.parametrize("through", [["--engine-only"], ["--client", "http"]], ids=["engine", "app-http"])
@@ -155,3 +183,51 @@ def test_bench_runs_llama_cpp_on_the_same_weights(tmp_path):
     assert figures["decode_tokens_per_s"] > 0 and figures["ttft_s"]["8"] > 0
     assert figures["aggregate_tokens_per_s"]["2"] > 0 and figures["aggregate_with_prefill_tokens_per_s"]["2"] > 0
     assert "llama_core / llama_cpp_f32: decode " in result.stdout
+
+
+def test_gpu_check_runs_the_steps_asked_for_and_carries_the_shared_files(tmp_path):
+    work = tmp_path / "repo"
+    (work / "scripts").mkdir(parents=True)
+    (work / "scripts" / "gpu_check.sh").write_text((ROOT / "scripts" / "gpu_check.sh").read_text())
+    shared = tmp_path / "shared"
+    (shared / "models" / "stories260K").mkdir(parents=True)
+    (shared / "models" / "stories260K" / "params.json").write_text("{}")
+    (shared / "llama2").mkdir()
+    (shared / "llama2" / "tokenizer.model").write_bytes(b"sp")
+
+    def gpu_check(*arguments):
+        return subprocess.run(["bash", str(work / "scripts" / "gpu_check.sh"), *arguments], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, LLAMA_SHARED_DIR=str(shared)))
+
+    steps = gpu_check("--list").stdout.split()
+    assert steps[:3] == ["device", "versions", "tests"] and "7b_compiled" in steps
+    assert gpu_check("--carry").returncode == 0
+    assert (work / ".gpu-shared" / "models" / "stories260K" / "params.json").read_text() == "{}"
+    assert (work / ".gpu-shared" / "llama2" / "tokenizer.model").read_bytes() == b"sp"
+    unknown = gpu_check(str(tmp_path / "out"), "7b_everything")
+    assert unknown.returncode == 2 and "unknown step: 7b_everything" in unknown.stderr
+    # One step, failing here for want of a GPU: its log is written and the script says how it ended.
+    device = gpu_check(str(tmp_path / "out"), "device")
+    assert "== device: exit" in device.stdout and (tmp_path / "out" / "device.log").is_file()
+    assert not (tmp_path / "out" / "versions.log").exists()
+
+
+def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
+    compiled = {"device": "NVIDIA H100 80GB HBM3",
+                "results": {"llama_core": {"decode_tokens_per_s": 200.0, "aggregate_tokens_per_s": {"1": 200.0}}},
+                "ratios": {"share_of_copy_bandwidth": 0.9, "decode_over_hf_eager": 4.5},
+                "per_decoded_token": {"cudaStreamSynchronize": 1.0, "cudaMemcpyAsync": 3.0}}
+    engine32 = {"device": "NVIDIA H100 80GB HBM3",
+                "results": {"llama_core": {"decode_tokens_per_s": 150.0, "aggregate_tokens_per_s": {"32": 2600.0}}},
+                "ratios": {}}
+    (tmp_path / "7b_compiled.json").write_text(json.dumps(compiled))
+    (tmp_path / "7b_engine32.json").write_text(json.dumps(engine32))
+    result = _run("gpu_summary.py", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    table = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in result.stdout.splitlines()
+             if line.startswith("| ") and "---" not in line}
+    assert table["batch-1 compiled decode >= 85 % of copy bandwidth"] == ["90.0%", "7b_compiled", "yes |"]
+    assert table[">= 5x HF eager at batch 1 (compiled)"] == ["4.50x", "7b_compiled", "**no** |"]
+    assert table["engine, 32 sequences >= 12x its batch-1 decode"][0] == "13.0x"  # over 7b_compiled's 200
+    assert table["no host synchronisation per decoded token (compiled)"][0] == "1.00 waits per token"
+    assert table["int8 >= 1.7x bf16 compiled decode"][0] == "not measured"

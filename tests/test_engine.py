@@ -15,9 +15,7 @@ from llama_core.serving import Engine, RequestFailedError
 from llama_core.errors import ContextLengthError
 from llama_core.serving import stream_chat, stream_completion
 
-from conftest import greedy_concurrently
-
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+from conftest import STORIES_DIR as STORIES, greedy_concurrently
 
 
 def _model_dir() -> Path:

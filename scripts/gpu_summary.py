@@ -1,0 +1,95 @@
+"""The GPU targets, met or not, from the JSON reports scripts/gpu_check.sh writes into one folder.
+
+    python scripts/gpu_summary.py docs/gpu/h100
+
+Prints a Markdown table: each target, the figure measured, the report it comes from, and whether it is met.
+A report that is missing (its step not run, or failed) leaves its rows "not measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional
+
+# Profiler events that make the host wait for the device (scripts/bench.py --count-syncs).
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def _load(folder: Path, name: str) -> Optional[dict]:
+    path = folder / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def rows(folder: Path) -> list[tuple[str, str, str, str]]:
+    """(target, measured, report, met) for each target of the GPU issue."""
+    compiled, eager, int8, engine32, hf_compiled = (
+        _load(folder, name) for name in ("7b_compiled", "7b_eager", "7b_int8", "7b_engine32", "7b_hf_compiled"))
+    out = []
+
+    def add(target: str, report: Optional[dict], source: str, value, fmt: str, met) -> None:
+        if report is None or value is None:
+            out.append((target, "not measured", source, "-"))
+        else:
+            out.append((target, fmt.format(value), source, "yes" if met(value) else "**no**"))
+
+    def ratio(report, name):
+        return None if report is None else report.get("ratios", {}).get(name)
+
+    def decode(report, impl="llama_core"):
+        return None if report is None else report["results"].get(impl, {}).get("decode_tokens_per_s")
+
+    share = ratio(compiled, "share_of_copy_bandwidth")
+    add("batch-1 compiled decode >= 85 % of copy bandwidth", compiled, "7b_compiled", share, "{:.1%}",
+        lambda v: v >= 0.85)
+    add("batch-1 compiled decode tokens/s (for reference)", compiled, "7b_compiled", decode(compiled), "{:.1f}",
+        lambda v: True)
+    add(">= 5x HF eager at batch 1 (compiled)", compiled, "7b_compiled", ratio(compiled, "decode_over_hf_eager"),
+        "{:.2f}x", lambda v: v >= 5)
+    if hf_compiled is not None and "hf_static_compiled" in hf_compiled["results"]:
+        add("HF static cache + torch.compile, batch-1 tokens/s (reported)", hf_compiled, "7b_hf_compiled",
+            decode(hf_compiled, "hf_static_compiled"), "{:.1f}", lambda v: True)
+    else:
+        add("HF static cache + torch.compile, batch-1 tokens/s (reported)", hf_compiled, "7b_hf_compiled",
+            None if hf_compiled is None else hf_compiled.get("hf_compile_error", None), "{}", lambda v: False)
+    add("int8 >= 1.7x bf16 compiled decode", int8, "7b_int8", ratio(int8, "decode_over_llama_core_float"),
+        "{:.2f}x", lambda v: v >= 1.7)
+    add("int8 largest logprob deviation from bf16 (reported)", int8, "7b_int8",
+        None if int8 is None else int8.get("int8_max_logprob_deviation"), "{:.3f}", lambda v: True)
+    aggregate = None if engine32 is None else engine32["results"]["llama_core"]["aggregate_tokens_per_s"].get("32")
+    batch1 = decode(compiled)
+    add("engine, 32 sequences >= 12x its batch-1 decode", engine32, "7b_engine32 / 7b_compiled",
+        aggregate / batch1 if aggregate and batch1 else None, "{:.1f}x", lambda v: v >= 12)
+    ttft = ratio(eager, "ttft_hf_eager_over_ours") or {}
+    for length in ("128", "512", "2048"):
+        add(f"time to first token, {length}-token prompt, no slower than HF eager", eager, "7b_eager",
+            ttft.get(length), "{:.2f}x HF's speed", lambda v: v >= 1.0)
+    per_token = None if compiled is None else compiled.get("per_decoded_token")
+    waits = None if per_token is None else sum(per_token.get(name, 0.0) for name in WAITS)
+    add("no host synchronisation per decoded token (compiled)", compiled, "7b_compiled", waits,
+        "{:.2f} waits per token", lambda v: v < 0.05)
+    agreement = None if eager is None else eager.get("greedy_agreement_with_hf")
+    add("bf16 greedy agreement with HF bf16 over 256 tokens (reported)", eager, "7b_eager", agreement,
+        "{0[identical_prefix]} identical, {0[teacher_forced_top1]:.1%} top-1 teacher-forced", lambda v: True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path, help="where gpu_check.sh wrote its reports")
+    folder = p.parse_args().folder
+    device = next((r["device"] for r in map(lambda n: _load(folder, n), ("7b_compiled", "7b_eager", "7b_int8"))
+                   if r is not None), "unknown device")
+    print(f"{device}, reports in {folder}\n")
+    print("| target | measured | report | met |")
+    print("| --- | --- | --- | --- |")
+    for row in rows(folder):
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

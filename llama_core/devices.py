@@ -1,6 +1,9 @@
-"""Which device and dtype a model runs in, from the names users give ("auto", "cuda:1", "bfloat16")."""
+"""Which device and dtype a model runs in, from the names users give ("auto", "cuda:1", "bfloat16"), and
+host values moved onto a device without waiting for it."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -8,6 +11,16 @@ from torch import nn
 from .errors import InvalidRequestError
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def to_device(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) as a tensor on device, without making the host wait for the
+    device: on CUDA through pinned memory and an asynchronous copy (torch.tensor(values, device="cuda")
+    synchronises the stream after its copy, which would stall the host once per decode step)."""
+    if device.type != "cuda":
+        return values.to(device) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype, device=device)
+    host = values.pin_memory() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

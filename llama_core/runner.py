@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .devices import execution_device, on_one_device
+from .devices import execution_device, on_one_device, to_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer
 from .cpu_kernels import PanelLinear, available as cpu_kernels_available
@@ -249,17 +249,17 @@ def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.de
 
     starts: where each row's tokens begin (a prompt's uncached part follows its cached prefix); padding
     positions then stop at max_seq_len - 1, a position no prompt reaches."""
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    longest = int(lengths.max())
+    lengths = to_device([len(p) for p in prompts], device)
+    longest = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
     positions = torch.arange(longest, device=device).expand(len(prompts), longest)
     if starts is not None and any(starts):
-        positions = positions + torch.tensor(starts, device=device)[:, None]
+        positions = positions + to_device(starts, device)[:, None]
         if max_seq_len is not None:
             positions = positions.clamp(max=max_seq_len - 1)
-    return tokens.to(device), positions, lengths
+    return to_device(tokens, device), positions, lengths
 
 
 def cache_rows(slots: list[int], device: torch.device) -> CacheRows:
@@ -267,4 +267,4 @@ def cache_rows(slots: list[int], device: torch.device) -> CacheRows:
     views, not gathered), else an index tensor."""
     if slots == list(range(slots[0], slots[0] + len(slots))):
         return slice(slots[0], slots[0] + len(slots))
-    return torch.tensor(slots, device=device)
+    return to_device(slots, device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llama_core.devices import to_device
 from llama_core.runner import DecodeStep
 from llama_core.quantize import Int8Linear, quantize_int8
 
@@ -148,3 +149,17 @@ def test_stories260k_greedy_on_cuda_equals_cpu_float32(compile):
         assert tokens == expected
         for got, want in zip(lps, expected_lps):
             assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_host_values_reach_the_gpu_without_a_sync():
+    cuda = torch.device("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):  # the mode is on: a plain copy from the host synchronises
+            torch.tensor([1, 2, 3], device=cuda)
+        from_list, from_tensor = to_device([1, 2, 3], cuda), to_device(torch.arange(3), cuda)
+        as_long = to_device([[0.0], [1.0]], cuda, torch.long)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert from_list.device.type == "cuda" and from_list.tolist() == [1, 2, 3] and from_tensor.tolist() == [0, 1, 2]
+    assert as_long.dtype == torch.long and as_long.tolist() == [[0], [1]]

@@ -115,3 +115,15 @@ def test_cpu_compiled_step_decodes_as_eager_does_with_the_one_graph_compiled_at_
         assert head + [c.token for c in first] == expected[0]
         assert [[c.token for c in s] for s in others] == expected[1:]
     assert counters["stats"]["unique_graphs"] == graphs, "the compiled step was compiled again after start-up"
+
+
+def test_to_device_on_cpu_keeps_values_and_dtype():
+    import torch
+
+    from llama_core.devices import to_device
+
+    cpu = torch.device("cpu")
+    assert to_device([3, 1, 2], cpu).tolist() == [3, 1, 2] and to_device([3, 1], cpu).dtype == torch.long
+    assert to_device([[1.0], [2.0]], cpu, torch.long).dtype == torch.long
+    host = torch.arange(4)
+    assert to_device(host, cpu) is host

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from ..cpu_kernels import threads as cpu_threads
+from ..devices import to_device
 from ..errors import LlamaError, InvalidRequestError, ServerBusyError
 from ..loader import LoadedModel, ModelInfo
 from ..model import Span
@@ -471,7 +472,7 @@ class Engine:
         end, last = start + len(chunk), start + len(chunk) == len(sequence.prompt_tokens)
         device = self.runner.device
         try:
-            tokens = torch.tensor([chunk], device=device)
+            tokens = to_device([chunk], device)
             positions = torch.arange(start, end, device=device)[None]
             rows = slice(sequence.slot, sequence.slot + 1)
             if sequence.request.prompt_logprobs:
@@ -482,10 +483,10 @@ class Engine:
                 sequence.carried_logits = logits[-1]
                 logits = logits[-1:]
             elif last:
-                last_index = torch.tensor([len(chunk) - 1], device=device)
+                last_index = to_device([len(chunk) - 1], device)
                 logits = self.runner.prefill(tokens, positions, rows, end, logit_index=last_index)[:, 0]
             else:  # only the cache matters; one row of logits is the least output to ask for
-                self.runner.prefill(tokens, positions, rows, end, logit_index=torch.tensor([0], device=device))
+                self.runner.prefill(tokens, positions, rows, end, logit_index=to_device([0], device))
             self._prompt_written(sequence, end)
             if last:
                 if sequence.request.prompt_logprobs:
@@ -502,9 +503,9 @@ class Engine:
         step is retried without them."""
         device = self.runner.device
         try:
-            tokens = torch.tensor([s.last_token for s in active], dtype=torch.long, device=device)
+            tokens = to_device([s.last_token for s in active], device, torch.long)
             next_positions = [s.next_pos for s in active]
-            positions = torch.tensor(next_positions, device=device)
+            positions = to_device(next_positions, device)
             rows = cache_rows([s.slot for s in active], device)
             kv_len = max(next_positions) + 1
             if riders:
@@ -547,12 +548,12 @@ class Engine:
             next_tokens = greedy_tokens(logits)
         else:
             def column(values):
-                return torch.tensor(values, device=device) if any(v != values[0] for v in values) else values[0]
+                return to_device(values, device) if any(v != values[0] for v in values) else values[0]
 
             next_tokens = sample(
                 logits, column(temperatures), column([p.top_p for p in params]),
-                torch.tensor([s.seed for s in sequences], device=device),
-                torch.tensor([s.generated for s in sequences], device=device),
+                to_device([s.seed for s in sequences], device),
+                to_device([s.generated for s in sequences], device),
                 top_k=column([p.top_k for p in params]), min_p=column([p.min_p for p in params]),
             )
         if any(p.logprobs for p in params):
@@ -564,10 +565,10 @@ class Engine:
 
     def _penalized(self, sequences: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
         device = self.runner.device
-        rows = torch.tensor([s.slot for s in sequences], device=device)
+        rows = to_device([s.slot for s in sequences], device)
 
         def column(name: str) -> torch.Tensor:
-            return torch.tensor([[getattr(s.params, name)] for s in sequences], device=device)
+            return to_device([[getattr(s.params, name)] for s in sequences], device)
 
         return apply_penalties(logits, self._seen[rows], self._counts[rows], column("repetition_penalty"),
                                column("presence_penalty"), column("frequency_penalty"))
@@ -584,7 +585,7 @@ class Engine:
                 self._seen = torch.zeros(shape, dtype=torch.bool, device=self.runner.device)
                 self._counts = torch.zeros(shape, dtype=torch.int32, device=self.runner.device)
             self._seen[sequence.slot] = False
-            self._seen[sequence.slot, torch.tensor(sequence.prompt_tokens, device=self.runner.device)] = True
+            self._seen[sequence.slot, to_device(sequence.prompt_tokens, self.runner.device)] = True
             self._counts[sequence.slot] = 0
 
     def _sample_and_deliver(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
@@ -594,7 +595,7 @@ class Engine:
                  alternatives: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         penalized = [i for i, s in enumerate(sequences) if s.params.penalized]
         if penalized:  # the new tokens count from the next step on
-            rows = torch.tensor([sequences[i].slot for i in penalized], device=self.runner.device)
+            rows = to_device([sequences[i].slot for i in penalized], self.runner.device)
             picked = next_tokens[penalized]
             self._counts[rows, picked] += 1
             self._seen[rows, picked] = True

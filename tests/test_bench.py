@@ -216,7 +216,7 @@ def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
     compiled = {"device": "NVIDIA H100 80GB HBM3",
                 "results": {"llama_core": {"decode_tokens_per_s": 200.0, "aggregate_tokens_per_s": {"1": 200.0}}},
                 "ratios": {"share_of_copy_bandwidth": 0.9, "decode_over_hf_eager": 4.5},
-                "per_decoded_token": {"cudaStreamSynchronize": 1.0, "cudaMemcpyAsync": 3.0}}
+                "per_decoded_token": {"cudaStreamSynchronize": 1.0, "cudaMemcpyAsync": 3.0, "cudaEventSynchronize": 1.0}}
     engine32 = {"device": "NVIDIA H100 80GB HBM3",
                 "results": {"llama_core": {"decode_tokens_per_s": 150.0, "aggregate_tokens_per_s": {"32": 2600.0}}},
                 "ratios": {}}
@@ -230,4 +230,5 @@ def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
     assert table[">= 5x HF eager at batch 1 (compiled)"] == ["4.50x", "7b_compiled", "**no** |"]
     assert table["engine, 32 sequences >= 12x its batch-1 decode"][0] == "13.0x"  # over 7b_compiled's 200
     assert table["no host synchronisation per decoded token (compiled)"][0] == "1.00 waits per token"
+    assert table["waits on the step before, the next one queued (reported)"][0] == "1.00 per token"
     assert table["int8 >= 1.7x bf16 compiled decode"][0] == "not measured"

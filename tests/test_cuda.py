@@ -9,6 +9,7 @@ import torch
 
 from llama_core.devices import to_device
 from llama_core.runner import DecodeStep
+from llama_core.serving import Engine
 from llama_core.quantize import Int8Linear, quantize_int8
 
 from conftest import STORIES_DIR, build_llama, greedy_concurrently, hf_greedy, hf_logits, needs_stories
@@ -163,3 +164,19 @@ def test_host_values_reach_the_gpu_without_a_sync():
         torch.cuda.set_sync_debug_mode(0)
     assert from_list.device.type == "cuda" and from_list.tolist() == [1, 2, 3] and from_tensor.tolist() == [0, 1, 2]
     assert as_long.dtype == torch.long and as_long.tolist() == [[0], [1]]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_the_overlapped_engine_on_cuda_equals_the_synchronous_one(meta_ckpt_dir, tokenizer, compile):
+    llama = build_llama(meta_ckpt_dir, device="cuda", dtype="float32", compile=compile)
+    prompts = _prompts(tokenizer)
+    results = {}
+    for overlap in (False, True):
+        engine = Engine(llama.loaded, seed=0, overlap=overlap)
+        assert engine.overlap == overlap
+        streams = [engine.submit(p, 10 + 5 * i, temperature=0.8 if i % 2 else 0, top_p=0.9, seed=i, top_logprobs=2)
+                   for i, p in enumerate(prompts)]
+        results[overlap] = [([(c.token, c.logprob, c.top_logprobs) for c in s], s.finish_reason) for s in streams]
+        engine.close()
+    assert results[True] == results[False]
+    assert Engine(llama.loaded).overlap  # the default on CUDA

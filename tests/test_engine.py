@@ -403,3 +403,59 @@ def test_a_prompt_failing_in_the_decode_step_fails_alone(llama, prompts, solo):
         assert [first.token] + [c.token for c in tokens] == solo[1]
         assert _collect(engine.submit(prompts[6], 40, temperature=0)) == solo[6]
     assert [(1, 1), (1, 97)] in calls  # it was tried in the decode step, then alone
+
+
+# -- overlap: decode steps delivered a turn late (the default on CUDA), checked here on the CPU ------------
+def _workload(engine, prompts, penalties):
+    """Requests of every kind, submitted together: greedy and seeded sampling, logprobs and alternatives,
+    stop strings, different lengths (so rows end at different steps), one cancelled midway; and with
+    penalties (which a step in flight does not take: such steps are delivered at once)."""
+    kinds = [dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=0, top_logprobs=3),
+             dict(temperature=1.0, top_p=1.0, seed=5, stop=["the"]), dict(temperature=0, stop=["\n"]),
+             dict(temperature=0.7, top_k=20, seed=3, repetition_penalty=1.3 if penalties else 1.0)]
+    streams = [engine.submit(p, 8 + 7 * i, **kinds[i % len(kinds)]) for i, p in enumerate(prompts[:7])]
+    results = []
+    for i, stream in enumerate(streams):
+        chunks = []
+        for chunk in stream:
+            chunks.append((chunk.token, chunk.logprob, chunk.top_logprobs))
+            if i == 6 and len(chunks) == 5:
+                stream.cancel()
+        results.append((chunks, stream.finish_reason))
+    return results
+
+
+def test_an_overlapped_engine_gives_what_the_synchronous_one_gives(prompts):
+    loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
+    runs = {}
+    for overlap in (False, True):
+        engine = Engine(loaded, seed=0, overlap=overlap)
+        runs[overlap] = [_workload(engine, prompts, False), _workload(engine, prompts[3:] + prompts[:3], True)]
+        runs[overlap, "steps"] = engine.steps
+        engine.close()
+    assert runs[True] == runs[False]
+    assert runs[True, "steps"] > runs[False, "steps"]  # rows that stopped unforeseen had one more step
+    reasons = {reason for run in runs[True] for _, reason in run}
+    assert {"length", "stop", "cancelled"} <= reasons  # the ends it must get right
+
+
+def test_an_overlapped_engine_launches_the_next_step_before_delivering_one(prompts):
+    loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
+    for overlap, expected in ((False, ["decode", "deliver"] * 3), (True, ["decode"] + ["decode", "deliver"] * 2 + ["decode"])):
+        engine = Engine(loaded, seed=0, overlap=overlap)
+        calls = []
+        decode, deliver = engine.runner.decode, engine._deliver
+        engine.runner.decode = lambda *a, **k: calls.append("decode") or decode(*a, **k)
+        engine._deliver = lambda *a, **k: calls.append("deliver") or deliver(*a, **k)
+        streams = [engine.submit(p, 12, temperature=0) for p in prompts[:2]]
+        tokens = [[c.token for c in s] for s in streams]
+        engine.runner.decode = decode
+        engine.close()
+        assert calls[0] == "deliver"  # the prompts' first tokens
+        assert calls[1:7] == expected
+        assert all(len(t) == 12 for t in tokens)
+
+
+def test_overlap_must_be_true_false_or_none(llama):
+    with pytest.raises(InvalidRequestError, match="overlap must be true or false"):
+        Engine(llama.loaded, overlap="yes")

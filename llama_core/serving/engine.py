@@ -9,6 +9,12 @@ and a new prompt computes only what follows the longest prefix of it that a slot
 
 Turns run in the engine's own thread once `start()`ed (a server), or else in the thread of whoever reads
 a stream (the `Llama` facade's generate): one loop either way.
+
+On CUDA a decode step's tokens are delivered a turn late: a turn with nothing else to do launches the next
+step from the in-flight step's tokens, still on the device, and only then waits for the in-flight step's
+copy to the host, so the host's bookkeeping runs while the device computes and the loop never waits for
+the device with nothing queued. A request that ends at a token it could not foresee (end of sequence, a stop
+string, a cancel) has had one more token computed, which is dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +43,17 @@ from .prefix_cache import Placement, PrefixCache
 from .requests import MAX_SEED, GenerationRequest, SamplingParams, sampling_params
 from .stops import StopMatcher
 from .streams import TokenStream
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A decode step launched whose tokens are not delivered yet (see the module's docstring)."""
+
+    sequences: list["_Sequence"]
+    positions: list[int]  # where each row's input token was written
+    next_tokens: torch.Tensor  # on the device: the next step's input
+    host: tuple  # (tokens, logprobs, alternatives or None) on their way to the host
+    ready: Optional[torch.cuda.Event]  # recorded after those copies; None where they are the device's own
 
 
 @dataclass(eq=False)
@@ -100,7 +117,7 @@ class Engine:
 
     def __init__(self, model: LoadedModel, seed: Optional[int] = None, max_waiting: int = 64,
                  prefill_chunk: int = 512, after_turn: Optional[Callable[[], None]] = None,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, overlap: Optional[bool] = None) -> None:
         """seed: seeds sampling; None draws a random seed.
         max_waiting: requests queued beyond the busy slots before submit answers busy.
         prefill_chunk: a prompt longer than this is prefilled this many tokens at a time, a decode step of
@@ -112,16 +129,20 @@ class Engine:
         only what follows the longest prefix of it already computed (a chat's earlier turns, a shared system
         prompt); each stream's `cached_tokens` says how many tokens that saved. Requests asking for prompt
         log-probabilities compute their whole prompt.
+        overlap: deliver decode steps a turn late, launching the next one first (see the module's docstring);
+        None: on CUDA, where the device runs ahead of the host. On the CPU the model runs in the host's own
+        thread, so there is nothing to overlap and each token would only come a step later.
 
         Raises:
-            InvalidRequestError: a bad prefill_chunk, max_waiting or prefix_caching.
+            InvalidRequestError: a bad prefill_chunk, max_waiting, prefix_caching or overlap.
             LlamaError: another engine owns this model's KV cache.
         """
         for name, value in (("prefill_chunk", prefill_chunk), ("max_waiting", max_waiting)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefill_chunk" else 0):
                 raise InvalidRequestError(f"{name} must be a {'positive' if name == 'prefill_chunk' else 'non-negative'} integer, got {value!r}")
-        if not isinstance(prefix_caching, bool):
-            raise InvalidRequestError(f"prefix_caching must be true or false, got {prefix_caching!r}")
+        for name, value in (("prefix_caching", prefix_caching), ("overlap", overlap)):
+            if not isinstance(value, bool) and not (name == "overlap" and value is None):
+                raise InvalidRequestError(f"{name} must be true or false, got {value!r}")
         self.loaded = model
         self.runner = model.runner
         if not self.runner.claim(self):
@@ -146,6 +167,8 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._after_turn = after_turn or (lambda: None)
         self.prefix_cache = PrefixCache(self.runner.max_batch_size, enabled=prefix_caching)
+        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: Optional[_InFlight] = None
         self._cache_version: Optional[int] = None  # the KV cache's version after this engine's last turn
         self.steps = 0  # decode steps run, for tests and stats
         self.prefilled_tokens = 0  # prompt tokens computed
@@ -194,6 +217,7 @@ class Engine:
             self._thread.join()
             self._thread = None
         with self._turn_lock:
+            self._in_flight = None
             with self._wakeup:
                 pending, self._waiting = list(self._waiting), collections.deque()
             for sequence in pending:
@@ -320,15 +344,17 @@ class Engine:
             return False
         try:
             self._forget_foreign_writes()
-            self._retire_cancelled()
-            riders = self._admit()
-            self._prefill_next_chunk(riders)
-            decoding = [s for s in self._slots if s is not None and not s.prefilling and s not in riders]
-            if decoding:
-                self._decode_step(decoding, riders)
-            elif riders:
-                self._prefill_groups([riders])
+            if self._in_flight is None or not self._continue_decoding():
+                self._retire_cancelled()
+                riders = self._admit()
+                self._prefill_next_chunk(riders)
+                decoding = [s for s in self._slots if s is not None and not s.prefilling and s not in riders]
+                if decoding:
+                    self._decode_step(decoding, riders)
+                elif riders:
+                    self._prefill_groups([riders])
         except Exception as exc:  # a bug must fail the requests in flight, not hang them
+            self._in_flight = None
             for slot, sequence in enumerate(self._slots):
                 if sequence is not None:
                     self._free(slot, "error", _failure_message(exc))
@@ -496,15 +522,53 @@ class Engine:
         except Exception as exc:  # e.g. out of memory: this request fails, the others go on
             self._free(sequence.slot, "error", _failure_message(exc))
 
+    def _continue_decoding(self) -> bool:
+        """With a decode step in flight and nothing else to do (no request to admit, no prompt to prefill,
+        none cancelled): launches the next step from the in-flight one's tokens on the device, for the rows
+        with room for another token, then delivers the in-flight step. Otherwise delivers the in-flight step
+        and returns False: the turn goes on as without one."""
+        step, self._in_flight = self._in_flight, None
+        sequences = step.sequences
+        busy = sum(s is not None for s in self._slots)
+        if ((self._waiting and busy < len(self._slots)) or busy != len(sequences)
+                or any(s.channel.cancelled.is_set() for s in sequences)):
+            self._land(step)
+            return False
+        going_on = [i for i, s in enumerate(sequences) if s.generated + 1 < self._token_limit(s)]
+        if going_on:
+            tokens = step.next_tokens
+            if len(going_on) < len(sequences):
+                tokens = tokens[to_device(going_on, tokens.device)]
+            self._decode_step([sequences[i] for i in going_on], [], tokens, ahead=1)
+        self._land(step)
+        return True
+
+    def _land(self, step: _InFlight) -> None:
+        """Delivers an in-flight step's tokens to those of its requests still in their slots."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens, logprobs, alternatives = step.host
+        live = [i for i, s in enumerate(step.sequences) if self._slots[s.slot] is s]
+        if len(live) < len(step.sequences):
+            tokens, logprobs = tokens[live], logprobs[live]
+            alternatives = None if alternatives is None else tuple(t[live] for t in alternatives)
+        for i in live:
+            step.sequences[i].written = step.positions[i] + 1
+        self._deliver([step.sequences[i] for i in live], tokens, logprobs, alternatives)
+
     @torch.inference_mode()
-    def _decode_step(self, active: list[_Sequence], riders: list[_Sequence]) -> None:
+    def _decode_step(self, active: list[_Sequence], riders: list[_Sequence], tokens: Optional[torch.Tensor] = None,
+                     ahead: int = 0) -> None:
         """One new token for each active request; riders (just admitted) are prefilled in the same forward
         and get their first token. If that forward fails, the riders are prefilled on their own and the
-        step is retried without them."""
+        step is retried without them. With overlap and no riders or penalties, the step stays in flight
+        (delivered by the next turn). tokens: the rows' input tokens on the device, where the in-flight
+        step has them; ahead: tokens sampled for each row but not delivered yet (0 or 1)."""
         device = self.runner.device
         try:
-            tokens = to_device([s.last_token for s in active], device, torch.long)
-            next_positions = [s.next_pos for s in active]
+            if tokens is None:
+                tokens = to_device([s.last_token for s in active], device, torch.long)
+            next_positions = [s.next_pos + ahead for s in active]
             positions = to_device(next_positions, device)
             rows = cache_rows([s.slot for s in active], device)
             kv_len = max(next_positions) + 1
@@ -518,7 +582,7 @@ class Engine:
             else:
                 logits = self.runner.decode(tokens, positions, rows, kv_len=kv_len)
             sequences = active + riders
-            sampled = self._sample(sequences, logits)
+            sampled = self._sample(sequences, logits, ahead)
         except Exception as exc:
             if riders:
                 self._prefill_groups([riders])
@@ -528,16 +592,21 @@ class Engine:
                 self._free(s.slot, "error", _failure_message(exc))
             return
         self.steps += 1
+        if self.overlap and not riders and not any(s.params.penalized for s in active):
+            self._in_flight = _InFlight(active, next_positions, sampled[0], *_copied_to_host(sampled))
+            return
         for sequence, position in zip(active, next_positions):
             sequence.written = position + 1
         for sequence in riders:
             self._prompt_written(sequence, len(sequence.prompt_tokens))
         self._deliver(sequences, *sampled)
 
-    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
+    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor,
+                ahead: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
         """Each row's next token, drawn with its request's parameters; its log-probability under the model
         (NaN where no request of the batch asked for them); and, where some request asked for them, the
-        model's most likely alternatives (log-probabilities, token ids)."""
+        model's most likely alternatives (log-probabilities, token ids). ahead: tokens each row has sampled
+        beyond those delivered (a seeded draw depends on the token's index)."""
         device = self.runner.device
         params = [s.params for s in sequences]
         raw_logits = logits
@@ -553,7 +622,7 @@ class Engine:
             next_tokens = sample(
                 logits, column(temperatures), column([p.top_p for p in params]),
                 to_device([s.seed for s in sequences], device),
-                to_device([s.generated for s in sequences], device),
+                to_device([s.generated + ahead for s in sequences], device),
                 top_k=column([p.top_k for p in params]), min_p=column([p.min_p for p in params]),
             )
         if any(p.logprobs for p in params):
@@ -614,11 +683,14 @@ class Engine:
                     n = sequence.params.top_logprobs
                     top = list(zip(alternatives[1][i][:n], alternatives[0][i][:n]))
                 sequence.channel.events.put(StreamChunk(token, logprob, top_logprobs=top))
-                room = self.runner.max_seq_len - len(sequence.prompt_tokens)
                 if sequence.stop_text is not None and self._reaches_stop(sequence, token):
                     self._free(sequence.slot, "stop")
-                elif sequence.generated >= min(sequence.request.max_new_tokens, room):
+                elif sequence.generated >= self._token_limit(sequence):
                     self._free(sequence.slot, "length")
+
+    def _token_limit(self, sequence: _Sequence) -> int:
+        """The most tokens the request may generate: its max_new_tokens, or what its slot has room for."""
+        return min(sequence.request.max_new_tokens, self.runner.max_seq_len - len(sequence.prompt_tokens))
 
     @staticmethod
     def _reaches_stop(sequence: _Sequence, token: int) -> bool:
@@ -641,6 +713,23 @@ class Engine:
     def _finish(sequence: _Sequence, reason: str, message: str = "") -> None:
         sequence.channel.events.put(Finished(reason, message, time.perf_counter()))
         sequence.channel.finished.set()
+
+
+def _copied_to_host(sampled: tuple) -> tuple[tuple, Optional[torch.cuda.Event]]:
+    """A step's (tokens, logprobs, alternatives) on their way to pinned host memory, and the event that
+    marks their arrival; on the CPU, themselves and None."""
+    tokens, logprobs, alternatives = sampled
+    if tokens.device.type != "cuda":
+        return sampled, None
+
+    def copied(tensor: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    host = (copied(tokens), copied(logprobs), None if alternatives is None else tuple(map(copied, alternatives)))
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(tokens.device))  # the copies' stream: the device's, not the current device's
+    return host, ready
 
 
 def _failure_message(exc: Exception) -> str:

@@ -52,6 +52,23 @@ def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
     assert "llama_core / hf_eager: decode " in result.stdout
 
 
+def test_bench_measures_hf_compiled_after_compiling_every_shape(tmp_path):
+    report_path = tmp_path / "report.json"
+    result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
+                  "--n-kv-heads", "2", "--vocab-size", "256", "--prompt-lengths", "8", "--batch-sizes", "2",
+                  "--decode-tokens", "8", "--repeats", "1", "--threads", "1", "--hf-compile", "--json", str(report_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    assert "hf_compile_error" not in report
+    compiled, eager = report["results"]["hf_static_compiled"], report["results"]["hf_eager"]
+    # Compiling inside a timed run made these figures absurd (0.5 tokens/s, or 1e10 when the difference of
+    # two timings came out near zero): they must be of the same order as HF eager's.
+    for figure in ("decode_tokens_per_s",):
+        assert eager[figure] / 20 < compiled[figure] < eager[figure] * 20
+    assert eager["aggregate_tokens_per_s"]["2"] / 20 < compiled["aggregate_tokens_per_s"]["2"] < eager["aggregate_tokens_per_s"]["2"] * 20
+    assert set(report["ratios"]["ttft_hf_static_compiled_over_ours"]) == {"8"}
+
+
 def test_bench_counts_events_per_decoded_token():
     import importlib.util
 

@@ -3,15 +3,16 @@
 
 The decode step comes in three shapes. Dynamic (the default): only the given rows, attending over the
 longest row's positions: the least work, which is what a CPU wants. Static (`compile=True` on CUDA):
-always every row of the cache over all max_seq_len positions, so shapes never change and torch.compile
-captures the step once as a CUDA graph (mode "reduce-overhead"). Leading rows (`compile=True` on CPU):
+always every row of the cache, attending over a context length rounded up to a power of two (at least
+256 positions, at most max_seq_len), so torch.compile compiles the step once, with that length a symbolic
+size, and captures it as a CUDA graph (mode "reduce-overhead") once per length: a few graphs, and no step
+reads more of the cache than twice what its longest row uses. Leading rows (`compile=True` on CPU):
 rows 0..n-1 up to the highest row asked for (at least 2), over the longest row's positions, compiled once
 with n and the length as symbolic sizes: one C++ kernel per fused group of small operations instead of
 hundreds of eager calls per step, compiled when the runner is made. In the last two, rows not asked for
-compute a throw-away token at the last position of their own row: static, the context's last, which no
-prompt reaches (a prompt is at most max_seq_len - 1 tokens, so a row being prefilled in chunks keeps what
-it wrote) and which a row's own decoding writes before it ever attends to it; leading rows, a spare
-position past the context that nothing attends to.
+compute a throw-away token at a spare position past the context, which nothing attends to (the cache has
+max_seq_len + 1 positions): so a row being prefilled in chunks keeps what it wrote, and no context length
+a step attends over is ever the whole cache (torch.compile would specialise that one and compile again).
 """
 
 from __future__ import annotations
@@ -65,12 +66,9 @@ class ModelRunner:
                 if self.dtype == torch.float32 and cpu_kernels_available():
                     model.use_cpu_kernels()
             model.use_column_major_weights()
-        leading_rows = compile and self.device.type == "cpu"
-        # The leading-rows step's throw-away tokens go to one spare position past the context, which nothing
-        # attends to: so no length it attends over is ever the cache's own (torch.compile would specialise it).
-        model.setup_caches(max_batch_size, max_seq_len + (1 if leading_rows else 0))
+        model.setup_caches(max_batch_size, max_seq_len + (1 if compile else 0))  # a compiled step's spare position
         self._first_kv_cache = model.layers[0].attention.kv_cache  # every forward and copy writes it
-        self.decode_step = DecodeStep(model, max_batch_size, compile)
+        self.decode_step = DecodeStep(model, max_batch_size, compile, context=max_seq_len)
         if self.decode_step.leading_rows:
             self.decode_step.warm_up()
         self._owner: Optional[object] = None
@@ -150,14 +148,22 @@ class ModelRunner:
         self.model.copy_cache_prefix(src_slot, dst_slot, length)
 
 
+SMALLEST_CONTEXT = 256  # the static step's shortest context length; longer ones double up to max_seq_len
+
+
 class DecodeStep:
     """One new token for each of a set of KV-cache rows: dynamic, static or leading rows (see the module's
     docstring)."""
 
-    def __init__(self, model: Transformer, max_batch_size: int, compile: bool = False, static: bool = False) -> None:
+    def __init__(self, model: Transformer, max_batch_size: int, compile: bool = False, static: bool = False,
+                 smallest_context: int = SMALLEST_CONTEXT, context: Optional[int] = None) -> None:
+        """context: the positions rows use (default: the whole cache); where the cache holds more, the last
+        one is the spare position of throw-away tokens (see the module's docstring)."""
         self.model = model
+        self.smallest_context = smallest_context
         self.max_batch_size = max_batch_size
         self.max_seq_len = model.layers[0].attention.kv_cache.max_seq_len
+        self.context = context or self.max_seq_len
         on_cuda = next(model.parameters()).device.type == "cuda"
         if compile:  # torch.compile traces torch's operations, not ctypes calls
             model.use_cpu_kernels(False)
@@ -167,9 +173,9 @@ class DecodeStep:
         self.static = static or (compile and on_cuda)
         self.leading_rows = compile and not self.static
         self._step = self._all_rows
-        if self.static and compile:
+        if self.static and compile:  # dynamic: the context length is a symbolic size, compiled once
             self._step = torch.compile(
-                self._all_rows, mode="reduce-overhead" if on_cuda else None, fullgraph=True, dynamic=False
+                self._all_rows, mode="reduce-overhead" if on_cuda else None, fullgraph=True, dynamic=True
             )
         elif self.leading_rows:
             self._step = torch.compile(self._leading_rows, fullgraph=True, dynamic=True)
@@ -198,10 +204,20 @@ class DecodeStep:
             if kv_len is None:
                 kv_len = int(positions.max()) + 1
             return self.model(tokens[:, None], positions[:, None], cache_rows=rows, kv_len=kv_len)[:, 0]
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
         all_tokens, all_positions = self._padded(tokens, positions, rows, self.max_batch_size)
-        logits = self._step(all_tokens, all_positions)[rows]
+        logits = self._step(all_tokens, all_positions, self.context_length(kv_len))[rows]
         # Copy out of the step's output, which the next CUDA graph replay overwrites (a slice is a view).
         return logits.clone() if isinstance(rows, slice) else logits
+
+    def context_length(self, kv_len: int) -> int:
+        """The static step's context length for rows whose positions are below kv_len: the smallest power-of-two
+        multiple of smallest_context that covers it, at most the context."""
+        length = min(self.smallest_context, self.context)
+        while length < kv_len:
+            length *= 2
+        return min(length, self.context)
 
     def warm_up(self) -> None:
         """Compiles the leading-rows step now rather than in the first request: two rows' throw-away tokens
@@ -233,8 +249,9 @@ class DecodeStep:
             torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_batch_size)
         return self._step(tokens, positions, kv_len)
 
-    def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens[:, None], positions[:, None])[:, 0]
+    def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        # Rows not asked for sit at the cache's last position, past kv_len: they attend over all of [0, kv_len).
+        return self.model(tokens[:, None], positions[:, None], kv_len=kv_len)[:, 0]
 
     def _leading_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         # cache_rows None: rows 0..B-1 with B symbolic (a slice object would be specialised to its bounds).

@@ -78,6 +78,21 @@ def test_compiled_cuda_graph_decode_equals_eager(meta_ckpt_dir, tokenizer):
         assert [[c.token for c in s] for s in streams] == expected
 
 
+def test_compiled_decode_over_growing_context_lengths_equals_eager(meta_ckpt_dir, tokenizer):
+    eager = build_llama(meta_ckpt_dir, device="cuda", dtype="float32")
+    compiled = build_llama(meta_ckpt_dir, device="cuda", dtype="float32", compile=True)
+    # Lengths 16, 32, 64 and 128: one compile, a CUDA graph captured for each.
+    compiled.runner.decode_step = DecodeStep(compiled.model, compiled.max_batch_size, compile=True, smallest_context=16,
+                                             context=compiled.max_seq_len)
+    prompts = _prompts(tokenizer)
+    expected, expected_lps = eager.generate(prompts, 80, temperature=0, logprobs=True)
+    for _ in range(2):
+        tokens, lps = compiled.generate(prompts, 80, temperature=0, logprobs=True)
+        assert tokens == expected
+        for got, want in zip(lps, expected_lps):
+            assert got == pytest.approx(want, abs=1e-4)
+
+
 def _assert_greedy_under(reference, prompts, tokens, lps, tol):
     """Each generated token is, within tol nats, the reference model's most likely one, with its logprob."""
     for prompt, generated, generated_lps in zip(prompts, tokens, lps):

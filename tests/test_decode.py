@@ -22,8 +22,11 @@ def test_static_decode_equals_dynamic_decode(meta_ckpt_dir, tokenizer, compile):
         pytest.skip("torch.compile on CPU needs a C compiler")
     dynamic = build_llama(meta_ckpt_dir, max_batch_size=4)
     static = build_llama(meta_ckpt_dir, max_batch_size=4, compile=compile)
-    static.runner.decode_step = DecodeStep(static.model, 4, compile=compile, static=True)
+    # Context lengths of 8, 16 and 32 positions: the step runs (compiled: captured) at each as rows grow.
+    static.runner.decode_step = DecodeStep(static.model, 4, compile=compile, static=True, smallest_context=8,
+                                           context=static.max_seq_len)
     prompts = _prompts(tokenizer)
+    assert max(len(p) for p in prompts) + 12 > 16
     expected_tokens, expected_lps = dynamic.generate(prompts, 12, temperature=0, logprobs=True)
     tokens, lps = static.generate(prompts, 12, temperature=0, logprobs=True)
     assert tokens == expected_tokens
@@ -127,3 +130,10 @@ def test_to_device_on_cpu_keeps_values_and_dtype():
     assert to_device([[1.0], [2.0]], cpu, torch.long).dtype == torch.long
     host = torch.arange(4)
     assert to_device(host, cpu) is host
+
+
+def test_the_static_steps_context_length_covers_the_rows_in_powers_of_two(meta_ckpt_dir):
+    model = build_llama(meta_ckpt_dir, max_batch_size=2).model  # a 128-position cache
+    step = DecodeStep(model, 2, static=True, smallest_context=16)
+    assert [step.context_length(n) for n in (1, 16, 17, 32, 33, 100, 128)] == [16, 16, 32, 32, 64, 128, 128]
+    assert DecodeStep(model, 2, static=True).context_length(1) == 128  # never past the cache

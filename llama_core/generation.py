@@ -93,9 +93,8 @@ class Llama:
             device: "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]".
             dtype: "auto" (bfloat16 on CUDA, float16 where bf16 is unsupported, float32 on CPU) or a dtype name.
             seed: seeds sampling; None draws a random seed.
-            compile: decode with a step compiled by torch.compile: on CUDA static shapes, a CUDA graph per
-                step, the first steps slow while it compiles; on CPU symbolic shapes, compiled here
-                (see llama_core.runner).
+            compile: decode with a step compiled by torch.compile, here, as the model loads: on CUDA every
+                slot at once, a CUDA graph per context length; on CPU symbolic shapes (see llama_core.runner).
             device_map: places whole layers over several devices with accelerate (instead of `device`):
                 "auto" spreads them over the GPUs, offloading to CPU memory as a last resort; or a dict like
                 {"tok_embeddings": 0, "layers.0": 0, ..., "output": 1} (see llama_core.distributed.device_map).

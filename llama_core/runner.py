@@ -6,7 +6,8 @@ longest row's positions: the least work, which is what a CPU wants. Static (`com
 always every row of the cache, attending over a context length rounded up to a power of two (at least
 256 positions, at most max_seq_len), so torch.compile compiles the step once, with that length a symbolic
 size, and captures it as a CUDA graph (mode "reduce-overhead") once per length: a few graphs, and no step
-reads more of the cache than twice what its longest row uses. Leading rows (`compile=True` on CPU):
+reads more of the cache than twice what its longest row uses; compiled, and captured for the shortest
+length, when the runner is made. Leading rows (`compile=True` on CPU):
 rows 0..n-1 up to the highest row asked for (at least 2), over the longest row's positions, compiled once
 with n and the length as symbolic sizes: one C++ kernel per fused group of small operations instead of
 hundreds of eager calls per step, compiled when the runner is made. In the last two, rows not asked for
@@ -69,7 +70,7 @@ class ModelRunner:
         model.setup_caches(max_batch_size, max_seq_len + (1 if compile else 0))  # a compiled step's spare position
         self._first_kv_cache = model.layers[0].attention.kv_cache  # every forward and copy writes it
         self.decode_step = DecodeStep(model, max_batch_size, compile, context=max_seq_len)
-        if self.decode_step.leading_rows:
+        if self.decode_step.compiled:
             self.decode_step.warm_up()
         self._owner: Optional[object] = None
         self._owner_lock = threading.Lock()
@@ -220,9 +221,15 @@ class DecodeStep:
         return min(length, self.context)
 
     def warm_up(self) -> None:
-        """Compiles the leading-rows step now rather than in the first request: two rows' throw-away tokens
-        at the spare last position."""
+        """Compiles the step now rather than in the first request: throw-away tokens at the spare last position,
+        for two rows (leading rows), or for every row at the shortest context, where the static step's CUDA
+        graph is also captured."""
         with torch.inference_mode():  # as the engine calls it: torch.compile guards on inference tensors
+            if self.static:
+                positions = torch.full((self.max_batch_size,), self.max_seq_len - 1, device=self._device)
+                for _ in range(3):  # torch.compile's CUDA graphs: a warm-up run, the capture, a replay
+                    self._step(positions * 0, positions, self.context_length(1))
+                return
             positions = torch.full((self._fewest_rows,), self.max_seq_len - 1, device=self._device)
             self._call_leading(positions * 0, positions, self.max_seq_len // 2)
 

@@ -137,3 +137,20 @@ def test_the_static_steps_context_length_covers_the_rows_in_powers_of_two(meta_c
     step = DecodeStep(model, 2, static=True, smallest_context=16)
     assert [step.context_length(n) for n in (1, 16, 17, 32, 33, 100, 128)] == [16, 16, 32, 32, 64, 128, 128]
     assert DecodeStep(model, 2, static=True).context_length(1) == 128  # never past the cache
+
+
+def test_a_compiled_static_step_compiles_when_warmed_up_and_not_again_across_lengths(meta_ckpt_dir):
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    import torch
+    from torch._dynamo.utils import counters
+
+    llama = build_llama(meta_ckpt_dir, max_batch_size=2, compile=True)  # a spare position past the context
+    step = DecodeStep(llama.model, 2, compile=True, static=True, smallest_context=16, context=llama.max_seq_len)
+    counters.clear()
+    step.warm_up()
+    assert counters["stats"]["unique_graphs"] == 1
+    with torch.inference_mode():
+        for position in (3, 20, 40, 100, llama.max_seq_len - 1):  # lengths 16, 32, 64, 128, 128
+            step(torch.tensor([5, 6]), torch.tensor([position, 2]), slice(0, 2), position + 1)
+    assert counters["stats"]["unique_graphs"] == 1

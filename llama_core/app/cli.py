@@ -48,7 +48,7 @@ def build_parser() -> ArgumentParser:
                    "instead of --device; for models larger than one GPU")
     p.add_argument("--max-memory", help="with --device-map: the most each device may hold, e.g. 0=20GiB,1=20GiB,cpu=64GiB")
     p.add_argument("--compile", action="store_true", help="decode with a step compiled by torch.compile: CUDA "
-                   "graphs on GPU (the first request is slow while it compiles); on CPU it measured slower than the default")
+                   "graphs on GPU (compiled while the model loads); on CPU it measured slower than the default")
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default on CPU: one fewer than "
                    "the cores, leaving one to the web server; elsewhere torch's own choice)")
     p.add_argument("--single-process", action="store_true", help="run the model in the web server's process "

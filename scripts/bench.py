@@ -380,20 +380,31 @@ def main() -> None:
 def per_token_events(generate: Callable[[list[list[int]], int], None], vocab: int, tokens: int,
                      device: torch.device) -> dict[str, float]:
     """How often each of SYNC_EVENTS happens per token of batch-1 greedy decoding, from the torch profiler:
-    (events generating tokens + 1 tokens - events generating 1) / tokens, so prefill and setup cancel out."""
+    (events generating tokens + 1 tokens - events generating 1) / tokens, so prefill and setup cancel out.
+    On CUDA also device_busy_share: the kernels' time over the span from the first kernel to the last,
+    while generating tokens + 1 (below 1 where the GPU waited for the host); and the kernels that took the
+    most time are printed."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     gen = torch.Generator().manual_seed(4)
 
-    def counts(n: int) -> collections.Counter:
+    def profiled(n: int):
         prompt = torch.randint(3, vocab, (1, 16), generator=gen).tolist()  # fresh: no prefix-cache hit
         with profile(activities=activities) as prof:
             generate(prompt, n)
-        return collections.Counter(event.name for event in prof.events())
+        return prof
 
-    one, many = counts(1), counts(tokens + 1)
-    return {name: (many[name] - one[name]) / tokens for name in SYNC_EVENTS}
+    one = collections.Counter(event.name for event in profiled(1).events())
+    prof = profiled(tokens + 1)
+    many = collections.Counter(event.name for event in prof.events())
+    per_token = {name: (many[name] - one[name]) / tokens for name in SYNC_EVENTS}
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if kernels:
+        span = max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)
+        per_token["device_busy_share"] = sum(e.time_range.elapsed_us() for e in kernels) / max(span, 1)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12), flush=True)
+    return per_token
 
 
 def greedy_agreement(llama: Llama, hf, vocab: int, tokens: int) -> dict:
@@ -497,7 +508,10 @@ def print_table(report: dict) -> None:
         print(f"\nint8 decode speed-up vs float (batch 1): {ours['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x")
     print(f"peak memory of the run: {report['peak_memory_bytes'] / 2**20:.0f} MiB")
     if "per_decoded_token" in report:
-        print("per decoded token: " + ", ".join(f"{name} {count:.2f}" for name, count in report["per_decoded_token"].items()))
+        print("per decoded token: " + ", ".join(f"{name} {count:.2f}" for name, count in report["per_decoded_token"].items()
+                                                if name != "device_busy_share"))
+        if "device_busy_share" in report["per_decoded_token"]:
+            print(f"GPU busy while decoding: {100 * report['per_decoded_token']['device_busy_share']:.1f}% of the time")
     if "greedy_agreement_with_hf" in report:
         g = report["greedy_agreement_with_hf"]
         print(f"greedy vs HF over {g['tokens']} tokens: identical for {g['identical_prefix']}, "

@@ -76,6 +76,8 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
         "{:.2f} waits per token", lambda v: v < 0.05)
     add("waits on the step before, the next one queued (reported)", compiled, "7b_compiled",
         None if per_token is None else per_token.get("cudaEventSynchronize"), "{:.2f} per token", lambda v: True)
+    add("GPU busy while decoding at batch 1, compiled (reported)", compiled, "7b_compiled",
+        None if per_token is None else per_token.get("device_busy_share"), "{:.1%}", lambda v: True)
     agreement = None if eager is None else eager.get("greedy_agreement_with_hf")
     add("bf16 greedy agreement with HF bf16 over 256 tokens (reported)", eager, "7b_eager", agreement,
         "{0[identical_prefix]} identical, {0[teacher_forced_top1]:.1%} top-1 teacher-forced", lambda v: True)

@@ -102,7 +102,7 @@ class Llama:
             tensor_parallel: under `torchrun --nproc_per_node N`, splits heads and FFN units over the N
                 processes. Rank 0 gets the Llama, which drives every rank; on the other ranks this call
                 serves rank 0's steps until rank 0 exits, then exits the process (see
-                llama_core.distributed.parallel).
+                llama_core.distributed.parallel). Not with compile.
             quantize: "int8" stores every projection's weight as int8 with one scale per output channel,
                 once loaded (on CPU faster than float32, with 8-bit activations; see llama_core.quantize);
                 None keeps the dtype's weights. Not with device_map or tensor_parallel.

@@ -108,6 +108,8 @@ def load(
             f"{ckpt_dir} has vocab_size {args.vocab_size}"
         )
     check_quantize(quantize, device_map, tensor_parallel)
+    if compile and tensor_parallel:  # rank 0's broadcast of each forward cannot run inside a compiled graph
+        raise InvalidRequestError("compile and tensor_parallel exclude each other: choose one")
     if max_memory is not None and not isinstance(device_map, str):
         raise InvalidRequestError("max_memory goes with a device_map strategy such as device_map='auto'")
     if tensor_parallel:

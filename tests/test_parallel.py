@@ -128,6 +128,8 @@ def test_tensor_parallel_outside_torchrun_says_how_to_launch(meta_ckpt_dir, monk
         build_llama(meta_ckpt_dir, tensor_parallel=True)
     with pytest.raises(InvalidRequestError, match="exclude each other"):
         build_llama(meta_ckpt_dir, tensor_parallel=True, device_map="auto", device="auto")
+    with pytest.raises(InvalidRequestError, match="compile and tensor_parallel exclude each other"):
+        build_llama(meta_ckpt_dir, tensor_parallel=True, compile=True)
 
 
 # -- device maps ----------------------------------------------------------------------------------

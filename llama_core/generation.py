@@ -98,6 +98,7 @@ class Llama:
             device_map: places whole layers over several devices with accelerate (instead of `device`):
                 "auto" spreads them over the GPUs, offloading to CPU memory as a last resort; or a dict like
                 {"tok_embeddings": 0, "layers.0": 0, ..., "output": 1} (see llama_core.distributed.device_map).
+                Not with compile.
             max_memory: with a device_map strategy, the most each device may hold: {0: "20GiB", "cpu": "64GiB"}.
             tensor_parallel: under `torchrun --nproc_per_node N`, splits heads and FFN units over the N
                 processes. Rank 0 gets the Llama, which drives every rank; on the other ranks this call

@@ -108,8 +108,11 @@ def load(
             f"{ckpt_dir} has vocab_size {args.vocab_size}"
         )
     check_quantize(quantize, device_map, tensor_parallel)
-    if compile and tensor_parallel:  # rank 0's broadcast of each forward cannot run inside a compiled graph
-        raise InvalidRequestError("compile and tensor_parallel exclude each other: choose one")
+    # Neither rank 0's broadcast of each forward nor accelerate's hooks that move a layer's inputs and
+    # weights can be traced into the compiled step.
+    for name, used in (("tensor_parallel", tensor_parallel), ("device_map", device_map is not None)):
+        if compile and used:
+            raise InvalidRequestError(f"compile and {name} exclude each other: choose one")
     if max_memory is not None and not isinstance(device_map, str):
         raise InvalidRequestError("max_memory goes with a device_map strategy such as device_map='auto'")
     if tensor_parallel:

@@ -132,6 +132,11 @@ def test_tensor_parallel_outside_torchrun_says_how_to_launch(meta_ckpt_dir, monk
         build_llama(meta_ckpt_dir, tensor_parallel=True, compile=True)
 
 
+def test_compile_with_a_device_map_is_refused(meta_ckpt_dir, tiny_args):
+    with pytest.raises(InvalidRequestError, match="compile and device_map exclude each other"):
+        build_llama(meta_ckpt_dir, device_map=per_layer_map(tiny_args.n_layers), device="auto", compile=True)
+
+
 # -- device maps ----------------------------------------------------------------------------------
 def per_layer_map(n_layers: int, device="cpu") -> dict:
     return {"tok_embeddings": device, **{f"layers.{i}": device for i in range(n_layers)}, "norm": device,

@@ -130,7 +130,7 @@ class Llama:
                 self._engine = Engine(self.loaded, seed=self._seed, **self._engine_options)
             return self._engine
 
-    def serve(self, max_waiting: int = 64, prefill_chunk: int = 512,
+    def serve(self, max_waiting: int = 64, prefill_chunk: Optional[int] = None,
               after_turn: Optional[Callable[[], None]] = None, prefix_caching: bool = True) -> Engine:
         """The Llama's engine, running in a thread of its own, for a server; `with llama.serve() as engine:`
         stops that thread at the end. Options other than the current engine's replace it, which needs the

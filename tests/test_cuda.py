@@ -194,4 +194,5 @@ def test_the_overlapped_engine_on_cuda_equals_the_synchronous_one(meta_ckpt_dir,
         results[overlap] = [([(c.token, c.logprob, c.top_logprobs) for c in s], s.finish_reason) for s in streams]
         engine.close()
     assert results[True] == results[False]
-    assert Engine(llama.loaded).overlap  # the default on CUDA
+    engine = Engine(llama.loaded)
+    assert engine.overlap and engine.prefill_chunk == 2048  # the defaults on CUDA

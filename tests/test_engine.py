@@ -456,6 +456,13 @@ def test_an_overlapped_engine_launches_the_next_step_before_delivering_one(promp
         assert all(len(t) == 12 for t in tokens)
 
 
+def test_the_default_prefill_chunk_is_the_cpus(prompts):
+    loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=2, seed=0).loaded
+    engine = Engine(loaded)
+    assert engine.prefill_chunk == 512 and not engine.overlap
+    engine.close()
+
+
 def test_overlap_must_be_true_false_or_none(llama):
     with pytest.raises(InvalidRequestError, match="overlap must be true or false"):
         Engine(llama.loaded, overlap="yes")

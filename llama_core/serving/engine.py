@@ -45,6 +45,9 @@ from .stops import StopMatcher
 from .streams import TokenStream
 
 
+CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 512, 2048  # Engine's default prefill_chunk
+
+
 @dataclass(eq=False)
 class _InFlight:
     """A decode step launched whose tokens are not delivered yet (see the module's docstring)."""
@@ -116,12 +119,14 @@ class Engine:
     """
 
     def __init__(self, model: LoadedModel, seed: Optional[int] = None, max_waiting: int = 64,
-                 prefill_chunk: int = 512, after_turn: Optional[Callable[[], None]] = None,
+                 prefill_chunk: Optional[int] = None, after_turn: Optional[Callable[[], None]] = None,
                  prefix_caching: bool = True, overlap: Optional[bool] = None) -> None:
         """seed: seeds sampling; None draws a random seed.
         max_waiting: requests queued beyond the busy slots before submit answers busy.
         prefill_chunk: a prompt longer than this is prefilled this many tokens at a time, a decode step of
-        the other requests after each chunk, so one long prompt does not stall everyone's stream.
+        the other requests after each chunk, so one long prompt does not stall everyone's stream; None:
+        512 on the CPU, 2048 on CUDA (where a chunk of 512 already keeps the GPU's arithmetic busy, and each
+        chunk reads every weight again).
         after_turn: called after each turn (admissions, prefill, one decode step), once that turn's events
         are in their channels, and once more at shutdown: a caller whose channels forward events elsewhere
         can send each turn's events together.
@@ -137,6 +142,8 @@ class Engine:
             InvalidRequestError: a bad prefill_chunk, max_waiting, prefix_caching or overlap.
             LlamaError: another engine owns this model's KV cache.
         """
+        if prefill_chunk is None:
+            prefill_chunk = GPU_PREFILL_CHUNK if model.runner.device.type == "cuda" else CPU_PREFILL_CHUNK
         for name, value in (("prefill_chunk", prefill_chunk), ("max_waiting", max_waiting)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefill_chunk" else 0):
                 raise InvalidRequestError(f"{name} must be a {'positive' if name == 'prefill_chunk' else 'non-negative'} integer, got {value!r}")

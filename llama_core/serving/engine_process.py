@@ -50,7 +50,7 @@ class EngineProcess:
     engine gives up: `state` is then "failed".
     """
 
-    def __init__(self, build: dict[str, Any], max_waiting: int = 64, prefill_chunk: int = 512,
+    def __init__(self, build: dict[str, Any], max_waiting: int = 64, prefill_chunk: Optional[int] = None,
                  threads: Optional[int] = None, prefix_caching: bool = True, max_restarts: int = 3) -> None:
         self._build = dict(build)
         self._engine_options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk,

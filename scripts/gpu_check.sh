@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(device versions tests 7b_compiled 7b_eager 7b_int8 7b_engine32 7b_hf_compiled)
+ALL_STEPS=(device versions tests_cuda tests 7b_compiled 7b_eager 7b_int8 7b_engine32 7b_hf_compiled)
 bench=(python3 scripts/bench.py --shape 7b --device cuda)
 
 if [[ ${1:-} == --list ]]; then
@@ -50,9 +50,11 @@ for step in "${steps[@]}"; do
     device) run device 30 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv ;;
     versions) run versions 60 python3 -c "import sys, torch, transformers, accelerate; print(sys.version.split()[0], \
 torch.__version__, torch.version.cuda, transformers.__version__, accelerate.__version__, torch.cuda.get_device_name())" ;;
-    # CUDA tests, the decode steps (eager, static, compiled), tensor parallel in one process, stories260K.
-    tests) run tests 480 python3 -m pytest tests/test_cuda.py tests/test_parallel.py tests/test_decode.py \
-             tests/test_stories260k.py -q -rs -p no:cacheprovider ;;
+    # The CUDA tests (several compile a tiny model's step), then the decode steps (eager, static, compiled),
+    # tensor parallel in one process and stories260K, which run on the CPU too.
+    tests_cuda) run tests_cuda 480 python3 -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider ;;
+    tests) run tests 480 python3 -m pytest tests/test_parallel.py tests/test_decode.py tests/test_stories260k.py \
+             -q -rs -p no:cacheprovider ;;
     # The CUDA-graph decode step beside HF eager (targets: >= 85 % of the copy bandwidth measured in the
     # same run, >= 5x HF eager), and what its decode loop does per token that makes the host wait.
     7b_compiled) run 7b_compiled 480 "${bench[@]}" --compile --prompt-lengths 128 --batch-sizes 1 \

@@ -217,7 +217,7 @@ def test_gpu_check_runs_the_steps_asked_for_and_carries_the_shared_files(tmp_pat
                               text=True, timeout=120, env=dict(os.environ, LLAMA_SHARED_DIR=str(shared)))
 
     steps = gpu_check("--list").stdout.split()
-    assert steps[:3] == ["device", "versions", "tests"] and "7b_compiled" in steps
+    assert steps[:4] == ["device", "versions", "tests_cuda", "tests"] and "7b_compiled" in steps
     assert gpu_check("--carry").returncode == 0
     assert (work / ".gpu-shared" / "models" / "stories260K" / "params.json").read_text() == "{}"
     assert (work / ".gpu-shared" / "llama2" / "tokenizer.model").read_bytes() == b"sp"

@@ -81,9 +81,8 @@ def test_compiled_cuda_graph_decode_equals_eager(meta_ckpt_dir, tokenizer):
 def test_compiled_decode_over_growing_context_lengths_equals_eager(meta_ckpt_dir, tokenizer):
     eager = build_llama(meta_ckpt_dir, device="cuda", dtype="float32")
     compiled = build_llama(meta_ckpt_dir, device="cuda", dtype="float32", compile=True)
-    # Lengths 16, 32, 64 and 128: one compile, a CUDA graph captured for each.
-    compiled.runner.decode_step = DecodeStep(compiled.model, compiled.max_batch_size, compile=True, smallest_context=16,
-                                             context=compiled.max_seq_len)
+    # Lengths 16, 32, 64 and 128: the step compiled as the model loaded, a CUDA graph captured for each.
+    compiled.runner.decode_step.smallest_context = 16
     prompts = _prompts(tokenizer)
     expected, expected_lps = eager.generate(prompts, 80, temperature=0, logprobs=True)
     for _ in range(2):

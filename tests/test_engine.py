@@ -456,6 +456,14 @@ def test_an_overlapped_engine_launches_the_next_step_before_delivering_one(promp
         assert all(len(t) == 12 for t in tokens)
 
 
+def test_an_overlapped_engine_in_its_own_thread_serves_concurrent_requests_as_solo(prompts, solo):
+    loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
+    engine = Engine(loaded, seed=0, overlap=True)
+    with engine:  # started: turns run in the engine's thread, requests arrive from 16 threads meanwhile
+        assert greedy_concurrently(engine, prompts, 40) == solo
+    engine.close()
+
+
 def test_the_default_prefill_chunk_is_the_cpus(prompts):
     loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=2, seed=0).loaded
     engine = Engine(loaded)

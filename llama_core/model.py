@@ -171,8 +171,25 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             k, v = self.kv_cache.update(input_pos, k, v, cache_rows, kv_len)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            if gqa and q.device.type == "cuda":
+                out = grouped_query_attention(q, k, v, mask)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(batch, seq_len, -1)
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA of q [B, heads, S, head_dim] over k, v [B, kv_heads, L, head_dim] with an additive mask [B, 1, S, L],
+    query head h reading key/value head h // (heads // kv_heads) (as enable_gqa=True). Each key/value head's
+    query heads are folded into its query sequence, so that CUDA's memory-efficient kernel, which takes a
+    mask, reads the cache as it is: SDPA's own GQA runs only in its flash kernel (no mask) or its math one,
+    over a copy of the cache repeated per query head."""
+    batch, heads, seq_len, head_dim = q.shape
+    kv_heads = k.shape[1]
+    per_group = heads // kv_heads
+    folded = q.reshape(batch, kv_heads, per_group * seq_len, head_dim)  # head g * per_group + r, row r * S + s
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, per_group, 1))
+    return out.reshape(batch, heads, seq_len, head_dim)
 
 
 class FeedForward(nn.Module):

@@ -154,3 +154,20 @@ def test_a_compiled_static_step_compiles_when_warmed_up_and_not_again_across_len
         for position in (3, 20, 40, 100, llama.max_seq_len - 1):  # lengths 16, 32, 64, 128, 128
             step(torch.tensor([5, 6]), torch.tensor([position, 2]), slice(0, 2), position + 1)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("seq_len", [1, 5])
+def test_grouped_query_attention_equals_sdpas_own(seq_len):
+    import torch
+    import torch.nn.functional as F
+
+    from llama_core.model import _causal_mask, grouped_query_attention
+
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, length, head_dim = 2, 8, 2, 12, 16
+    q = torch.randn(batch, seq_len, heads, head_dim, generator=gen).transpose(1, 2)  # as the model's: strided
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, generator=gen) for _ in range(2))
+    positions = torch.tensor([[3 + i for i in range(seq_len)], [6 + i for i in range(seq_len)]])
+    mask = _causal_mask(positions, length, torch.float32)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(grouped_query_attention(q, k, v, mask), expected)

@@ -199,18 +199,14 @@ class DecodeStep:
         the dynamic step needs no device-to-host read; None reads it from positions."""
         if rows is None:
             rows = slice(0, tokens.shape[0])
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
         if self.leading_rows:
-            if kv_len is None:
-                kv_len = int(positions.max()) + 1
             highest = rows.stop if isinstance(rows, slice) else int(rows.max()) + 1
             all_tokens, all_positions = self._padded(tokens, positions, rows, max(highest, self._fewest_rows))
             return self._call_leading(all_tokens, all_positions, max(kv_len, 2))[rows]
         if not self.static:
-            if kv_len is None:
-                kv_len = int(positions.max()) + 1
             return self.model(tokens[:, None], positions[:, None], cache_rows=rows, kv_len=kv_len)[:, 0]
-        if kv_len is None:
-            kv_len = int(positions.max()) + 1
         all_tokens, all_positions = self._padded(tokens, positions, rows, self.max_batch_size)
         logits = self._step(all_tokens, all_positions, self.context_length(kv_len))[rows]
         # Copy out of the step's output, which the next CUDA graph replay overwrites (a slice is a view).
@@ -261,7 +257,7 @@ class DecodeStep:
         return self._step(tokens, positions, kv_len)
 
     def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        # Rows not asked for sit at the cache's last position, past kv_len: they attend over all of [0, kv_len).
+        # Rows not asked for sit at the cache's last position: they attend over all of [0, kv_len).
         return self.model(tokens[:, None], positions[:, None], kv_len=kv_len)[:, 0]
 
     def _leading_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -1,18 +1,21 @@
 """Loading Llama-2 weights from Meta's layout (params.json + consolidated.NN.pth) or Hugging Face's
-(config.json + *.safetensors), into a model built on the meta device so host memory holds one copy."""
+(config.json + *.safetensors), into a model built on the meta device. Tensors are read one at a time
+(mmap'd files; Meta's model-parallel shards concatenated tensor by tensor) and each part of the model is
+assigned as soon as its weights are in, so loading holds little beyond the model itself."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from .checkpoint_files import checkpoint_layout, hf_weight_files, meta_shard_paths
-from .checkpoint_files import read_model_args  # noqa: F401  (its old home: callers may import it from here)
 from .config import ModelArgs
 from .errors import CheckpointError
 from .model import Transformer
@@ -23,6 +26,10 @@ META_SHARD_DIM = {
     "wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0,
     "wo": 1, "w2": 1,
 }
+
+# Dimension a tensor-parallel rank takes its 1/N slice along (llama_core.distributed.parallel); every
+# other tensor is replicated.
+TP_SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1}
 
 _HF_NAMES = [
     (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
@@ -45,21 +52,70 @@ _META_NAMES = [
 ]
 
 
-def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype,
-               progress: bool = False) -> Transformer:
-    """Builds the model on the meta device and assigns the checkpoint's tensors, cast to dtype on device;
-    with progress, a bar on stderr follows the weights as they are placed."""
-    if checkpoint_layout(ckpt_dir) == "meta":
-        state_dict = load_meta_state_dict(ckpt_dir)
-    else:
-        state_dict = load_hf_state_dict(ckpt_dir, args)
+def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype, progress: bool = False,
+               assigned: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None) -> Transformer:
+    """Builds the model on the meta device and assigns the checkpoint's tensors as they are read, each cast to
+    dtype on device; with progress, a bar on stderr follows them. assigned(part) is called on each part of the
+    model (a block, the embeddings, the final norm, the output layer) once its weights are in, e.g. to
+    quantize it (a module it returns takes the part's place): so a checkpoint quantized while it loads never
+    has every weight in full precision at once."""
     with torch.device("meta"):
         model = Transformer(args)
-    check_state_dict(state_dict, model, ckpt_dir)
     with WeightsProgress(model, dtype, progress) as bar:
-        state_dict = {name: bar.placed(t.to(device=device, dtype=dtype)) for name, t in state_dict.items()}
-    model.load_state_dict(state_dict, strict=True, assign=True)
+        assign_weights(model, iter_rank_tensors(ckpt_dir, args), ckpt_dir,
+                       lambda name, tensor: bar.placed(tensor.to(device=device, dtype=dtype)), assigned)
     return model.requires_grad_(False).eval()
+
+
+def assign_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor]], ckpt_dir: Path,
+                   place: Callable[[str, torch.Tensor], torch.Tensor],
+                   assigned: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None) -> None:
+    """Fills a meta-device model (whole, or one rank's shard) from (name, tensor) pairs as they are read,
+    place(name, tensor) moving each where it is to live. Each part of the model (a block, the embeddings,
+    the final norm, the output layer) is assigned once its last tensor is in and then handed to assigned,
+    which may return a module to take its place: only the parts still being read are held outside the model.
+
+    Raises:
+        CheckpointError: a tensor the model has no place for, one of the wrong shape or given twice, or
+            tensors missing.
+    """
+    expected = model.state_dict()
+    counts = Counter(map(model_part, expected))
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name not in expected:
+            raise CheckpointError(f"checkpoint {ckpt_dir} has tensor {name}, which the model config "
+                                  f"(n_layers={model.args.n_layers}) has no place for")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"checkpoint {ckpt_dir}: tensor {name} has shape {tuple(tensor.shape)}, "
+                                  f"but the model config expects {tuple(expected[name].shape)}")
+        if name in seen:
+            raise CheckpointError(f"checkpoint {ckpt_dir} holds tensor {name} twice")
+        seen.add(name)
+        part = model_part(name)
+        held = pending.setdefault(part, {})
+        held[name] = place(name, tensor)
+        if len(held) == counts[part]:
+            module = model.get_submodule(part)
+            module.load_state_dict({key[len(part) + 1:]: t for key, t in pending.pop(part).items()}, strict=True, assign=True)
+            replacement = assigned(module) if assigned is not None else None
+            if replacement is not None and replacement is not module:
+                model.set_submodule(part, replacement)
+    missing = sorted(set(expected) - seen, key=_natural_order)
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt_dir} lacks tensor(s) {missing[:5]} for n_layers={model.args.n_layers}")
+
+
+def model_part(name: str) -> str:
+    """The part of the model a weight belongs to: "layers.N" for a block's, else its top-level module
+    ("tok_embeddings", "norm", "output"): the units that are assigned, quantized and placed whole."""
+    head, *rest = name.split(".")
+    return f"{head}.{rest[0]}" if head == "layers" else head
+
+
+def _natural_order(name: str) -> list:
+    return [int(piece) if piece.isdigit() else piece for piece in name.split(".")]
 
 
 class WeightsProgress(tqdm):
@@ -74,60 +130,6 @@ class WeightsProgress(tqdm):
     def placed(self, tensor: torch.Tensor) -> torch.Tensor:
         self.update(tensor.numel() * tensor.element_size())
         return tensor
-
-
-def load_meta_state_dict(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """Loads consolidated.NN.pth shards, merging model-parallel ones into a single-device state dict."""
-    shard_paths = meta_shard_paths(ckpt_dir)
-    shards = [load_torch_file(p) for p in tqdm(shard_paths, desc="loading shards", unit="shard", disable=len(shard_paths) < 2)]
-    if len(shards) == 1:
-        return {name: t for name, t in shards[0].items() if not name.endswith("rope.freqs")}
-    return merge_meta_shards(shards, shard_paths)
-
-
-def merge_meta_shards(shards: list[dict[str, torch.Tensor]], paths: list[Path]) -> dict[str, torch.Tensor]:
-    keys = set(shards[0])
-    for shard, path in zip(shards[1:], paths[1:]):
-        if set(shard) != keys:
-            odd = sorted(set(shard) ^ keys)[:3]
-            raise CheckpointError(f"shard {path} does not fit {paths[0]}: differing tensors {odd}")
-    merged = {}
-    for name in sorted(keys):
-        if name.endswith("rope.freqs"):
-            continue
-        parts = [shard[name] for shard in shards]
-        dim = META_SHARD_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
-        if dim is None:
-            merged[name] = parts[0]
-            continue
-        other = [s for i, s in enumerate(parts[0].shape) if i != dim]
-        for part, path in zip(parts, paths):
-            if [s for i, s in enumerate(part.shape) if i != dim] != other:
-                raise CheckpointError(
-                    f"shard {path}: tensor {name} has shape {tuple(part.shape)}, which does not fit "
-                    f"{tuple(parts[0].shape)} in {paths[0]}"
-                )
-        merged[name] = torch.cat(parts, dim=dim)
-    return merged
-
-
-def load_hf_state_dict(ckpt_dir: Path, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Loads Hugging Face safetensors, renames to Meta's names and undoes HF's rotary permutation."""
-    from safetensors import SafetensorError, safe_open
-
-    files = hf_weight_files(ckpt_dir)
-    raw: dict[str, torch.Tensor] = {}
-    for path in tqdm(files, desc="loading shards", unit="shard", disable=len(files) < 2):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    raw[key] = f.get_tensor(key)
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
-    if "lm_head.weight" not in raw and "model.embed_tokens.weight" in raw and hf_ties_embeddings(ckpt_dir):
-        raw["lm_head.weight"] = raw["model.embed_tokens.weight"]
-    converted = (hf_to_meta(ckpt_dir, key, tensor, args.n_heads, args.n_kv_heads) for key, tensor in raw.items())
-    return dict(item for item in converted if item is not None)
 
 
 def hf_to_meta(ckpt_dir: Path, key: str, tensor: torch.Tensor, n_heads: int, n_kv_heads: int):
@@ -171,6 +173,106 @@ def permute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Meta's interleaved rotary layout to HF's half-split one (what HF's conversion script does)."""
     rows, cols = weight.shape
     return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def iter_rank_tensors(ckpt_dir: Path, args: ModelArgs, rank: int = 0, world_size: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields each weight (Meta's names) as rank `rank` of `world_size` holds it (the whole weight by default),
+    reading only that part, one tensor at a time: a block's tensors come one after another.
+
+    A Meta checkpoint with world_size shards gives rank r its heads from consolidated.r.pth alone
+    (the files are mmap'd; only the pages used are read); other shard counts are resliced. The
+    replicated tok_embeddings and output are joined from every shard. Hugging Face safetensors are
+    read slice by slice.
+    """
+    if checkpoint_layout(ckpt_dir) == "meta":
+        yield from _meta_tensors(ckpt_dir, rank, world_size)
+    else:
+        yield from _hf_tensors(ckpt_dir, args, rank, world_size)
+
+
+def _meta_tensors(ckpt_dir: Path, rank: int, world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    paths = meta_shard_paths(ckpt_dir)
+    shards = [load_torch_file(p) for p in paths]  # mmap'd: this reads the index of each file, not its weights
+    for shard, path in zip(shards[1:], paths[1:]):
+        if set(shard) != set(shards[0]):
+            odd = sorted(set(shard) ^ set(shards[0]))[:3]
+            raise CheckpointError(f"shard {path} does not fit {paths[0]}: differing tensors {odd}")
+    for name in sorted(shards[0]):
+        if name.endswith("rope.freqs"):
+            continue
+        parts = [shard[name] for shard in shards]
+        along = META_SHARD_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
+        if along is None:
+            parts, along = parts[:1], 0
+        for part, path in zip(parts, paths):
+            if [s for i, s in enumerate(part.shape) if i != along] != [s for i, s in enumerate(parts[0].shape) if i != along]:
+                raise CheckpointError(
+                    f"shard {path}: tensor {name} has shape {tuple(part.shape)}, which does not fit "
+                    f"{tuple(parts[0].shape)} in {paths[0]}"
+                )
+        yield name, _rank_part(name, parts, along, rank, world_size)
+
+
+def _rank_part(name: str, parts: list[torch.Tensor], along: int, rank: int, world_size: int) -> torch.Tensor:
+    """Rank's slice of cat(parts, along), touching only the parts it overlaps."""
+    split = TP_SPLIT_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
+    if split is None:
+        return parts[0] if len(parts) == 1 else torch.cat(parts, along)
+    if split != along:
+        parts, along = [torch.cat(parts, along)], split
+    total = sum(p.shape[along] for p in parts)
+    if total % world_size:
+        raise CheckpointError(f"tensor {name}: size {total} along dim {along} does not split over {world_size} ranks")
+    start, stop = rank * total // world_size, (rank + 1) * total // world_size
+    pieces, offset = [], 0
+    for part in parts:
+        low, high = max(start, offset), min(stop, offset + part.shape[along])
+        if low < high:
+            pieces.append(part.narrow(along, low - offset, high - low))
+        offset += part.shape[along]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, along)
+
+
+def _hf_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    files = hf_weight_files(ckpt_dir)
+    try:
+        keys = set()
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                keys.update(f.keys())
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
+    tied = "lm_head.weight" not in keys and hf_ties_embeddings(ckpt_dir)
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                loaded = [(key, _hf_rank_slice(f, key, rank, world_size)) for key in f.keys()]
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
+        for key, tensor in loaded:
+            # HF permutes within each head, so a rank's slice is unpermuted over its own heads.
+            item = hf_to_meta(ckpt_dir, key, tensor, args.n_heads // world_size, args.n_kv_heads // world_size)
+            if item is None:
+                continue
+            name, tensor = item
+            yield name, tensor
+            if tied and name == "tok_embeddings.weight":
+                yield "output.weight", tensor
+
+
+def _hf_rank_slice(f, key: str, rank: int, world_size: int) -> torch.Tensor:
+    name = hf_to_meta_name(key) or ""
+    split = TP_SPLIT_DIM.get(name.split(".")[-2]) if name else None
+    if split is None or world_size == 1:
+        return f.get_tensor(key)
+    view = f.get_slice(key)
+    size = view.get_shape()[split]
+    if size % world_size:
+        raise CheckpointError(f"tensor {key}: size {size} along dim {split} does not split over {world_size} ranks")
+    start, stop = rank * size // world_size, (rank + 1) * size // world_size
+    return view[start:stop] if split == 0 else view[:, start:stop]
 
 
 def check_state_dict(state_dict: dict[str, torch.Tensor], model: Transformer, ckpt_dir: Path) -> None:

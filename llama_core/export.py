@@ -70,12 +70,12 @@ def export_hf(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None,
     """
     import torch
 
-    from .checkpoint import check_state_dict, load_hf_state_dict, load_meta_state_dict, meta_to_hf
+    from .checkpoint import check_state_dict, iter_rank_tensors, meta_to_hf
     from .model import Transformer
     from .tokenizer import Tokenizer
 
     ckpt_dir, out_dir = Path(ckpt_dir).expanduser(), Path(out_dir).expanduser()
-    layout = checkpoint_layout(ckpt_dir)
+    checkpoint_layout(ckpt_dir)  # a folder holding neither layout fails here, before anything is written
     check_out_dir(out_dir, ckpt_dir, force)
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -91,7 +91,7 @@ def export_hf(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None,
     if args.vocab_size != tokenizer.n_words:
         raise CheckpointError(f"tokenizer {tokenizer_path} has {tokenizer.n_words} pieces but the model in "
                               f"{ckpt_dir} has vocab_size {args.vocab_size}")
-    state = load_meta_state_dict(ckpt_dir) if layout == "meta" else load_hf_state_dict(ckpt_dir, args)
+    state = dict(iter_rank_tensors(ckpt_dir, args))
     with torch.device("meta"):
         check_state_dict(state, Transformer(args), ckpt_dir)
     weights_dtype = getattr(torch, dtype) if dtype else state["tok_embeddings.weight"].dtype

@@ -130,9 +130,9 @@ def load(
         model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len, progress)
     else:
         torch_device = resolve_device(device)
-        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress)
-    if quantize == "int8":  # before the runner fuses projections, sets up the KV cache and compiles
-        quantize_int8(model)
+        # Each part quantized as soon as it is in: the full-precision model never exists at once.
+        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress,
+                           assigned=quantize_int8 if quantize == "int8" else None)
     runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel)
     if tensor_parallel:
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only

@@ -129,13 +129,16 @@ class Int8Linear(nn.Module):
 
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replaces every bias-free nn.Linear (and oneDNN-packed projection) in model with an Int8Linear, in place;
-    returns model."""
+    returns model, or its Int8Linear where model is itself such a linear."""
+    if _quantizable(model):
+        return Int8Linear(model.weight)
     for name, child in list(model.named_children()):
-        if isinstance(child, (PackedLinear, cpu_kernels.PanelLinear)) or (isinstance(child, nn.Linear) and child.bias is None):
-            setattr(model, name, Int8Linear(child.weight))
-        else:
-            quantize_int8(child)
+        setattr(model, name, quantize_int8(child))
     return model
+
+
+def _quantizable(module: nn.Module) -> bool:
+    return isinstance(module, (PackedLinear, cpu_kernels.PanelLinear)) or (isinstance(module, nn.Linear) and module.bias is None)
 
 
 def quantization_of(model: nn.Module) -> Optional[str]:

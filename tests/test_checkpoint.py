@@ -17,9 +17,12 @@ from conftest import (
     split_meta_shards,
     write_meta_checkpoint,
 )
-from llama_core.checkpoint import permute_rotary, unpermute_rotary
+from llama_core import checkpoint
+from llama_core.checkpoint import load_model, model_part, permute_rotary, unpermute_rotary
 from llama_core.checkpoint_files import checkpoint_layout, read_model_args
 from llama_core.config import ModelArgs
+from llama_core.errors import CheckpointError
+from llama_core.quantize import Int8Linear, quantize_int8
 
 
 def assert_weights_equal(loaded, state_dict, what):
@@ -102,6 +105,81 @@ def test_hf_single_file_with_tied_embeddings(tmp_path, tiny_args, tiny_state_dic
     assert_weights_equal(loaded, state, "tied HF checkpoint")
     model = build_llama(tmp_path).model
     assert torch.equal(model.output.weight, model.tok_embeddings.weight)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_part_is_assigned_as_soon_as_its_tensors_are_read(ckpt_dirs, tiny_args, monkeypatch, layout):
+    read = []  # tensor names in the order the checkpoint gives them
+    reader = checkpoint.iter_rank_tensors
+
+    def reading(*args, **kwargs):
+        for name, tensor in reader(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(checkpoint, "iter_rank_tensors", reading)
+    held_at_each_part, parts = [], []
+
+    def assigned(part):
+        parts.append(part)
+        done = sum(len(list(p.state_dict())) for p in parts)
+        held_at_each_part.append(len(read) - done)  # read, and not yet in an assigned part
+
+    model = load_model(ckpt_dirs[layout], tiny_args, torch.device("cpu"), torch.float32, assigned=assigned)
+    assert sorted(map(id, parts)) == sorted(map(id, [*model.layers, model.tok_embeddings, model.norm, model.output]))
+    assert sum(len(list(p.state_dict())) for p in parts) == len(read) == len(model.state_dict())
+    # Meta's files give a block's tensors one after another (two shards: joined tensor by tensor), so
+    # nothing waits; Hugging Face's small shard files split a block at most once per file boundary.
+    most_held = 0 if layout.startswith("meta") else max(len(list(block.state_dict())) for block in model.layers)
+    assert max(held_at_each_part) <= most_held, held_at_each_part
+
+
+def test_int8_while_loading_quantizes_exactly_what_loading_then_quantizing_does(meta_sharded_ckpt_dir, tiny_args):
+    built = []  # the model load_model builds
+
+    class Recorded(checkpoint.Transformer):
+        def __init__(self, args):
+            super().__init__(args)
+            built.append(self)
+
+    full_precision_blocks = []  # at each part's quantization: the blocks holding float weights
+
+    def quantize(part):
+        full_precision_blocks.append(sum(isinstance(block.attention.wq, torch.nn.Linear)
+                                         and block.attention.wq.weight.device.type != "meta" for block in built[0].layers))
+        return quantize_int8(part)  # the output layer's Int8Linear takes its place
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint, "Transformer", Recorded)
+        while_loading = load_model(meta_sharded_ckpt_dir, tiny_args, torch.device("cpu"), torch.float32, assigned=quantize)
+    assert full_precision_blocks and max(full_precision_blocks) == 1
+    assert not any(isinstance(m, torch.nn.Linear) for m in while_loading.modules())
+    after = quantize_int8(load_model(meta_sharded_ckpt_dir, tiny_args, torch.device("cpu"), torch.float32))
+    assert while_loading.state_dict().keys() == after.state_dict().keys()
+    for name, tensor in after.state_dict().items():
+        assert torch.equal(while_loading.state_dict()[name], tensor), name
+    built_int8 = build_llama(meta_sharded_ckpt_dir, quantize="int8")  # the loader's own path
+    assert not any(isinstance(m, torch.nn.Linear) for m in built_int8.model.modules())
+
+
+def test_a_tensor_given_twice_is_refused(tmp_path, ckpt_dirs, tiny_args):
+    ckpt = tmp_path / "hf"
+    shutil.copytree(ckpt_dirs["hf"], ckpt)
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    from safetensors.torch import load_file
+
+    first, last = load_file(ckpt / files[0]), load_file(ckpt / files[-1])
+    name = next(iter(first))
+    last[name] = first[name]  # in two files: an index would name one, the loader reads every file listed
+    save_file(last, str(ckpt / files[-1]))
+    with pytest.raises(CheckpointError, match=rf"holds tensor {checkpoint.hf_to_meta_name(name)} twice"):
+        load_weights(ckpt, tiny_args.vocab_size)
+
+
+def test_model_part_names_what_is_assigned_whole():
+    assert model_part("layers.12.attention.wq.weight") == "layers.12"
+    assert [model_part(n) for n in ("tok_embeddings.weight", "norm.weight", "output.weight")] == ["tok_embeddings", "norm", "output"]
 
 
 def test_tokenizer_found_in_parent_directory(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):

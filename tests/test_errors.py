@@ -173,6 +173,15 @@ def test_params_with_more_layers_than_weights(tmp_path, tiny_args, tiny_state_di
         build_llama(ckpt)
 
 
+def test_params_with_fewer_layers_than_weights(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [tiny_state_dict], tokenizer_path)
+    params = json.loads((ckpt / "params.json").read_text())
+    params["n_layers"] = 1
+    (ckpt / "params.json").write_text(json.dumps(params))
+    with pytest.raises(CheckpointError, match=r"has tensor layers\.1\..*, which the model config \(n_layers=1\) has no place for"):
+        build_llama(ckpt)
+
+
 @pytest.mark.parametrize(
     "params, message",
     [

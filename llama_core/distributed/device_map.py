@@ -15,12 +15,11 @@ from typing import Optional, Union
 
 import torch
 
-from ..checkpoint import WeightsProgress, check_state_dict
+from ..checkpoint import WeightsProgress, assign_weights, iter_rank_tensors, model_part
 from ..config import ModelArgs
 from ..devices import resolve_dtype
 from ..errors import InvalidRequestError
 from ..model import Transformer
-from .parallel import iter_rank_tensors
 
 Device = Union[int, str, torch.device]
 DeviceMap = Union[str, dict[str, Device]]
@@ -67,14 +66,8 @@ def load_dispatched(
 
     # Whole tensors one at a time, each straight to its device: host memory holds only the offloaded part.
     with WeightsProgress(model, dtype, progress) as bar:
-        state_dict = {
-            name: bar.placed(tensor.to(device=_storage_device(placement.get(_top_module(name), "cpu")),
-                                       dtype=dtype).contiguous())
-            for name, tensor in iter_rank_tensors(ckpt_dir, args, rank=0, world_size=1)
-        }
-    check_state_dict(state_dict, model, ckpt_dir)
-    model.load_state_dict(state_dict, strict=True, assign=True)
-    del state_dict
+        assign_weights(model, iter_rank_tensors(ckpt_dir, args), ckpt_dir, lambda name, tensor: bar.placed(
+            tensor.to(device=_storage_device(placement.get(model_part(name), "cpu")), dtype=dtype).contiguous()))
     model.requires_grad_(False).eval()
     model.fuse_projections()  # before dispatch, so offloaded layers keep their fused weights in accelerate's map
     return dispatch(model, placement)
@@ -221,11 +214,6 @@ def _check_max_memory(max_memory: Optional[MaxMemory]) -> Optional[MaxMemory]:
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"max_memory for {key!r} must be a size like '20GiB' or bytes, got {size!r}") from exc
     return checked
-
-
-def _top_module(name: str) -> str:
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
 def _storage_device(device: Union[int, str]) -> torch.device:

@@ -20,28 +20,16 @@ import signal
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import (
-    META_SHARD_DIM,
-    WeightsProgress,
-    hf_ties_embeddings,
-    hf_to_meta_name,
-    load_torch_file,
-    check_state_dict,
-    hf_to_meta,
-)
-from ..checkpoint_files import checkpoint_layout, hf_weight_files, meta_shard_paths
+from ..checkpoint import TP_SPLIT_DIM, WeightsProgress, assign_weights, iter_rank_tensors  # noqa: F401  (tests import them from here)
 from ..config import ModelArgs
-from ..errors import CheckpointError, InvalidRequestError
+from ..errors import InvalidRequestError
 from ..model import Transformer
-
-# Dimension each rank takes its 1/N slice along; every other tensor is replicated.
-TP_SPLIT_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1}
 
 # Ranks > 0 wait on rank 0 between requests: an idle server must not time out.
 _IDLE_TIMEOUT = timedelta(days=365)
@@ -116,12 +104,8 @@ def load_model_shard(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtyp
         model = Transformer(args)
     shard_transformer(model, world)
     with WeightsProgress(model, dtype, progress and rank == 0) as bar:
-        state_dict = {
-            name: bar.placed(tensor.to(device=device, dtype=dtype).contiguous())
-            for name, tensor in iter_rank_tensors(ckpt_dir, args, rank, world)
-        }
-    check_state_dict(state_dict, model, ckpt_dir)
-    model.load_state_dict(state_dict, strict=True, assign=True)
+        assign_weights(model, iter_rank_tensors(ckpt_dir, args, rank, world), ckpt_dir,
+                       lambda name, tensor: bar.placed(tensor.to(device=device, dtype=dtype).contiguous()))
     return model.requires_grad_(False).eval()
 
 
@@ -150,106 +134,6 @@ def _local_linear(linear: nn.Linear, dim: int, world_size: int) -> nn.Linear:
 
 def _all_reduce_output(module: nn.Module, inputs, output: torch.Tensor) -> None:
     dist.all_reduce(output)  # in place: this rank's partial sum becomes the full output
-
-
-# -- reading one rank's weights -----------------------------------------------------------------
-def iter_rank_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields each weight (Meta's names) as rank `rank` of `world_size` holds it, reading only that part.
-
-    A Meta checkpoint with world_size shards gives rank r its heads from consolidated.r.pth alone
-    (the files are mmap'd; only the pages used are read); other shard counts are resliced. The
-    replicated tok_embeddings and output are joined from every shard. Hugging Face safetensors are
-    read slice by slice.
-    """
-    if checkpoint_layout(ckpt_dir) == "meta":
-        yield from _meta_tensors(ckpt_dir, rank, world_size)
-    else:
-        yield from _hf_tensors(ckpt_dir, args, rank, world_size)
-
-
-def _meta_tensors(ckpt_dir: Path, rank: int, world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    paths = meta_shard_paths(ckpt_dir)
-    shards = [load_torch_file(p) for p in paths]  # mmap'd: this reads the index of each file, not its weights
-    for shard, path in zip(shards[1:], paths[1:]):
-        if set(shard) != set(shards[0]):
-            odd = sorted(set(shard) ^ set(shards[0]))[:3]
-            raise CheckpointError(f"shard {path} does not fit {paths[0]}: differing tensors {odd}")
-    for name in sorted(shards[0]):
-        if name.endswith("rope.freqs"):
-            continue
-        parts = [shard[name] for shard in shards]
-        along = META_SHARD_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
-        if along is None:
-            parts, along = parts[:1], 0
-        for part, path in zip(parts, paths):
-            if [s for i, s in enumerate(part.shape) if i != along] != [s for i, s in enumerate(parts[0].shape) if i != along]:
-                raise CheckpointError(
-                    f"shard {path}: tensor {name} has shape {tuple(part.shape)}, which does not fit "
-                    f"{tuple(parts[0].shape)} in {paths[0]}"
-                )
-        yield name, _rank_part(name, parts, along, rank, world_size)
-
-
-def _rank_part(name: str, parts: list[torch.Tensor], along: int, rank: int, world_size: int) -> torch.Tensor:
-    """Rank's slice of cat(parts, along), touching only the parts it overlaps."""
-    split = TP_SPLIT_DIM.get(name.split(".")[-2]) if parts[0].dim() > 1 else None
-    if split is None:
-        return parts[0] if len(parts) == 1 else torch.cat(parts, along)
-    if split != along:
-        parts, along = [torch.cat(parts, along)], split
-    total = sum(p.shape[along] for p in parts)
-    if total % world_size:
-        raise CheckpointError(f"tensor {name}: size {total} along dim {along} does not split over {world_size} ranks")
-    start, stop = rank * total // world_size, (rank + 1) * total // world_size
-    pieces, offset = [], 0
-    for part in parts:
-        low, high = max(start, offset), min(stop, offset + part.shape[along])
-        if low < high:
-            pieces.append(part.narrow(along, low - offset, high - low))
-        offset += part.shape[along]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, along)
-
-
-def _hf_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
-
-    files = hf_weight_files(ckpt_dir)
-    try:
-        keys = set()
-        for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                keys.update(f.keys())
-    except (SafetensorError, OSError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
-    tied = "lm_head.weight" not in keys and hf_ties_embeddings(ckpt_dir)
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                loaded = [(key, _hf_rank_slice(f, key, rank, world_size)) for key in f.keys()]
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
-        for key, tensor in loaded:
-            # HF permutes within each head, so a rank's slice is unpermuted over its own heads.
-            item = hf_to_meta(ckpt_dir, key, tensor, args.n_heads // world_size, args.n_kv_heads // world_size)
-            if item is None:
-                continue
-            name, tensor = item
-            yield name, tensor
-            if tied and name == "tok_embeddings.weight":
-                yield "output.weight", tensor
-
-
-def _hf_rank_slice(f, key: str, rank: int, world_size: int) -> torch.Tensor:
-    name = hf_to_meta_name(key) or ""
-    split = TP_SPLIT_DIM.get(name.split(".")[-2]) if name else None
-    if split is None or world_size == 1:
-        return f.get_tensor(key)
-    view = f.get_slice(key)
-    size = view.get_shape()[split]
-    if size % world_size:
-        raise CheckpointError(f"tensor {key}: size {size} along dim {split} does not split over {world_size} ranks")
-    start, stop = rank * size // world_size, (rank + 1) * size // world_size
-    return view[start:stop] if split == 0 else view[:, start:stop]
 
 
 # -- rank 0 drives, the others follow -----------------------------------------------------------

@@ -28,7 +28,7 @@ from .errors import InvalidRequestError
 from .model import Span, Transformer
 from .cpu_kernels import PanelLinear, available as cpu_kernels_available
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
-from .quantize import Int8Linear
+from .quantize import Int8Linear, keep_int8_in_panels
 
 CacheRows = torch.Tensor | slice
 
@@ -66,6 +66,7 @@ class ModelRunner:
                 pack_linears(model)
                 if self.dtype == torch.float32 and cpu_kernels_available():
                     model.use_cpu_kernels()
+                    keep_int8_in_panels(model)
             model.use_column_major_weights()
         model.setup_caches(max_batch_size, max_seq_len + (1 if compile else 0))  # a compiled step's spare position
         self._first_kv_cache = model.layers[0].attention.kv_cache  # every forward and copy writes it

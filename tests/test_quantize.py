@@ -11,7 +11,7 @@ from torch import nn
 
 from llama_core import DEFAULT_CKPT_DIR, Llama
 from llama_core.errors import InvalidRequestError
-from llama_core.quantize import Int8Linear, quantization_of, quantize_int8
+from llama_core.quantize import Int8Linear, Int8PanelLinear, quantization_of, quantize_int8
 from llama_core.serving.engine_process import EngineProcess
 
 from conftest import STORIES_DIR, build_llama, needs_stories
@@ -99,6 +99,37 @@ def test_a_state_dict_loaded_into_an_int8_layer_is_what_it_computes_with(cpu_int
         layer(x)  # packs layer's own weight
         layer.load_state_dict(other.state_dict())  # in place: same storage, new values
         assert torch.equal(layer(x), other(x))
+
+
+@pytest.mark.parametrize("shape", [(2304, 768), (64, 172)], ids=str)
+def test_an_int8_layer_kept_in_panels_alone_computes_as_before(shape):
+    from llama_core import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("llama_core's CPU kernels did not build here (no C compiler)")
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.randn(shape) * 0.02)
+    kept = Int8PanelLinear(layer)
+    assert torch.equal(kept.weight, layer.weight) and torch.equal(kept.scales, layer.scales)
+    assert (kept.out_features, kept.in_features) == shape and torch.equal(kept.dequantized(), layer.dequantized())
+    for rows in (1, 8, 33):
+        x = torch.randn(2, rows, shape[1])
+        with torch.inference_mode():
+            assert torch.equal(kept(x), layer(x))
+
+
+def test_the_cpu_runner_keeps_int8_weights_only_in_panels(meta_ckpt_dir):
+    from llama_core import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("llama_core's CPU kernels did not build here (no C compiler)")
+    llama = build_llama(meta_ckpt_dir, quantize="int8")
+    layers = [m for m in llama.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(type(m) is Int8PanelLinear for m in layers)
+    # The panels are the one int8 copy: no row-major weight beside them.
+    assert all(t.dim() == 4 for m in layers for t in m.buffers() if t.dtype == torch.int8)
+    int8_bytes = sum(t.numel() for m in layers for t in m.buffers() if t.dtype == torch.int8)
+    assert int8_bytes < 1.2 * sum(m.in_features * m.out_features for m in layers)  # panels pad to 32 rows
 
 
 def test_quantize_option_builds_int8_layers_and_says_so(meta_ckpt_dir):

@@ -249,3 +249,23 @@ def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
     assert table["no host synchronisation per decoded token (compiled)"][0] == "1.00 waits per token"
     assert table["waits on the step before, the next one queued (reported)"][0] == "1.00 per token"
     assert table["int8 >= 1.7x bf16 compiled decode"][0] == "not measured"
+
+
+def test_load_bench_reports_memory_for_each_layout_and_load(tmp_path, tokenizer_path, tokenizer):
+    report_path = tmp_path / "load.json"
+    result = _run("bench_load.py", "--dim", "128", "--n-layers", "2", "--vocab-size", str(tokenizer.n_words),
+                  "--tokenizer", str(tokenizer_path), "--loads", "float32,float32+int8", "--json", str(report_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(report_path.read_text())["rows"]
+    assert [(r["checkpoint"], r["load"]) for r in rows] == [
+        (layout, load) for layout in ("meta", "meta2", "hf") for load in ("float32", "float32+int8")]
+    for row in rows:
+        assert row["peak_anon"] >= row["anon_after"] > 0 and row["weights_bytes"] > 0 and row["seconds"] > 0
+        assert f"{row['checkpoint']:<12} {row['load']:<14}" in result.stdout
+    float32, int8 = rows[0], rows[1]
+    assert int8["weights_bytes"] < float32["weights_bytes"] and int8["parameters"] == float32["parameters"]
+
+
+def test_load_bench_names_a_bad_load():
+    result = _run("bench_load.py", "--loads", "float32+int4")
+    assert result.returncode == 2 and "--loads: 'float32+int4' is not a dtype" in result.stderr

@@ -17,7 +17,7 @@ from .devices import resolve_device, resolve_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
 from .quantize import QUANTIZATIONS, quantization_of, quantize_int8
 from .resources import DEFAULT_CKPT_DIR
-from .runner import ModelRunner
+from .runner import ModelRunner, cpu_serving_layout
 from .tokenizer import Tokenizer
 
 
@@ -130,14 +130,28 @@ def load(
         model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len, progress)
     else:
         torch_device = resolve_device(device)
-        # Each part quantized as soon as it is in: the full-precision model never exists at once.
         model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress,
-                           assigned=quantize_int8 if quantize == "int8" else None)
+                           assigned=_prepare_part(quantize, torch_device.type == "cpu" and not compile))
     runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel)
     if tensor_parallel:
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
     return LoadedModel.from_runner(runner, tokenizer, ckpt_dir, time.perf_counter() - start)
 
+
+
+def _prepare_part(quantize: Optional[str], cpu_eager: bool):
+    """What the loader does to each part of a one-device model as soon as its weights are in (quantizing it,
+    and on the CPU putting it in the eager runner's layout), so the model never exists whole in full
+    precision or float32; None where nothing is to be done."""
+    if quantize is None and not cpu_eager:
+        return None
+
+    def prepare(part: torch.nn.Module) -> torch.nn.Module:
+        if quantize == "int8":
+            part = quantize_int8(part)
+        return cpu_serving_layout(part) if cpu_eager else part
+
+    return prepare
 
 
 def check_quantize(quantize: Optional[str], device_map=None, tensor_parallel: bool = False) -> None:

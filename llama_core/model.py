@@ -235,10 +235,13 @@ class TransformerBlock(nn.Module):
 
     @property
     def in_one_call(self) -> bool:
-        """Whether llama_core.cpu_kernels can run this block in one call: fused float32 projections in panels."""
+        """Whether llama_core.cpu_kernels can run this block in one call: fused float32 projections in panels,
+        all of one panel dtype."""
         attention, feed_forward = self.attention, self.feed_forward
-        return all(isinstance(getattr(module, name, None), PanelLinear)
-                   for module, name in ((attention, "wqkv"), (attention, "wo"), (feed_forward, "w13"), (feed_forward, "w2")))
+        projections = [getattr(module, name, None) for module, name in
+                       ((attention, "wqkv"), (attention, "wo"), (feed_forward, "w13"), (feed_forward, "w2"))]
+        return (all(isinstance(p, PanelLinear) for p in projections)
+                and len({p.panels.dtype for p in projections}) == 1)
 
 
 class Transformer(nn.Module):

@@ -22,10 +22,11 @@ import threading
 from typing import Optional, Sequence
 
 import torch
+from torch import nn
 
 from .devices import execution_device, on_one_device, to_device
 from .errors import InvalidRequestError
-from .model import Span, Transformer
+from .model import Span, Transformer, TransformerBlock
 from .cpu_kernels import PanelLinear, available as cpu_kernels_available
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
 from .quantize import Int8Linear, keep_int8_in_panels
@@ -264,6 +265,22 @@ class DecodeStep:
     def _leading_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         # cache_rows None: rows 0..B-1 with B symbolic (a slice object would be specialised to its bounds).
         return self.model(tokens[:, None], positions[:, None], cache_rows=None, kv_len=kv_len)[:, 0]
+
+
+def cpu_serving_layout(part: nn.Module) -> nn.Module:
+    """One part of a just-loaded CPU model (a block, the embeddings, the norm, the output layer) in the layout
+    an eager ModelRunner serves it in: q/k/v and gate/up fused, float32 and int8 projections in
+    llama_core.cpu_kernels' panels (16-bit ones where those hold the weight exactly). The loader applies it as
+    each part is read, so a model stored in 16 bits never exists whole in float32. Returns the part, or what
+    takes its place."""
+    if isinstance(part, TransformerBlock) and part.attention.wqkv is None:
+        part.attention.fuse_projections()
+        part.feed_forward.fuse_projections()
+    holder = nn.ModuleDict({"part": part})  # so that a part which is itself a projection can be replaced
+    pack_linears(holder)
+    if cpu_kernels_available():
+        keep_int8_in_panels(holder)
+    return holder["part"]
 
 
 def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device,

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama_core import cpu_kernels
-from llama_core.cpu_kernels import (PANEL, PanelLinear, build, from_int8_panels, from_panels, panel_product,
-                                    to_int8_panels, to_panels)
+from llama_core.cpu_kernels import (PANEL, PanelLinear, build, exact_storage, from_int8_panels, from_panels,
+                                    panel_product, to_int8_panels, to_panels)
 from llama_core.packed_linear import PackedLinear, pack_linears
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here to build llama_core's CPU kernels")
@@ -51,6 +51,56 @@ def test_float32_product_equals_f_linear(rows, shape):
     got = PanelLinear(weight)(x)
     assert got.shape == (rows, shape[0]) and got.is_contiguous()
     torch.testing.assert_close(got, (x.double() @ weight.double().T).float(), atol=1e-4, rtol=1e-4)
+
+
+def test_exact_storage_is_the_narrowest_dtype_holding_every_value():
+    torch.manual_seed(0)
+    weight = torch.randn(64, 48)
+    assert exact_storage(weight) == torch.float32
+    assert exact_storage(weight.bfloat16().float()) == torch.bfloat16  # Meta's checkpoints
+    assert exact_storage(weight.half().float()) == torch.float16  # Hugging Face's: more mantissa than bfloat16
+    wide = (weight * 1e6).bfloat16().float()  # beyond float16's range
+    assert exact_storage(wide) == torch.bfloat16
+    assert exact_storage(torch.cat([weight.half().float(), wide])) == torch.float32  # neither holds both
+
+
+@needs_kernels
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 33])
+@pytest.mark.parametrize("shape", [(96, 64), (100, 7), (31, 33), (2304, 768)], ids=str)
+def test_16_bit_panels_give_the_float32_panels_products_bit_for_bit(stored, rows, shape):
+    torch.manual_seed(rows)
+    weight = torch.randn(shape).to(stored).float()
+    if stored == torch.float16:
+        weight[0, :3] = torch.tensor([6e-8, -3e-5, 0.0]).half().float()  # subnormal float16 values widen exactly too
+    layer = PanelLinear(weight)
+    assert layer.panels.dtype == stored and torch.equal(layer.weight, weight)
+    x = torch.randn(rows, shape[1])
+    expected = panel_product(x, to_panels(weight), *shape)  # the same values in float32 panels
+    assert torch.equal(layer(x), expected)
+    assert layer.panels.nbytes * 2 == to_panels(weight).nbytes
+
+
+@pytest.mark.skipif(build.shutil.which("cc") is None, reason="no C compiler here")
+def test_float16_panels_widen_exactly_without_f16c(tmp_path):
+    # -march=native on a CPU with F16C or AVX-512 converts in hardware; elsewhere linear.c widens in C.
+    import ctypes
+
+    library_path = tmp_path / "linear.so"
+    result = build.subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-mno-f16c", "-mno-avx512f",
+                                   str(build.SOURCES[0]), "-o", str(library_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    library = ctypes.CDLL(str(library_path))
+    library.panel_linear_f16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    halves = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = halves[torch.isfinite(halves)]  # every finite float16 (63,488): normal, subnormal, both zeros
+    weight = finite.view(-1, 32).T.contiguous()  # [32, 1984]: one panel
+    panels, x, out = to_panels(weight), torch.zeros(1, weight.shape[1]), torch.empty(1, 32)
+    for k in range(weight.shape[1]):  # a one-hot row reads column k back through the widening
+        x.zero_()
+        x[0, k] = 1.0
+        library.panel_linear_f16(x.data_ptr(), panels.data_ptr(), None, out.data_ptr(), 1, 32, weight.shape[1], 1)
+        assert torch.equal(out[0], weight[:, k].float()), k
 
 
 @needs_kernels
@@ -191,3 +241,52 @@ def test_a_cache_that_cannot_be_written_falls_back_to_a_temporary_directory(monk
     monkeypatch.setattr(build, "_loaded", {})
     assert build.load() is not None
     assert len(list((tmp_path / "tmp").glob("llama_core-kernels-*/kernels-*.so"))) == 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16], ids=str)
+def test_a_checkpoint_stored_in_16_bits_serves_from_16_bit_panels_with_float32_panels_results(
+        tmp_path, tiny_args, tiny_state_dict, tokenizer_path, tokenizer, stored):
+    from conftest import build_llama, write_meta_checkpoint
+
+    state = {name: t.to(stored) for name, t in tiny_state_dict.items()}  # as Llama-2's checkpoints come
+    llama = build_llama(write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [state], tokenizer_path))
+    projections = [m for m in llama.model.modules() if isinstance(m, PanelLinear)]
+    assert len(projections) == 4 * tiny_args.n_layers + 1 and all(m.panels.dtype == stored for m in projections)
+    assert all(block.in_one_call for block in llama.model.layers)
+    wide = build_llama(write_meta_checkpoint(tmp_path / "same", tiny_args, [state], tokenizer_path))
+    for module in wide.model.modules():
+        if isinstance(module, PanelLinear):
+            module.panels = to_panels(module.weight)  # the same values in float32 panels, as before 16-bit ones
+    prompts = [tokenizer.encode(t, bos=True, eos=False) for t in ("Once upon a time", "The king", "A")]
+    tokens, logprobs = llama.generate(prompts, 10, temperature=0, logprobs=True)
+    expected_tokens, expected_logprobs = wide.generate(prompts, 10, temperature=0, logprobs=True)
+    assert tokens == expected_tokens and logprobs == expected_logprobs
+
+
+@needs_kernels
+def test_a_16_bit_checkpoint_never_holds_every_block_in_float32_while_it_loads(tmp_path, tiny_args, tiny_state_dict,
+                                                                                tokenizer_path, monkeypatch):
+    from conftest import build_llama, write_meta_checkpoint
+    from llama_core import checkpoint, loader
+    from llama_core.runner import cpu_serving_layout
+
+    state = {name: t.to(torch.bfloat16) for name, t in tiny_state_dict.items()}
+    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [state], tokenizer_path)
+    built, float32_blocks = [], []
+
+    class Recorded(checkpoint.Transformer):
+        def __init__(self, args):
+            super().__init__(args)
+            built.append(self)
+
+    def laid_out(part):
+        float32_blocks.append(sum(any(type(m) is nn.Linear and m.weight.device.type != "meta" for m in block.modules())
+                                  for block in built[0].layers))
+        return cpu_serving_layout(part)
+
+    monkeypatch.setattr(checkpoint, "Transformer", Recorded)
+    monkeypatch.setattr(loader, "cpu_serving_layout", laid_out)
+    llama = build_llama(ckpt)
+    assert max(float32_blocks) == 1 and len(float32_blocks) == tiny_args.n_layers + 3
+    assert all(isinstance(block.attention.wqkv, PanelLinear) for block in llama.model.layers)

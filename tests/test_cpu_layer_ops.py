@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from llama_core import cpu_kernels
-from llama_core.cpu_kernels import layer_ops
+from llama_core.cpu_kernels import PanelLinear, layer_ops
 from llama_core.config import ModelArgs
 from llama_core.kv_cache import KVCache
 from llama_core.model import TransformerBlock, apply_rotary, rotary_angles
@@ -177,6 +177,32 @@ def test_a_block_in_one_call_gives_what_its_modules_give_one_by_one():
     assert torch.equal(got, expected)
     assert torch.equal(one_call.attention.kv_cache.k_cache, by_module.attention.kv_cache.k_cache)
     assert torch.equal(one_call.attention.kv_cache.v_cache, by_module.attention.kv_cache.v_cache)
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16], ids=str)
+def test_a_block_of_16_bit_panels_in_one_call_gives_its_float32_panels_values(stored):
+    from llama_core.cpu_kernels import to_panels
+
+    narrow, wide = _block(0), _block(0)
+    for block in (narrow, wide):
+        for module in block.modules():
+            if isinstance(module, PanelLinear):  # weights a checkpoint stored in 16 bits holds
+                module.panels = to_panels(module.weight.to(stored))
+    for module in wide.modules():
+        if isinstance(module, PanelLinear):
+            module.panels = to_panels(module.weight)
+    assert narrow.in_one_call and narrow.attention.wqkv.panels.dtype == stored
+    assert wide.in_one_call and wide.attention.wqkv.panels.dtype == torch.float32
+    positions, rows = torch.tensor([[3], [9]]), torch.tensor([1, 2])
+    rotation = rotary_angles(positions, 16, 10000.0)
+    slots = layer_ops.token_slots(layer_ops.token_rows(rows, 2, 1), positions, rotation)
+    x = torch.randn(2, 1, 64)
+    with torch.inference_mode():
+        assert torch.equal(narrow(x, rotation, positions, None, rows, 10, slots=slots),
+                           wide(x, rotation, positions, None, rows, 10, slots=slots))
+    assert torch.equal(narrow.attention.kv_cache.k_cache, wide.attention.kv_cache.k_cache)
+    narrow.feed_forward.w2.panels = to_panels(narrow.feed_forward.w2.weight)  # one float32 projection among them
+    assert not narrow.in_one_call
 
 
 def test_a_block_in_one_call_refuses_a_position_outside_the_cache_and_leaves_its_input():

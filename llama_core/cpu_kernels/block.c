@@ -6,8 +6,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-void panel_linear_f32(const float *x, const float *w, const float *scales, float *y, int64_t M, int64_t N, int64_t K,
-                      int threads);
+void panel_linear(int kind, const float *x, const void *w, float *y, int64_t M, int64_t N, int64_t K, int threads);
 void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int64_t dim, float eps, int threads);
 void silu_mul(const float *gate_up, float *out, int64_t rows, int64_t hidden, int threads);
 int attend_new_tokens(const float *qkv, int64_t qkv_stride, const float *rotation, float *k_cache, float *v_cache,
@@ -22,10 +21,11 @@ static int64_t larger(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* x [count][dim] (count tokens, each with its cache row and position, as attend_new_tokens takes them) becomes
  * the block's output in place. wqkv [heads + 2 kv_heads heads], wo, w13 [2 * hidden] (gate, then up) and w2
- * are panels. Returns attend_new_tokens' status (-1: a row or position outside the cache, nothing written;
+ * are panels, all of one kind (linear.c's panel_linear: 0 float32, 1 bfloat16, 2 float16). Returns
+ * attend_new_tokens' status (-1: a row or position outside the cache, nothing written;
  * -2: no memory), 0 when done. */
-int decoder_block(float *x, int64_t count, int64_t dim, float eps, const float *attention_norm, const float *wqkv,
-                  const float *wo, const float *ffn_norm, const float *w13, const float *w2, int64_t hidden,
+int decoder_block(float *x, int64_t count, int64_t dim, float eps, const float *attention_norm, int kind, const void *wqkv,
+                  const void *wo, const float *ffn_norm, const void *w13, const void *w2, int64_t hidden,
                   const float *rotation, float *k_cache, float *v_cache, const int64_t *rows, const int64_t *positions,
                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t slots, int64_t max_seq_len, int threads) {
   int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, attended_width = heads * head_dim;
@@ -35,16 +35,16 @@ int decoder_block(float *x, int64_t count, int64_t dim, float eps, const float *
   int status = -2;
   if (normed != NULL && wide != NULL && narrow != NULL) {
     rms_norm(x, attention_norm, normed, count, dim, eps, threads);
-    panel_linear_f32(normed, wqkv, NULL, wide, count, qkv_width, dim, threads);
+    panel_linear(kind, normed, wqkv, wide, count, qkv_width, dim, threads);
     status = attend_new_tokens(wide, qkv_width, rotation, k_cache, v_cache, rows, positions, count, heads, kv_heads,
                                head_dim, slots, max_seq_len, narrow, threads);
     if (status == 0) {
-      panel_linear_f32(narrow, wo, NULL, normed, count, dim, attended_width, threads);
+      panel_linear(kind, narrow, wo, normed, count, dim, attended_width, threads);
       add_to(x, normed, count * dim);
       rms_norm(x, ffn_norm, normed, count, dim, eps, threads);
-      panel_linear_f32(normed, w13, NULL, wide, count, 2 * hidden, dim, threads);
+      panel_linear(kind, normed, w13, wide, count, 2 * hidden, dim, threads);
       silu_mul(wide, narrow, count, hidden, threads);
-      panel_linear_f32(narrow, w2, NULL, normed, count, dim, hidden, threads);
+      panel_linear(kind, narrow, w2, normed, count, dim, hidden, threads);
       add_to(x, normed, count * dim);
     }
   }

@@ -120,8 +120,9 @@ def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> str:
 
 def _declare(library: ctypes.CDLL) -> None:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.panel_linear_f32.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
-    library.panel_linear_f32.restype = None
+    for name in ("panel_linear_f32", "panel_linear_bf16", "panel_linear_f16"):
+        getattr(library, name).argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+        getattr(library, name).restype = None
     library.panel_linear_i8.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.panel_linear_i8.restype = ctypes.c_int
     library.panel_width.restype = ctypes.c_int
@@ -132,8 +133,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.attend_new_tokens.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size,
                                       size, size, size, pointer, ctypes.c_int]
     library.attend_new_tokens.restype = ctypes.c_int
-    library.decoder_block.argtypes = [pointer, size, size, ctypes.c_float, pointer, pointer, pointer, pointer, pointer,
-                                      pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size, size,
+    library.decoder_block.argtypes = [pointer, size, size, ctypes.c_float, pointer, ctypes.c_int, pointer, pointer, pointer,
+                                      pointer, pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size, size,
                                       size, ctypes.c_int]
     library.decoder_block.restype = ctypes.c_int
     library.argmax_rows.argtypes = [pointer, size, size, pointer]

@@ -110,14 +110,14 @@ def attend(qkv: torch.Tensor, slots: TokenSlots, k_cache: torch.Tensor, v_cache:
 
 def decoder_block(x: torch.Tensor, slots: TokenSlots, block) -> torch.Tensor:
     """A whole TransformerBlock (llama_core.model) in one call of block.c, for x [..., dim] holding the tokens
-    of slots in order; the block's projections must be PanelLinear and its attention cached. The same values
-    as its modules give one by one."""
+    of slots in order; the block's projections must be PanelLinear, their panels of one dtype, and its
+    attention cached. The same values as its modules give one by one."""
     attention, feed_forward = block.attention, block.feed_forward
     cache = attention.kv_cache
     out = x.contiguous().clone()
     status = panels._KERNELS.decoder_block(
         out.data_ptr(), slots.count, out.shape[-1], block.attention_norm.eps, block.attention_norm.weight.data_ptr(),
-        attention.wqkv.panels.data_ptr(), attention.wo.panels.data_ptr(), block.ffn_norm.weight.data_ptr(),
+        panels.PANEL_KINDS[attention.wqkv.panels.dtype], attention.wqkv.panels.data_ptr(), attention.wo.panels.data_ptr(), block.ffn_norm.weight.data_ptr(),
         feed_forward.w13.panels.data_ptr(), feed_forward.w2.panels.data_ptr(), feed_forward.w2.in_features,
         slots.rotation.data_ptr(), cache.k_cache.data_ptr(), cache.v_cache.data_ptr(), slots.rows.data_ptr(),
         slots.positions.data_ptr(), attention.n_heads, attention.n_kv_heads, attention.head_dim,

@@ -1,6 +1,8 @@
 /* y = x @ W.T on the CPU for float32 x [M, K] and a weight stored in panels: W's rows in groups of PANEL,
- * each group contiguous. float32 panels are [K][PANEL]; int8 panels (one float scale per row of W) are
- * [K / 4][PANEL][4], the layout of VNNI's four-products-per-lane instruction.
+ * each group contiguous. float32 panels are [K][PANEL]; 16-bit ones (bfloat16 or float16, the dtypes Llama-2
+ * checkpoints are stored in) have the same layout and are widened to float32 in registers, so their products
+ * are bit for bit those of the float32 panels of the same values, reading half the bytes; int8 panels (one
+ * float scale per row of W) are [K / 4][PANEL][4], the layout of VNNI's four-products-per-lane instruction.
  *
  * One panel is read as a single sequential stream and every row of x in a tile of up to TILE_ROWS rows is
  * multiplied with it while it is in registers, so the weight leaves memory once per TILE_ROWS rows: a few
@@ -14,7 +16,7 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512VNNI__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -23,7 +25,66 @@
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
+typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+
 static inline __attribute__((always_inline)) v16 load_f32(const float *p) { return *(const v16 *)p; }
+
+/* A panel row's 32 weights as two float32 vectors: columns 0-15 and 16-31. bfloat16 is float32's upper half,
+ * and bfloat16 panels interleave a row's two halves (columns j and 16 + j share 32-bit lane j: see panels.py),
+ * so widening is one load, a shift and a mask. */
+static inline __attribute__((always_inline)) void load_pair_f32(const float *p, v16 *low, v16 *high) {
+  *low = load_f32(p);
+  *high = load_f32(p + 16);
+}
+
+static inline __attribute__((always_inline)) void load_pair_bf16(const uint16_t *p, v16 *low, v16 *high) {
+  v16u lanes = *(const v16u *)p;
+  *low = (v16)(lanes << 16);
+  *high = (v16)(lanes & 0xffff0000u);
+}
+
+static float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13); /* inf, nan */
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else { /* subnormal: normalise */
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      exponent--;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline __attribute__((always_inline)) v16 load_f16(const uint16_t *p) {
+  v16 out;
+#if defined(__AVX512F__)
+  __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+  memcpy(&out, &wide, sizeof out);
+#elif defined(__F16C__)
+  __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+  __m256 high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+  memcpy(&out, &low, sizeof low);
+  memcpy((char *)&out + sizeof low, &high, sizeof high);
+#else
+  for (int i = 0; i < 16; i++) out[i] = half_to_float(p[i]);
+#endif
+  return out;
+}
+
+static inline __attribute__((always_inline)) void load_pair_f16(const uint16_t *p, v16 *low, v16 *high) {
+  *low = load_f16(p);
+  *high = load_f16(p + 16);
+}
 
 /* Rows [0, rows) of x (row stride K) times one panel w [K][PANEL]; writes columns [n0, n0 + width) of y. */
 #define DEFINE_TILE(NAME, WEIGHT_T, LOAD, SCALE)                                                       \
@@ -33,7 +94,8 @@ static inline __attribute__((always_inline)) v16 load_f32(const float *p) { retu
     v16 low[TILE_ROWS], high[TILE_ROWS];                                                               \
     for (int m = 0; m < rows; m++) low[m] = high[m] = (v16){0};                                        \
     for (int64_t k = 0; k < K; k++) {                                                                  \
-      v16 w_low = LOAD(w + k * PANEL), w_high = LOAD(w + k * PANEL + 16);                              \
+      v16 w_low, w_high;                                                                               \
+      LOAD(w + k * PANEL, &w_low, &w_high);                                                            \
       for (int m = 0; m < rows; m++) {                                                                 \
         float xv = x[m * K + k];                                                                       \
         low[m] += w_low * xv;                                                                          \
@@ -49,87 +111,141 @@ static inline __attribute__((always_inline)) v16 load_f32(const float *p) { retu
     }                                                                                                  \
   }
 
-DEFINE_TILE(tile_f32, float, load_f32, )
+DEFINE_TILE(tile_f32, float, load_pair_f32, )
+DEFINE_TILE(tile_bf16, uint16_t, load_pair_bf16, )
+DEFINE_TILE(tile_f16, uint16_t, load_pair_f16, )
 
-/* The row count of the last tile is a constant in each case, so the compiler unrolls its loops. */
-#define DEFINE_PRODUCT(NAME, WEIGHT_T, TILE)                                                            \
-  void NAME(const float *x, const WEIGHT_T *w, const float *scales, float *y, int64_t M, int64_t N,    \
-            int64_t K, int threads) {                                                                  \
-    int64_t panels = (N + PANEL - 1) / PANEL;                                                          \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                  \
-    for (int64_t p = 0; p < panels; p++) {                                                             \
-      const WEIGHT_T *panel = w + p * K * PANEL;                                                       \
-      int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL, m0 = 0;                         \
-      for (; m0 + TILE_ROWS <= M; m0 += TILE_ROWS)                                                     \
-        TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, TILE_ROWS);                       \
-      switch (M - m0) {                                                                                \
-        case 1: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 1); break;                \
-        case 2: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 2); break;                \
-        case 3: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 3); break;                \
-        case 4: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 4); break;                \
-        case 5: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 5); break;                \
-        case 6: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 6); break;                \
-        case 7: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 7); break;                \
-        default: break;                                                                                \
-      }                                                                                                \
+/* Every tile of rows of x times one panel; the row count of the last tile is a constant in each case, so the
+ * compiler unrolls its loops. */
+#define TILES_OF_PANEL(TILE, panel)                                                                     \
+  {                                                                                                    \
+    int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL, m0 = 0;                           \
+    for (; m0 + TILE_ROWS <= M; m0 += TILE_ROWS)                                                       \
+      TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, TILE_ROWS);                         \
+    switch (M - m0) {                                                                                  \
+      case 1: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 1); break;                  \
+      case 2: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 2); break;                  \
+      case 3: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 3); break;                  \
+      case 4: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 4); break;                  \
+      case 5: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 5); break;                  \
+      case 6: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 6); break;                  \
+      case 7: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 7); break;                  \
+      default: break;                                                                                  \
     }                                                                                                  \
   }
 
-DEFINE_PRODUCT(panel_product_f32, float, tile_f32)
+void panel_product_f32(const float *x, const float *w, const float *scales, float *y, int64_t M, int64_t N,
+                       int64_t K, int threads) {
+  int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t p = 0; p < panels; p++) TILES_OF_PANEL(tile_f32, w + p * K * PANEL)
+}
+
+/* 16-bit panels: with more rows than four tiles, each thread widens a panel into float32 once and runs every
+ * tile over that (prefill is arithmetic-bound, and widening per tile would cost a conversion per tile); the
+ * same values in the same order, so the same sums. */
+#define DEFINE_PRODUCT_16(NAME, TILE, LOAD)                                                             \
+  void NAME(const float *x, const uint16_t *w, const float *scales, float *y, int64_t M, int64_t N,    \
+            int64_t K, int threads) {                                                                  \
+    int64_t panels = (N + PANEL - 1) / PANEL;                                                          \
+    _Pragma("omp parallel num_threads(threads)") {                                                     \
+      float *wide = M > 4 * TILE_ROWS ? aligned_alloc(64, (size_t)(K * PANEL) * sizeof(float)) : NULL;    \
+      _Pragma("omp for schedule(static)")                                                              \
+      for (int64_t p = 0; p < panels; p++) {                                                           \
+        const uint16_t *panel = w + p * K * PANEL;                                                     \
+        if (wide == NULL) {                                                                            \
+          TILES_OF_PANEL(TILE, panel)                                                                  \
+        } else {                                                                                       \
+          for (int64_t k = 0; k < K; k++) {                                                            \
+            v16 low, high;                                                                             \
+            LOAD(panel + k * PANEL, &low, &high);                                                      \
+            *(v16 *)(wide + k * PANEL) = low;                                                          \
+            *(v16 *)(wide + k * PANEL + 16) = high;                                                    \
+          }                                                                                            \
+          TILES_OF_PANEL(tile_f32, wide)                                                               \
+        }                                                                                              \
+      }                                                                                                \
+      free(wide);                                                                                      \
+    }                                                                                                  \
+  }
+
+DEFINE_PRODUCT_16(panel_product_bf16, tile_bf16, load_pair_bf16)
+DEFINE_PRODUCT_16(panel_product_f16, tile_f16, load_pair_f16)
 
 /* One row of x times `count` consecutive panels at once (count <= STREAMS): that many weight streams in flight
  * per thread. Decoding one sequence is this product, at the memory's speed; on a 2026 Intel Xeon one stream
  * at a time per core read 18 GB/s with 2 threads and four at a time 26. Each output sums over k in the same
  * order as tile_f32, so a row gets the same values alone as in a batch. */
 #define STREAMS 4
-static inline __attribute__((always_inline)) void row_times_panels(const float *x, const float *w, float *y,
-                                                                   int64_t K, int64_t N, int64_t p0, int count) {
-  v16 low[STREAMS], high[STREAMS];
-  for (int s = 0; s < count; s++) low[s] = high[s] = (v16){0};
-  for (int64_t k = 0; k < K; k++) {
-    float xv = x[k];
-    for (int s = 0; s < count; s++) {
-      const float *at = w + ((p0 + s) * K + k) * PANEL;
-      low[s] += load_f32(at) * xv;
-      high[s] += load_f32(at + 16) * xv;
-    }
+#define DEFINE_ROW(NAME, WEIGHT_T, LOAD)                                                                \
+  static inline __attribute__((always_inline)) void NAME(const float *x, const WEIGHT_T *w, float *y,  \
+                                                         int64_t K, int64_t N, int64_t p0, int count) { \
+    v16 low[STREAMS], high[STREAMS];                                                                   \
+    for (int s = 0; s < count; s++) low[s] = high[s] = (v16){0};                                       \
+    for (int64_t k = 0; k < K; k++) {                                                                  \
+      float xv = x[k];                                                                                 \
+      for (int s = 0; s < count; s++) {                                                                \
+        v16 w_low, w_high;                                                                             \
+        LOAD(w + ((p0 + s) * K + k) * PANEL, &w_low, &w_high);                                         \
+        low[s] += w_low * xv;                                                                          \
+        high[s] += w_high * xv;                                                                        \
+      }                                                                                                \
+    }                                                                                                  \
+    for (int s = 0; s < count; s++) {                                                                  \
+      float out[PANEL];                                                                                \
+      int64_t n0 = (p0 + s) * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;                          \
+      memcpy(out, &low[s], sizeof low[s]);                                                             \
+      memcpy(out + 16, &high[s], sizeof high[s]);                                                      \
+      memcpy(y + n0, out, width * sizeof(float));                                                      \
+    }                                                                                                  \
   }
-  for (int s = 0; s < count; s++) {
-    float out[PANEL];
-    int64_t n0 = (p0 + s) * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
-    memcpy(out, &low[s], sizeof low[s]);
-    memcpy(out + 16, &high[s], sizeof high[s]);
-    memcpy(y + n0, out, width * sizeof(float));
-  }
-}
 
-void panel_linear_f32(const float *x, const float *w, const float *scales, float *y, int64_t M, int64_t N, int64_t K,
-                      int threads) {
-  if (M != 1) {
-    panel_product_f32(x, w, scales, y, M, N, K, threads);
-    return;
-  }
-  int64_t panels = (N + PANEL - 1) / PANEL;
-  if (threads > panels) threads = (int)panels;
-  if (threads < 1) threads = 1;
-  /* Each thread an equal share of the panels (groups of STREAMS dealt out would leave a 9-panel product to
-   * one thread of two), read STREAMS at a time. */
-#pragma omp parallel num_threads(threads)
-  {
+DEFINE_ROW(row_times_panels_f32, float, load_pair_f32)
+DEFINE_ROW(row_times_panels_bf16, uint16_t, load_pair_bf16)
+DEFINE_ROW(row_times_panels_f16, uint16_t, load_pair_f16)
+
+/* Each thread an equal share of the panels (groups of STREAMS dealt out would leave a 9-panel product to
+ * one thread of two), read STREAMS at a time. */
 #if defined(_OPENMP)
-    int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+#define TEAM_SHARE int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
 #else
-    int64_t team = 1, me = 0;
+#define TEAM_SHARE int64_t team = 1, me = 0;
 #endif
-    int64_t p = panels * me / team, end = panels * (me + 1) / team;
-    for (; p + STREAMS <= end; p += STREAMS) row_times_panels(x, w, y, K, N, p, STREAMS);
-    switch (end - p) {
-      case 3: row_times_panels(x, w, y, K, N, p, 3); break;
-      case 2: row_times_panels(x, w, y, K, N, p, 2); break;
-      case 1: row_times_panels(x, w, y, K, N, p, 1); break;
-      default: break;
-    }
+#define DEFINE_LINEAR(NAME, WEIGHT_T, ROW, PRODUCT)                                                     \
+  void NAME(const float *x, const WEIGHT_T *w, const float *scales, float *y, int64_t M, int64_t N,    \
+            int64_t K, int threads) {                                                                  \
+    if (M != 1) {                                                                                      \
+      PRODUCT(x, w, scales, y, M, N, K, threads);                                                      \
+      return;                                                                                          \
+    }                                                                                                  \
+    int64_t panels = (N + PANEL - 1) / PANEL;                                                          \
+    if (threads > panels) threads = (int)panels;                                                       \
+    if (threads < 1) threads = 1;                                                                      \
+    _Pragma("omp parallel num_threads(threads)") {                                                     \
+      TEAM_SHARE                                                                                       \
+      int64_t p = panels * me / team, end = panels * (me + 1) / team;                                  \
+      for (; p + STREAMS <= end; p += STREAMS) ROW(x, w, y, K, N, p, STREAMS);                         \
+      switch (end - p) {                                                                               \
+        case 3: ROW(x, w, y, K, N, p, 3); break;                                                       \
+        case 2: ROW(x, w, y, K, N, p, 2); break;                                                       \
+        case 1: ROW(x, w, y, K, N, p, 1); break;                                                       \
+        default: break;                                                                                \
+      }                                                                                                \
+    }                                                                                                  \
   }
+
+DEFINE_LINEAR(panel_linear_f32, float, row_times_panels_f32, panel_product_f32)
+DEFINE_LINEAR(panel_linear_bf16, uint16_t, row_times_panels_bf16, panel_product_bf16)
+DEFINE_LINEAR(panel_linear_f16, uint16_t, row_times_panels_f16, panel_product_f16)
+
+/* The product for panels of a kind: 0 float32, 1 bfloat16, 2 float16 (block.c's projections). */
+void panel_linear(int kind, const float *x, const void *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
+  if (kind == 1)
+    panel_linear_bf16(x, w, NULL, y, M, N, K, threads);
+  else if (kind == 2)
+    panel_linear_f16(x, w, NULL, y, M, N, K, threads);
+  else
+    panel_linear_f32(x, w, NULL, y, M, N, K, threads);
 }
 
 /* int8: each row of x is quantized on its own scale (its largest magnitude / 127, rounded to nearest even)

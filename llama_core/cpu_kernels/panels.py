@@ -2,7 +2,9 @@
 
 A float32 weight W [out, in] becomes panels [ceil(out / 32), in, 32]: each group of 32 rows of W transposed,
 so one panel is one contiguous stream (int8: [ceil(out / 32), ceil(in / 4), 32, 4], four inputs per output
-side by side for VNNI). Where the OS allows it the panels sit in 2 MiB pages (transparent huge
+side by side for VNNI). A PanelLinear keeps its panels in bfloat16 or float16 where every value of W is one
+of that dtype's (a checkpoint stored in it, as Llama-2's are, then cast to float32): the products are the
+float32 panels' bit for bit, from half the memory, read twice as fast. Where the OS allows it the panels sit in 2 MiB pages (transparent huge
 pages, asked for with madvise): streaming the weight then costs far fewer page walks, which on the
 110m shape is the difference between reading at ~25 and ~33 GB/s with 2 threads (docs/benchmarks.md).
 """
@@ -38,19 +40,44 @@ def available() -> bool:
     return library is not None
 
 
+# The panel dtypes linear.c multiplies, and block.c's number for each.
+PANEL_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_PRODUCTS = {torch.float32: "panel_linear_f32", torch.bfloat16: "panel_linear_bf16", torch.float16: "panel_linear_f16"}
+
+
+def exact_storage(weight: torch.Tensor) -> torch.dtype:
+    """The narrowest of bfloat16, float16 and float32 that holds every value of a float32 weight exactly."""
+    for dtype in (torch.bfloat16, torch.float16):
+        if torch.equal(weight.to(dtype).to(weight.dtype), weight):
+            return dtype
+    return weight.dtype
+
+
+# bfloat16 panels hold each row's columns j and 16 + j side by side, so that linear.c widens a 32-bit lane of
+# them with a shift (column j) and a mask (column 16 + j).
+_BF16_ORDER = torch.arange(PANEL).view(2, PANEL // 2).T.reshape(-1)
+
+
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [out, in] as panels [ceil(out / PANEL), in, PANEL], rows past out zero."""
+    """A weight [out, in] as panels [ceil(out / PANEL), in, PANEL] of its dtype, rows past out zero (bfloat16:
+    each panel's columns in _BF16_ORDER)."""
     out_features, in_features = weight.shape
     count = -(-out_features // PANEL)
     panels = _huge_page_empty((count, in_features, PANEL), weight.dtype)
-    panels.copy_(_padded(weight, count * PANEL, in_features).view(count, PANEL, in_features).transpose(1, 2))
+    rows = _padded(weight, count * PANEL, in_features).view(count, PANEL, in_features)
+    if weight.dtype == torch.bfloat16:
+        rows = rows[:, _BF16_ORDER]
+    panels.copy_(rows.transpose(1, 2))
     return panels
 
 
 def from_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """The weight [out, in] that to_panels made panels from (a copy)."""
     count, in_features, _ = panels.shape
-    return panels.transpose(1, 2).reshape(count * PANEL, in_features)[:out_features].clone()
+    rows = panels.transpose(1, 2)
+    if panels.dtype == torch.bfloat16:
+        rows = rows[:, _BF16_ORDER.argsort()]
+    return rows.reshape(count * PANEL, in_features)[:out_features].clone()
 
 
 def to_int8_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +99,8 @@ def from_int8_panels(panels: torch.Tensor, out_features: int, in_features: int) 
 
 def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int, in_features: int,
                   scales: Optional[torch.Tensor] = None, weight_sums: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [..., in] (float32, CPU) @ W.T for W in panels: float32 (to_panels), or int8 (to_int8_panels) with
-    float32 scales and int32 row sums, both [count * PANEL]. Raises RuntimeError where the kernels are not
+    """x [..., in] (float32, CPU) @ W.T for W in panels: float32, bfloat16 or float16 (to_panels), or int8
+    (to_int8_panels) with float32 scales and int32 row sums, both [count * PANEL]. Raises RuntimeError where the kernels are not
     built (see available)."""
     library = _KERNELS or build.load()
     if library is None:
@@ -83,8 +110,8 @@ def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int, in_f
     out = torch.empty(*x.shape[:-1], out_features)
     rows = x.numel() // in_features
     if scales is None:
-        library.panel_linear_f32(x.data_ptr(), panels.data_ptr(), None, out.data_ptr(), rows, out_features,
-                                 in_features, torch.get_num_threads())
+        getattr(library, _PRODUCTS[panels.dtype])(x.data_ptr(), panels.data_ptr(), None, out.data_ptr(), rows,
+                                                  out_features, in_features, torch.get_num_threads())
     elif library.panel_linear_i8(x.data_ptr(), panels.data_ptr(), scales.data_ptr(), weight_sums.data_ptr(),
                                  out.data_ptr(), rows, out_features, in_features, torch.get_num_threads()):
         raise MemoryError(f"no memory for {rows} rows of int8 activations")
@@ -92,9 +119,10 @@ def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int, in_f
 
 
 class PanelLinear(nn.Module):
-    """y = x @ W.T for a float32 CPU weight W [out, in] (no bias), in panels for linear.c's kernel.
+    """y = x @ W.T for a float32 CPU weight W [out, in] (no bias), in panels for linear.c's kernel: bfloat16 or
+    float16 panels where they hold W exactly (`exact_storage`), else float32.
 
-    `weight` gives the plain [out, in] values back (a copy), e.g. to quantize or to compile."""
+    `weight` gives the plain float32 [out, in] values back (a copy), e.g. to quantize or to compile."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -102,12 +130,13 @@ class PanelLinear(nn.Module):
             raise ValueError(f"PanelLinear takes a 2-D float32 CPU weight, got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("panels", to_panels(weight.detach()), persistent=False)
+        weight = weight.detach()
+        self.register_buffer("panels", to_panels(weight.to(exact_storage(weight))), persistent=False)
         available()  # loads the kernels for forward, where they build
 
     @property
     def weight(self) -> torch.Tensor:
-        return from_panels(self.panels, self.out_features)
+        return from_panels(self.panels, self.out_features).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.requires_grad or _KERNELS is None:
@@ -115,7 +144,7 @@ class PanelLinear(nn.Module):
         return panel_product(x, self.panels, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, panels"
+        return f"in_features={self.in_features}, out_features={self.out_features}, panels of {str(self.panels.dtype).removeprefix('torch.')}"
 
 
 def _padded(weight: torch.Tensor, rows: int, columns: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from .devices import resolve_device, resolve_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
 from .quantize import QUANTIZATIONS, quantization_of, quantize_int8
 from .resources import DEFAULT_CKPT_DIR
-from .runner import ModelRunner, cpu_serving_layout
+from .runner import ModelRunner, cpu_serving_layout, panel_storage_of
 from .tokenizer import Tokenizer
 
 
@@ -35,11 +35,15 @@ class ModelInfo:
     device: str
     load_seconds: float
     quantization: Optional[str] = None  # "int8": the projections' weights are int8 (see llama_core.quantize)
+    # "bfloat16" / "float16": a float32 CPU model's projections kept in the 16 bits they were stored in
+    projections_stored_in: Optional[str] = None
 
     @property
     def weights(self) -> str:
-        """The weights' format in words: "float32", or "float32, int8 weights" where quantized."""
-        return self.dtype + (f", {self.quantization} weights" if self.quantization else "")
+        """The weights' format in words: "float32", "float32, int8 weights" where quantized, or "float32,
+        bfloat16 weights" where the projections are kept in the 16 bits they were stored in."""
+        held = self.quantization or self.projections_stored_in
+        return self.dtype + (f", {held} weights" if held else "")
 
     @property
     def name(self) -> str:
@@ -63,6 +67,7 @@ class LoadedModel:
             max_seq_len=runner.max_seq_len, max_batch_size=runner.max_batch_size,
             parameter_count=runner.parameter_count, dtype=str(runner.dtype).removeprefix("torch."),
             device=str(runner.device), load_seconds=load_seconds, quantization=quantization_of(runner.model),
+            projections_stored_in=panel_storage_of(runner.model),
         )
         return cls(runner, tokenizer, info)
 

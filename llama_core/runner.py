@@ -283,6 +283,15 @@ def cpu_serving_layout(part: nn.Module) -> nn.Module:
     return holder["part"]
 
 
+def panel_storage_of(model: nn.Module) -> Optional[str]:
+    """"bfloat16" or "float16" where every projection of model is in CPU panels of that dtype, else None."""
+    dtypes = {m.panels.dtype for m in model.modules() if isinstance(m, PanelLinear)}
+    if len(dtypes) != 1 or any(isinstance(m, nn.Linear) for m in model.modules()):
+        return None
+    dtype = dtypes.pop()
+    return None if dtype == torch.float32 else str(dtype).removeprefix("torch.")
+
+
 def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device,
                  starts: Optional[Sequence[int]] = None, max_seq_len: Optional[int] = None):
     """Prompts as one prefill batch: tokens [B, longest] padded on the right, positions [B, longest]

@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llama_core.checkpoint import permute_rotary  # noqa: E402
 from llama_core.config import ModelArgs  # noqa: E402
+from llama_core.cpu_kernels import PanelLinear, to_panels  # noqa: E402
 from llama_core.errors import LlamaError  # noqa: E402
 from llama_core.generation import Llama  # noqa: E402
 from llama_core.model import Transformer  # noqa: E402
@@ -82,6 +83,11 @@ def parse_args() -> argparse.Namespace:
                    "(llama_core_compiled), side by side in the same run")
     p.add_argument("--with-torch-kernels", action="store_true", help="also llama_core with its own CPU kernels "
                    "turned off (LLAMA_CORE_CPU_KERNELS=0: torch's oneDNN, MKL and fbgemm products), side by side")
+    p.add_argument("--stored", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="round the random weights to this dtype, as a checkpoint stored in it holds them (Llama-2's "
+                        "are bfloat16 or float16): on CPU llama_core then keeps float32 models' projections in 16 bits")
+    p.add_argument("--with-float32-panels", action="store_true", help="with --stored bfloat16/float16 on CPU: also "
+                   "llama_core with the same weights in float32 panels (llama_core_float32_panels), side by side")
     p.add_argument("--skip-hf", action="store_true", help="measure llama_core only")
     p.add_argument("--compile", action="store_true", help="llama_core with the static, torch.compile'd decode step")
     p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
@@ -108,12 +114,14 @@ def model_args(a: argparse.Namespace) -> ModelArgs:
     return ModelArgs(**shape, max_seq_len=4096)
 
 
-def random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> Transformer:
+def random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, stored: str = "float32") -> Transformer:
+    """Random weights in dtype, each a value of the `stored` dtype (as a checkpoint stored in it)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = Transformer(args).to(dtype)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02) if p.dim() == 2 else torch.nn.init.ones_(p)
+        p.data.copy_(p.data.to(getattr(torch, stored)))
     return model.requires_grad_(False).eval()
 
 
@@ -214,7 +222,8 @@ def export_for_llama_cpp(model: Transformer, a, folder: Path) -> Path:
 
 
 def measure_llama_cpp(hf_dir: Path, a, report: dict) -> None:
-    """The same weights in llama.cpp, f32 (and q8_0 with --quantize int8), figures as measure() gives."""
+    """The same weights in llama.cpp, f32, the 16-bit type they are stored in (--stored), and q8_0 with
+    --quantize int8; figures as measure() gives."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from llama_cpp_peer import LlamaCpp
 
@@ -222,7 +231,8 @@ def measure_llama_cpp(hf_dir: Path, a, report: dict) -> None:
     threads = torch.get_num_threads()
     lengths = [int(x) for x in a.prompt_lengths.split(",")]
     batches = [int(x) for x in a.batch_sizes.split(",")]
-    for outtype in ["f32"] + (["q8_0"] if a.quantize == "int8" else []):
+    stored = {"bfloat16": ["bf16"], "float16": ["f16"]}.get(a.stored, [])
+    for outtype in ["f32"] + stored + (["q8_0"] if a.quantize == "int8" else []):
         print(f"llama.cpp {outtype} ...", flush=True)
         gguf = peer.convert(hf_dir, hf_dir.parent / f"model-{outtype}.gguf", outtype)
         batched = peer.batched(gguf, threads, batches, BATCHED_PROMPT, BATCHED_NEW)
@@ -300,12 +310,12 @@ def main() -> None:
     max_len = max(max(int(x) for x in a.prompt_lengths.split(",")) + a.decode_tokens, BATCHED_PROMPT + BATCHED_NEW,
                   AGREEMENT_PROMPT + a.agreement_tokens) + 8
     max_batch = max(int(x) for x in a.batch_sizes.split(","))
-    model = random_model(args, device, dtype)
+    model = random_model(args, device, dtype, a.stored)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     report = {
         "shape": a.shape, "args": args.to_dict(), "device": _device_name(device), "dtype": str(dtype).split(".")[-1],
         "threads": torch.get_num_threads(), "torch": torch.__version__, "parameters": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": weight_bytes, "decode_tokens": a.decode_tokens, "results": {},
+        "weight_bytes": weight_bytes, "stored": a.stored, "decode_tokens": a.decode_tokens, "results": {},
     }
     print(f"{a.shape}: {report['parameters'] / 1e6:.1f}M parameters, {dtype}, {report['device']}, {report['threads']} threads", flush=True)
 
@@ -316,11 +326,12 @@ def main() -> None:
     reference = None
     if a.quantize == "int8":
         reference = model
-        model = quantize_int8(random_model(args, device, dtype))
+        model = quantize_int8(random_model(args, device, dtype, a.stored))
         report["int8_max_logprob_deviation"] = max_logprob_deviation(reference, model, args.vocab_size, device)
         report["weight_bytes_int8"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     compiled_model = copy.deepcopy(model) if a.with_compiled else None  # before Llama fuses and packs model
     torch_kernels_model = copy.deepcopy(model) if a.with_torch_kernels else None
+    float32_panels_model = copy.deepcopy(model) if a.with_float32_panels else None
     llama = Llama.from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
     impls = {"llama_core": lambda p, n: llama.generate(p, n, temperature=0)}
     if compiled_model is not None:
@@ -336,6 +347,12 @@ def main() -> None:
                 torch_kernels.generate(p, n, temperature=0)
 
         impls["llama_core_torch_kernels"] = generate_with_torch_kernels
+    if float32_panels_model is not None:
+        wide = Llama.from_model(float32_panels_model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
+        for module in wide.model.modules():
+            if isinstance(module, PanelLinear):
+                module.panels = to_panels(module.weight)
+        impls["llama_core_float32_panels"] = lambda p, n: wide.generate(p, n, temperature=0)
     if reference is not None and a.with_float:
         float_llama = Llama.from_model(reference, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
         impls["llama_core_float"] = lambda p, n: float_llama.generate(p, n, temperature=0)
@@ -429,13 +446,13 @@ def ratios(report: dict) -> dict:
     ours = results["llama_core"]
     out["aggregate_over_batch1_decode"] = {b: t / ours["decode_tokens_per_s"]
                                            for b, t in ours["aggregate_tokens_per_s"].items()}
-    for peer in ("hf_eager", "hf_static_compiled", "llama_cpp_f32"):
+    for peer in ("hf_eager", "hf_static_compiled", "llama_cpp_f32", "llama_cpp_bf16", "llama_cpp_f16"):
         if peer in results:
             other = results[peer]
             out[f"decode_over_{peer}"] = ours["decode_tokens_per_s"] / other["decode_tokens_per_s"]
             out[f"ttft_{peer}_over_ours"] = {n: other["ttft_s"][n] / t for n, t in ours["ttft_s"].items()
                                              if n in other["ttft_s"]}
-    for other in ("llama_core_float", "llama_core_compiled"):
+    for other in ("llama_core_float", "llama_core_compiled", "llama_core_float32_panels"):
         if other in results:
             out[f"decode_over_{other}"] = ours["decode_tokens_per_s"] / results[other]["decode_tokens_per_s"]
     if "share_of_copy_bandwidth" in ours:
@@ -490,7 +507,7 @@ def print_table(report: dict) -> None:
     for label, cell in rows:
         print(f"{label:<{width}}  " + "  ".join(f"{cell(results[n]):>18}" for n in names))
     ours = results["llama_core"]
-    for peer in ("hf_eager", "llama_cpp_f32", "llama_cpp_q8_0"):
+    for peer in ("hf_eager", "llama_core_float32_panels", "llama_cpp_f32", "llama_cpp_bf16", "llama_cpp_f16", "llama_cpp_q8_0"):
         if peer in results:
             other = results[peer]
             ratios = [f"decode {ours['decode_tokens_per_s'] / other['decode_tokens_per_s']:.2f}x"]

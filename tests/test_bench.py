@@ -19,7 +19,8 @@ def _run(script: str, *arguments: str, timeout: int = 300) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("extra", [[], ["--quantize", "int8"]], ids=["float32", "int8"])
+@pytest.mark.parametrize("extra", [[], ["--quantize", "int8"], ["--stored", "bfloat16", "--with-float32-panels"]],
+                         ids=["float32", "int8", "bfloat16-stored"])
 def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
     report_path = tmp_path / "report.json"
     result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
@@ -31,13 +32,13 @@ def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
     assert set(report["per_decoded_token"]) >= {"cudaStreamSynchronize", "aten::_local_scalar_dense"}
     agreement = report["greedy_agreement_with_hf"]
     assert agreement["tokens"] == 24 and 0 <= agreement["identical_prefix"] <= 24
-    if not extra:  # float32 on the same weights: the same greedy tokens
+    if "int8" not in extra:  # float32 on the same weights: the same greedy tokens
         assert agreement["identical_prefix"] == 24 and agreement["teacher_forced_top1"] == 1.0
     ratios = report["ratios"]
     assert ratios["decode_over_hf_eager"] == pytest.approx(
         report["results"]["llama_core"]["decode_tokens_per_s"] / report["results"]["hf_eager"]["decode_tokens_per_s"])
     assert set(ratios["ttft_hf_eager_over_ours"]) == {"8", "16"} and set(ratios["aggregate_over_batch1_decode"]) == {"2"}
-    assert set(report["results"]) == {"llama_core", "hf_eager"}
+    assert set(report["results"]) == {"llama_core", "hf_eager"} | ({"llama_core_float32_panels"} if "--stored" in extra else set())
     for figures in report["results"].values():
         assert figures["decode_tokens_per_s"] > 0
         assert set(figures["ttft_s"]) == {"8", "16"} and all(t > 0 for t in figures["ttft_s"].values())
@@ -46,9 +47,12 @@ def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
         assert figures["aggregate_with_prefill_tokens_per_s"]["2"] > 0
     assert report["peak_memory_bytes"] > 0 and report["parameters"] > 0
     assert report["args"]["n_kv_heads"] == 2
-    if extra:
+    if "int8" in extra:
         assert 0 < report["int8_max_logprob_deviation"] < 1.0
         assert report["weight_bytes_int8"] < report["weight_bytes"]
+    if "--stored" in extra:
+        assert report["stored"] == "bfloat16" and ratios["decode_over_llama_core_float32_panels"] > 0
+        assert "llama_core / llama_core_float32_panels: decode " in result.stdout
     assert "llama_core / hf_eager: decode " in result.stdout
 
 

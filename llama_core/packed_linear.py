@@ -71,10 +71,10 @@ def pack_linears(model: nn.Module, min_weights: Optional[int] = None) -> int:
 def _replace_linears(model: nn.Module, layout: type, min_weights: int) -> int:
     replaced = 0
     for name, child in list(model.named_children()):
-        weight = getattr(child, "weight", None)
-        if (type(child) is nn.Linear and child.bias is None and weight.device.type == "cpu"
-                and weight.dtype == torch.float32 and weight.numel() >= min_weights):
-            setattr(model, name, layout(weight))
+        # The type first: a packed projection's `weight` is a copy made on demand.
+        if (type(child) is nn.Linear and child.bias is None and child.weight.device.type == "cpu"
+                and child.weight.dtype == torch.float32 and child.weight.numel() >= min_weights):
+            setattr(model, name, layout(child.weight))
             replaced += 1
         else:
             replaced += _replace_linears(child, layout, min_weights)

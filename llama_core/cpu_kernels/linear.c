@@ -149,7 +149,7 @@ void panel_product_f32(const float *x, const float *w, const float *scales, floa
             int64_t K, int threads) {                                                                  \
     int64_t panels = (N + PANEL - 1) / PANEL;                                                          \
     _Pragma("omp parallel num_threads(threads)") {                                                     \
-      float *wide = M > 4 * TILE_ROWS ? aligned_alloc(64, (size_t)(K * PANEL) * sizeof(float)) : NULL;    \
+      float *wide = M > 4 * TILE_ROWS ? aligned_alloc(64, (size_t)(K * PANEL) * sizeof(float)) : NULL; \
       _Pragma("omp for schedule(static)")                                                              \
       for (int64_t p = 0; p < panels; p++) {                                                           \
         const uint16_t *panel = w + p * K * PANEL;                                                     \

@@ -47,36 +47,35 @@ _PRODUCTS = {torch.float32: "panel_linear_f32", torch.bfloat16: "panel_linear_bf
 
 def exact_storage(weight: torch.Tensor) -> torch.dtype:
     """The narrowest of bfloat16, float16 and float32 that holds every value of a float32 weight exactly."""
+    chunks = weight.reshape(-1).split(1 << 20)  # round trips in cache-sized pieces, stopping at the first miss
     for dtype in (torch.bfloat16, torch.float16):
-        if torch.equal(weight.to(dtype).to(weight.dtype), weight):
+        if all(torch.equal(chunk.to(dtype).to(chunk.dtype), chunk) for chunk in chunks):
             return dtype
     return weight.dtype
 
 
-# bfloat16 panels hold each row's columns j and 16 + j side by side, so that linear.c widens a 32-bit lane of
-# them with a shift (column j) and a mask (column 16 + j).
-_BF16_ORDER = torch.arange(PANEL).view(2, PANEL // 2).T.reshape(-1)
-
-
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A weight [out, in] as panels [ceil(out / PANEL), in, PANEL] of its dtype, rows past out zero (bfloat16:
-    each panel's columns in _BF16_ORDER)."""
+    """A weight [out, in] as panels [ceil(out / PANEL), in, PANEL] of its dtype, rows past out zero. bfloat16
+    panels hold each row's columns j and 16 + j side by side, so that linear.c widens a 32-bit lane of them
+    with a shift (column j) and a mask (column 16 + j)."""
     out_features, in_features = weight.shape
     count = -(-out_features // PANEL)
     panels = _huge_page_empty((count, in_features, PANEL), weight.dtype)
-    rows = _padded(weight, count * PANEL, in_features).view(count, PANEL, in_features)
-    if weight.dtype == torch.bfloat16:
-        rows = rows[:, _BF16_ORDER]
-    panels.copy_(rows.transpose(1, 2))
+    rows = _padded(weight, count * PANEL, in_features)
+    if weight.dtype == torch.bfloat16:  # [panel, half, j, k] -> [panel, k, j, half]
+        panels.view(count, in_features, PANEL // 2, 2).copy_(rows.view(count, 2, PANEL // 2, in_features).permute(0, 3, 2, 1))
+    else:
+        panels.copy_(rows.view(count, PANEL, in_features).transpose(1, 2))
     return panels
 
 
 def from_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """The weight [out, in] that to_panels made panels from (a copy)."""
     count, in_features, _ = panels.shape
-    rows = panels.transpose(1, 2)
     if panels.dtype == torch.bfloat16:
-        rows = rows[:, _BF16_ORDER.argsort()]
+        rows = panels.view(count, in_features, PANEL // 2, 2).permute(0, 3, 2, 1)
+    else:
+        rows = panels.transpose(1, 2)
     return rows.reshape(count * PANEL, in_features)[:out_features].clone()
 
 

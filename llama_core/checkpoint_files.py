@@ -37,6 +37,22 @@ def read_model_args(ckpt_dir: Path) -> ModelArgs:
     return ModelArgs.from_hf_config(ckpt_dir / "config.json")
 
 
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def stored_dtype(ckpt_dir: Path) -> Optional[str]:
+    """The 16-bit dtype a Hugging Face checkpoint says its weights are stored in (config.json's "torch_dtype",
+    or "dtype" as newer transformers write it), else None (Meta's params.json does not say)."""
+    if checkpoint_layout(ckpt_dir) != "hf":
+        return None
+    try:
+        config = json.loads((ckpt_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("torch_dtype", config.get("dtype")) if isinstance(config, dict) else None
+    return value if value in HALF_DTYPES else None
+
+
 def weight_files(ckpt_dir: Path) -> list[Path]:
     """The files holding the weights, in either layout.
 

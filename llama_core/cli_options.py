@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint_files import checkpoint_layout, find_tokenizer, read_model_args, weight_files
+from .checkpoint_files import checkpoint_layout, find_tokenizer, read_model_args, stored_dtype, weight_files
 from .config import ModelArgs
 from .errors import CheckpointError, CheckpointNotFoundError, LlamaError
 from .resources import DEFAULT_CKPT_DIR, PACKAGE_DIR
@@ -75,7 +75,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N "
                         "(default: auto)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
-                        help="weights' dtype; auto is bfloat16 on CUDA, float32 on CPU (default: auto)")
+                        help="weights' dtype; auto is, on CUDA, the 16-bit dtype the checkpoint is stored in (else "
+                             "bfloat16), and float32 on CPU (default: auto)")
     parser.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
                         help="int8: store the projections' weights as int8, one scale per output channel (on CPU "
                         "faster than float32; log-probabilities move slightly) (default: none)")
@@ -104,7 +105,7 @@ def check_model_options(options: argparse.Namespace, device_map: Optional[str] =
                           f"vocab_size {args.vocab_size:,}: pass the tokenizer.model that came with these weights")
     max_seq_len, warnings = check_context(options.max_seq_len, options.allow_longer_context, args, ckpt_dir.name)
     quantize = check_quantize(options.quantize, device_map)
-    device, dtype = check_device(options.device, options.dtype, device_map)
+    device, dtype = check_device(options.device, options.dtype, device_map, stored_dtype(ckpt_dir))
     return ModelPlan(ckpt_dir, tokenizer_path, args, max_seq_len, device, dtype, warnings, quantize)
 
 
@@ -175,8 +176,9 @@ def check_context(max_seq_len: Optional[int], allow_longer: bool, args: ModelArg
                          f"(--allow-longer-context): expect the output to lose coherence past {trained:,} tokens",)
 
 
-def check_device(device: str, dtype: str, device_map: Optional[str] = None) -> tuple[str, str]:
-    """What --device and --dtype resolve to on this machine, as names. Imports torch; loads nothing."""
+def check_device(device: str, dtype: str, device_map: Optional[str] = None, stored: Optional[str] = None) -> tuple[str, str]:
+    """What --device and --dtype resolve to on this machine (for a checkpoint stored in `stored`, see
+    resolve_dtype), as names. Imports torch; loads nothing."""
     import torch
 
     from .devices import resolve_device, resolve_dtype
@@ -186,7 +188,7 @@ def check_device(device: str, dtype: str, device_map: Optional[str] = None) -> t
             raise OptionError(f"--device {device} and --device-map {device_map} exclude each other: the device map "
                               "places the model; leave out --device")
         on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return f"device map {device_map}", str(resolve_dtype(dtype, on)).removeprefix("torch.")
+        return f"device map {device_map}", str(resolve_dtype(dtype, on, stored)).removeprefix("torch.")
     try:
         resolved = resolve_device(device)
     except LlamaError as exc:
@@ -201,7 +203,7 @@ def check_device(device: str, dtype: str, device_map: Optional[str] = None) -> t
     if resolved.type == "cuda" and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise OptionError(f"--dtype bfloat16: {torch.cuda.get_device_name(resolved)} does not support it: use "
                           "--dtype float16 (or auto, which picks it)")
-    return str(resolved), str(resolve_dtype(dtype, resolved)).removeprefix("torch.")
+    return str(resolved), str(resolve_dtype(dtype, resolved, stored)).removeprefix("torch.")
 
 
 def check_quantize(quantize: str, device_map: Optional[str] = None) -> Optional[str]:

@@ -40,9 +40,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """A floating-point dtype from a name; "auto" is bfloat16 on CUDA (float16 where bf16 is unsupported) and
-    float32 on CPU.
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, stored: Optional[str] = None) -> torch.dtype:
+    """A floating-point dtype from a name; "auto" is, on CUDA, the 16-bit dtype the checkpoint is stored in
+    (`stored`, "float16" or "bfloat16": Hugging Face's Llama-2 are float16, and running them in bfloat16 would
+    round every weight), else bfloat16 (float16 where bf16 is unsupported); on CPU float32 (where the CPU
+    kernels keep 16-bit weights as they were stored).
 
     Raises:
         InvalidRequestError: an unknown name or a non-floating dtype.
@@ -53,7 +55,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            if stored == "float16" or not torch.cuda.is_bf16_supported():
+                return torch.float16
+            return torch.bfloat16
         return torch.float32
     if dtype not in DTYPE_NAMES:
         raise InvalidRequestError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")

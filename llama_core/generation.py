@@ -91,7 +91,9 @@ class Llama:
             max_seq_len: context length to allocate the KV cache for.
             max_batch_size: most sequences generated at once.
             device: "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]".
-            dtype: "auto" (bfloat16 on CUDA, float16 where bf16 is unsupported, float32 on CPU) or a dtype name.
+            dtype: "auto" or a dtype name. "auto" on CUDA is the 16-bit dtype a Hugging Face checkpoint says it
+                is stored in (float16 for Llama-2's), else bfloat16 (float16 where bf16 is unsupported); on CPU
+                float32 (16-bit weights keep their 16 bits in the CPU kernels).
             seed: seeds sampling; None draws a random seed.
             compile: decode with a step compiled by torch.compile, here, as the model loads: on CUDA every
                 slot at once, a CUDA graph per context length; on CPU symbolic shapes (see llama_core.runner).

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .checkpoint import load_model
-from .checkpoint_files import find_tokenizer, read_model_args
+from .checkpoint_files import find_tokenizer, read_model_args, stored_dtype
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
@@ -113,6 +113,7 @@ def load(
             f"{ckpt_dir} has vocab_size {args.vocab_size}"
         )
     check_quantize(quantize, device_map, tensor_parallel)
+    stored = stored_dtype(ckpt_dir)
     # Neither rank 0's broadcast of each forward nor accelerate's hooks that move a layer's inputs and
     # weights can be traced into the compiled step.
     for name, used in (("tensor_parallel", tensor_parallel), ("device_map", device_map is not None)):
@@ -126,7 +127,8 @@ def load(
         if device_map is not None:
             raise InvalidRequestError("device_map and tensor_parallel exclude each other: choose one")
         torch_device = parallel.init_distributed(device, args)
-        model = parallel.load_model_shard(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress)
+        model = parallel.load_model_shard(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device, stored),
+                                          progress)
     elif device_map is not None:
         from .distributed.device_map import load_dispatched
 
@@ -135,7 +137,7 @@ def load(
         model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len, progress)
     else:
         torch_device = resolve_device(device)
-        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device), progress,
+        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device, stored), progress,
                            assigned=_prepare_part(quantize, torch_device.type == "cpu" and not compile))
     runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel)
     if tensor_parallel:

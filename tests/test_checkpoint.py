@@ -19,8 +19,9 @@ from conftest import (
 )
 from llama_core import checkpoint
 from llama_core.checkpoint import load_model, model_part, permute_rotary, unpermute_rotary
-from llama_core.checkpoint_files import checkpoint_layout, read_model_args
+from llama_core.checkpoint_files import checkpoint_layout, read_model_args, stored_dtype
 from llama_core.config import ModelArgs
+from llama_core.devices import resolve_dtype
 from llama_core.errors import CheckpointError
 from llama_core.quantize import Int8Linear, quantize_int8
 
@@ -213,3 +214,31 @@ def test_checkpoint_paths_may_start_with_a_tilde(meta_ckpt_dir, monkeypatch):
     monkeypatch.setenv("HOME", str(meta_ckpt_dir.parent))
     llama = build_llama(f"~/{meta_ckpt_dir.name}", tokenizer_path=f"~/{meta_ckpt_dir.name}/tokenizer.model")
     assert llama.ckpt_dir == meta_ckpt_dir
+
+
+@pytest.mark.parametrize("field", ["torch_dtype", "dtype"])
+@pytest.mark.parametrize("written, stored", [("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", None),
+                                             (None, None), (7, None)])
+def test_a_hugging_face_checkpoint_says_which_16_bit_dtype_it_is_stored_in(tmp_path, ckpt_dirs, field, written, stored):
+    ckpt = tmp_path / "hf"
+    ckpt.mkdir()
+    config = json.loads((ckpt_dirs["hf"] / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if written is not None:
+        config[field] = written
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert stored_dtype(ckpt) == stored
+    assert stored_dtype(ckpt_dirs["meta"]) is None  # params.json does not say
+
+
+def test_auto_dtype_on_a_gpu_is_the_16_bit_dtype_the_checkpoint_is_stored_in(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert resolve_dtype("auto", cuda, "float16") == torch.float16  # Hugging Face's Llama-2: not rounded to bfloat16
+    assert resolve_dtype("auto", cuda, "bfloat16") == torch.bfloat16
+    assert resolve_dtype("auto", cuda, None) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, "float16") == torch.float32  # the CPU keeps 16-bit weights in its panels
+    assert resolve_dtype("bfloat16", cuda, "float16") == torch.bfloat16  # what the user asks for
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    assert resolve_dtype("auto", cuda, "bfloat16") == torch.float16

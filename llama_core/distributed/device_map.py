@@ -16,6 +16,7 @@ from typing import Optional, Union
 import torch
 
 from ..checkpoint import WeightsProgress, assign_weights, iter_rank_tensors, model_part
+from ..checkpoint_files import stored_dtype
 from ..config import ModelArgs
 from ..devices import resolve_dtype
 from ..errors import InvalidRequestError
@@ -58,7 +59,7 @@ def load_dispatched(
         uses_gpu = any(_normalize_device(device) != "cpu" for device in device_map.values())
     else:
         uses_gpu = torch.cuda.is_available()
-    dtype = resolve_dtype(dtype, torch.device("cuda" if uses_gpu else "cpu"))
+    dtype = resolve_dtype(dtype, torch.device("cuda" if uses_gpu else "cpu"), stored_dtype(ckpt_dir))
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)

@@ -37,6 +37,8 @@ class ModelInfo:
     quantization: Optional[str] = None  # "int8": the projections' weights are int8 (see llama_core.quantize)
     # "bfloat16" / "float16": a float32 CPU model's projections kept in the 16 bits they were stored in
     projections_stored_in: Optional[str] = None
+    weights_bytes: int = 0  # what the weights take on their devices (this rank's, under tensor parallelism)
+    kv_cache_bytes: int = 0
 
     @property
     def weights(self) -> str:
@@ -62,12 +64,14 @@ class LoadedModel:
     @classmethod
     def from_runner(cls, runner: ModelRunner, tokenizer: Tokenizer, ckpt_dir: Optional[Path] = None,
                     load_seconds: float = 0.0) -> "LoadedModel":
+        weights_bytes, kv_cache_bytes = runner.memory_bytes()
         info = ModelInfo(
             ckpt_dir=ckpt_dir, tokenizer_path=getattr(tokenizer, "model_path", None), args=runner.args,
             max_seq_len=runner.max_seq_len, max_batch_size=runner.max_batch_size,
             parameter_count=runner.parameter_count, dtype=str(runner.dtype).removeprefix("torch."),
             device=str(runner.device), load_seconds=load_seconds, quantization=quantization_of(runner.model),
             projections_stored_in=panel_storage_of(runner.model),
+            weights_bytes=weights_bytes, kv_cache_bytes=kv_cache_bytes,
         )
         return cls(runner, tokenizer, info)
 

@@ -255,6 +255,9 @@ def test_a_checkpoint_stored_in_16_bits_serves_from_16_bit_panels_with_float32_p
     assert len(projections) == 4 * tiny_args.n_layers + 1 and all(m.panels.dtype == stored for m in projections)
     assert all(block.in_one_call for block in llama.model.layers)
     assert llama.loaded.info.weights == f"float32, {str(stored).removeprefix('torch.')} weights"  # start-up line, Model tab
+    float32_model = build_llama(write_meta_checkpoint(tmp_path / "float32", tiny_args, [tiny_state_dict], tokenizer_path))
+    projection_bytes = 4 * sum(m.panels.numel() for m in projections)
+    assert llama.loaded.info.weights_bytes == float32_model.loaded.info.weights_bytes - projection_bytes // 2
     wide = build_llama(write_meta_checkpoint(tmp_path / "same", tiny_args, [state], tokenizer_path))
     for module in wide.model.modules():
         if isinstance(module, PanelLinear):

@@ -270,11 +270,16 @@ def model_facts(info: ModelInfo) -> str:
         ("Parameters", f"{info.parameter_count:,}"),
         ("Layers · width · heads (kv)", f"{args.n_layers} · {args.dim} · {args.n_heads} ({args.n_kv_heads})"),
         ("dtype · device", f"{info.weights} · {info.device}"),
+        ("Memory", f"weights {_size(info.weights_bytes)} · KV cache {_size(info.kv_cache_bytes)}"),
         ("Context (max_seq_len)", f"{info.max_seq_len:,} tokens (trained for {trained_for})"),
         ("Batch (max_batch_size)", f"{info.max_batch_size} requests decoded together"),
         ("Load time", f"{info.load_seconds:.2f} s"),
     ]
     return "| Model | |\n|---|---|\n" + "\n".join(f"| {name} | {value} |" for name, value in rows)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.components.Component]:

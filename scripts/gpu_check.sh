@@ -15,10 +15,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_STEPS=(device versions tests_cuda tests 7b_compiled 7b_eager 7b_int8 7b_engine32 7b_hf_compiled)
+OPTIONAL_STEPS=(load_7b)  # run only when named
 bench=(python3 scripts/bench.py --shape 7b --device cuda)
 
 if [[ ${1:-} == --list ]]; then
   printf '%s\n' "${ALL_STEPS[@]}"
+  printf '%s (optional)\n' "${OPTIONAL_STEPS[@]}"
   exit 0
 fi
 if [[ ${1:-} == --carry ]]; then
@@ -72,6 +74,11 @@ torch.__version__, torch.version.cuda, transformers.__version__, accelerate.__ve
     # HF with its static cache under torch.compile, beside ours eager, at 1, 8 and 32 sequences.
     7b_hf_compiled) run 7b_hf_compiled 500 "${bench[@]}" --hf-compile --prompt-lengths 128 --batch-sizes 8,32 \
                       --decode-tokens 64 --repeats 2 --json "$out/7b_hf_compiled.json" ;;
-    *) echo "unknown step: $step (steps: ${ALL_STEPS[*]})" >&2; exit 2 ;;
+    # Loading a 7B-shaped Hugging Face checkpoint (random, bfloat16; written first, 2 x 13.5 GB of disk) in
+    # bfloat16 and as int8: load time, host memory and the GPU's peak (int8: the int8 model and one block).
+    load_7b) run load_7b 530 python3 scripts/bench_load.py --device cuda --n-layers 32 --layouts hf \
+               --loads bfloat16,bfloat16+int8 --tokenizer "${LLAMA_SHARED_DIR:-../shared}/llama2/tokenizer.model" \
+               --json "$out/load_7b.json" ;;
+    *) echo "unknown step: $step (steps: ${ALL_STEPS[*]} ${OPTIONAL_STEPS[*]})" >&2; exit 2 ;;
   esac
 done

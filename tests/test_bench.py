@@ -222,6 +222,7 @@ def test_gpu_check_runs_the_steps_asked_for_and_carries_the_shared_files(tmp_pat
 
     steps = gpu_check("--list").stdout.split()
     assert steps[:4] == ["device", "versions", "tests_cuda", "tests"] and "7b_compiled" in steps
+    assert steps[-2:] == ["load_7b", "(optional)"]
     assert gpu_check("--carry").returncode == 0
     assert (work / ".gpu-shared" / "models" / "stories260K" / "params.json").read_text() == "{}"
     assert (work / ".gpu-shared" / "llama2" / "tokenizer.model").read_bytes() == b"sp"

@@ -85,20 +85,19 @@ class ModelRunner:
         return held_apart + sum(p.numel() for p in self.model.parameters())
 
     def memory_bytes(self) -> tuple[int, int]:
-        """(weights, KV cache): the bytes the model's tensors take on their devices (each storage once;
-        weights an offloading device map keeps on the meta device between calls not counted)."""
-        storages: dict[tuple[str, int], tuple[int, bool]] = {}
+        """(weights, KV cache): the bytes the model's tensors take on their devices (a tensor held twice, as
+        tied embeddings are, once; weights an offloading device map keeps on the meta device not counted)."""
+        tensors: dict[tuple[str, int], tuple[int, bool]] = {}
         for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
             if tensor.device.type == "meta":
                 continue
             try:
-                storage = tensor.untyped_storage()
-                key, size = (str(tensor.device), storage.data_ptr()), storage.nbytes()
-            except RuntimeError:  # an opaque layout (oneDNN's packed weight) has no storage to share
-                key, size = (str(tensor.device), id(tensor)), tensor.numel() * tensor.element_size()
-            storages[key] = (size, ".kv_cache." in f".{name}")
-        weights = sum(size for size, cache in storages.values() if not cache)
-        return weights, sum(size for size, cache in storages.values() if cache)
+                key = (str(tensor.device), tensor.data_ptr())
+            except RuntimeError:  # an opaque layout (oneDNN's packed weight) has no pointer to share
+                key = (str(tensor.device), id(tensor))
+            tensors[key] = (tensor.numel() * tensor.element_size(), ".kv_cache." in f".{name}")
+        weights = sum(size for size, cache in tensors.values() if not cache)
+        return weights, sum(size for size, cache in tensors.values() if cache)
 
     @property
     def mixes_prompts(self) -> bool:

@@ -53,18 +53,29 @@ _META_NAMES = [
 
 
 def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: torch.dtype, progress: bool = False,
-               assigned: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None) -> Transformer:
+               assigned: Optional[Callable[[nn.Module], Optional[nn.Module]]] = None,
+               projections_as_stored: bool = False) -> Transformer:
     """Builds the model on the meta device and assigns the checkpoint's tensors as they are read, each cast to
     dtype on device; with progress, a bar on stderr follows them. assigned(part) is called on each part of the
     model (a block, the embeddings, the final norm, the output layer) once its weights are in, e.g. to
     quantize it (a module it returns takes the part's place): so a checkpoint quantized while it loads never
-    has every weight in full precision at once."""
+    has every weight in full precision at once. With projections_as_stored, a projection's weight stored in
+    bfloat16 or float16 is assigned as stored, not cast: for an `assigned` that puts it in a layout of its
+    own (the CPU's 16-bit panels) before anything runs."""
     with torch.device("meta"):
         model = Transformer(args)
+
+    def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        keep = projections_as_stored and tensor.dtype in (torch.bfloat16, torch.float16) and _is_projection(name)
+        return bar.placed(tensor.to(device=device, dtype=tensor.dtype if keep else dtype))
+
     with WeightsProgress(model, dtype, progress) as bar:
-        assign_weights(model, iter_rank_tensors(ckpt_dir, args), ckpt_dir,
-                       lambda name, tensor: bar.placed(tensor.to(device=device, dtype=dtype)), assigned)
+        assign_weights(model, iter_rank_tensors(ckpt_dir, args), ckpt_dir, place, assigned)
     return model.requires_grad_(False).eval()
+
+
+def _is_projection(name: str) -> bool:
+    return name.endswith(".weight") and name.split(".")[-2] in META_SHARD_DIM and not name.startswith("tok_embeddings")
 
 
 def assign_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor]], ckpt_dir: Path,
@@ -123,12 +134,13 @@ class WeightsProgress(tqdm):
     as each arrives on its device; silent unless enabled."""
 
     def __init__(self, model: Transformer, dtype: torch.dtype, enabled: bool) -> None:
+        self.itemsize = dtype.itemsize
         total = sum(t.numel() for t in model.state_dict().values()) * dtype.itemsize
         super().__init__(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
                          disable=not enabled)
 
     def placed(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.update(tensor.numel() * tensor.element_size())
+        self.update(tensor.numel() * self.itemsize)  # in dtype's bytes, whatever a tensor is kept in
         return tensor
 
 

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from . import cpu_kernels
 from .checkpoint import load_model
 from .checkpoint_files import find_tokenizer, read_model_args, stored_dtype
 from .config import ModelArgs
@@ -141,8 +142,13 @@ def load(
         model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len, progress)
     else:
         torch_device = resolve_device(device)
-        model = load_model(ckpt_dir, args, torch_device, resolve_dtype(dtype, torch_device, stored), progress,
-                           assigned=_prepare_part(quantize, torch_device.type == "cpu" and not compile))
+        cpu_eager = torch_device.type == "cpu" and not compile
+        model_dtype = resolve_dtype(dtype, torch_device, stored)
+        # The CPU kernels keep 16-bit projections as stored: casting them to float32 first only costs time.
+        as_stored = cpu_eager and quantize is None and model_dtype == torch.float32 and cpu_kernels.available()
+        model = load_model(ckpt_dir, args, torch_device, model_dtype, progress,
+                           assigned=_prepare_part(quantize, cpu_eager, model_dtype == torch.float32),
+                           projections_as_stored=as_stored)
     runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel)
     if tensor_parallel:
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
@@ -150,7 +156,7 @@ def load(
 
 
 
-def _prepare_part(quantize: Optional[str], cpu_eager: bool):
+def _prepare_part(quantize: Optional[str], cpu_eager: bool, float32_model: bool):
     """What the loader does to each part of a one-device model as soon as its weights are in (quantizing it,
     and on the CPU putting it in the eager runner's layout), so the model never exists whole in full
     precision or float32; None where nothing is to be done."""
@@ -160,7 +166,7 @@ def _prepare_part(quantize: Optional[str], cpu_eager: bool):
     def prepare(part: torch.nn.Module) -> torch.nn.Module:
         if quantize == "int8":
             part = quantize_int8(part)
-        return cpu_serving_layout(part) if cpu_eager else part
+        return cpu_serving_layout(part, float32_model) if cpu_eager else part
 
     return prepare
 

@@ -51,9 +51,10 @@ class PackedLinear(nn.Module):
 MIN_PACKED_WEIGHTS = 1 << 18
 
 
-def pack_linears(model: nn.Module, min_weights: Optional[int] = None) -> int:
+def pack_linears(model: nn.Module, min_weights: Optional[int] = None, float32_model: bool = False) -> int:
     """Replaces each bias-free float32 nn.Linear on the CPU in model by a projection in a layout made for
-    it, in place; returns how many it replaced.
+    it, in place; returns how many it replaced. In a float32_model, bfloat16 and float16 ones too (weights
+    loaded as stored, see checkpoint.load_model), into PanelLinears of their dtype, where those are built.
 
     Where llama_core's own kernels are built (llama_core.cpu_kernels) every such linear becomes a
     PanelLinear, which beats torch's products at every row count and size measured; otherwise those with at
@@ -61,23 +62,24 @@ def pack_linears(model: nn.Module, min_weights: Optional[int] = None) -> int:
     torch has no oneDNN)."""
     if panels_available():
         layout, min_weights = PanelLinear, 0 if min_weights is None else min_weights
+        dtypes = (torch.float32, torch.bfloat16, torch.float16) if float32_model else (torch.float32,)
     elif packing_available():
-        layout, min_weights = PackedLinear, MIN_PACKED_WEIGHTS if min_weights is None else min_weights
+        layout, min_weights, dtypes = PackedLinear, MIN_PACKED_WEIGHTS if min_weights is None else min_weights, (torch.float32,)
     else:
         return 0
-    return _replace_linears(model, layout, min_weights)
+    return _replace_linears(model, layout, min_weights, dtypes)
 
 
-def _replace_linears(model: nn.Module, layout: type, min_weights: int) -> int:
+def _replace_linears(model: nn.Module, layout: type, min_weights: int, dtypes: tuple[torch.dtype, ...]) -> int:
     replaced = 0
     for name, child in list(model.named_children()):
         # The type first: a packed projection's `weight` is a copy made on demand.
         if (type(child) is nn.Linear and child.bias is None and child.weight.device.type == "cpu"
-                and child.weight.dtype == torch.float32 and child.weight.numel() >= min_weights):
+                and child.weight.dtype in dtypes and child.weight.numel() >= min_weights):
             setattr(model, name, layout(child.weight))
             replaced += 1
         else:
-            replaced += _replace_linears(child, layout, min_weights)
+            replaced += _replace_linears(child, layout, min_weights, dtypes)
     return replaced
 
 

@@ -64,7 +64,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             # The compiled step traces through plain products: it cannot take packed weights as inputs.
             if not compile and not tensor_parallel and on_one_device(model):
-                pack_linears(model)
+                pack_linears(model, float32_model=self.dtype == torch.float32)
                 if self.dtype == torch.float32 and cpu_kernels_available():
                     model.use_cpu_kernels()
                     keep_int8_in_panels(model)
@@ -282,17 +282,18 @@ class DecodeStep:
         return self.model(tokens[:, None], positions[:, None], cache_rows=None, kv_len=kv_len)[:, 0]
 
 
-def cpu_serving_layout(part: nn.Module) -> nn.Module:
+def cpu_serving_layout(part: nn.Module, float32_model: bool = True) -> nn.Module:
     """One part of a just-loaded CPU model (a block, the embeddings, the norm, the output layer) in the layout
     an eager ModelRunner serves it in: q/k/v and gate/up fused, float32 and int8 projections in
-    llama_core.cpu_kernels' panels (16-bit ones where those hold the weight exactly). The loader applies it as
+    llama_core.cpu_kernels' panels (16-bit ones where those hold the weight exactly, or where a float32_model's
+    weight was loaded as stored). The loader applies it as
     each part is read, so a model stored in 16 bits never exists whole in float32. Returns the part, or what
     takes its place."""
     if isinstance(part, TransformerBlock) and part.attention.wqkv is None:
         part.attention.fuse_projections()
         part.feed_forward.fuse_projections()
     holder = nn.ModuleDict({"part": part})  # so that a part which is itself a projection can be replaced
-    pack_linears(holder)
+    pack_linears(holder, float32_model=float32_model)
     if cpu_kernels_available():
         keep_int8_in_panels(holder)
     return holder["part"]

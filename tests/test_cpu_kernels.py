@@ -174,7 +174,7 @@ def test_inputs_the_kernel_does_not_take_still_get_the_right_product():
 
 
 def test_refuses_what_it_cannot_hold():
-    with pytest.raises(ValueError, match="float32 CPU weight"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16 CPU weight, got torch.float64"):
         PanelLinear(torch.randn(4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="2-D"):
         PanelLinear(torch.randn(4))
@@ -183,9 +183,13 @@ def test_refuses_what_it_cannot_hold():
 @needs_kernels
 def test_pack_linears_puts_every_float32_bias_free_linear_in_panels():
     model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=True),
-                          nn.Linear(4, 4, bias=False), nn.Linear(64, 64, bias=False).double())
-    assert pack_linears(model) == 2
-    assert [type(m) for m in model] == [PanelLinear, nn.Linear, PanelLinear, nn.Linear]
+                          nn.Linear(4, 4, bias=False), nn.Linear(64, 64, bias=False).double(),
+                          nn.Linear(64, 64, bias=False).bfloat16())  # a projection loaded as stored
+    stored = model[4].weight.detach().clone()
+    assert pack_linears(model) == 2 and type(model[4]) is nn.Linear  # in a bfloat16 model it stays as it is
+    assert pack_linears(model, float32_model=True) == 1
+    assert [type(m) for m in model] == [PanelLinear, nn.Linear, PanelLinear, nn.Linear, PanelLinear]
+    assert model[4].panels.dtype == torch.bfloat16 and torch.equal(model[4].weight, stored.float())
 
 
 def test_without_a_compiler_products_fall_back_with_one_warning(monkeypatch, tmp_path):
@@ -269,28 +273,36 @@ def test_a_checkpoint_stored_in_16_bits_serves_from_16_bit_panels_with_float32_p
 
 
 @needs_kernels
-def test_a_16_bit_checkpoint_never_holds_every_block_in_float32_while_it_loads(tmp_path, tiny_args, tiny_state_dict,
-                                                                                tokenizer_path, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_16_bit_checkpoint_loads_a_block_at_a_time_as_stored_into_its_panels(tmp_path, tiny_args, tiny_state_dict,
+                                                                                tokenizer_path, monkeypatch, dtype):
     from conftest import build_llama, write_meta_checkpoint
     from llama_core import checkpoint, loader
     from llama_core.runner import cpu_serving_layout
 
     state = {name: t.to(torch.bfloat16) for name, t in tiny_state_dict.items()}
     ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [state], tokenizer_path)
-    built, float32_blocks = [], []
+    built, unpacked_blocks, projection_dtypes = [], [], set()
 
     class Recorded(checkpoint.Transformer):
         def __init__(self, args):
             super().__init__(args)
             built.append(self)
 
-    def laid_out(part):
-        float32_blocks.append(sum(any(type(m) is nn.Linear and m.weight.device.type != "meta" for m in block.modules())
-                                  for block in built[0].layers))
-        return cpu_serving_layout(part)
+    def laid_out(part, float32_model=True):
+        linears = [m for block in built[0].layers for m in block.modules()
+                   if type(m) is nn.Linear and m.weight.device.type != "meta"]
+        projection_dtypes.update(m.weight.dtype for m in linears)
+        unpacked_blocks.append(sum(any(m in linears for m in block.modules()) for block in built[0].layers))
+        return cpu_serving_layout(part, float32_model)
 
     monkeypatch.setattr(checkpoint, "Transformer", Recorded)
     monkeypatch.setattr(loader, "cpu_serving_layout", laid_out)
-    llama = build_llama(ckpt)
-    assert max(float32_blocks) == 1 and len(float32_blocks) == tiny_args.n_layers + 3
-    assert all(isinstance(block.attention.wqkv, PanelLinear) for block in llama.model.layers)
+    llama = build_llama(ckpt, dtype=dtype)
+    assert len(unpacked_blocks) == tiny_args.n_layers + 3
+    if dtype == "float32":  # each block in panels before the next is read
+        assert max(unpacked_blocks) == 1
+    # As stored: never cast to float32 on the way to the panels (a float32 model); a bfloat16 model's own.
+    assert projection_dtypes == {torch.bfloat16}
+    panels = all(isinstance(block.attention.wqkv, PanelLinear) for block in llama.model.layers)
+    assert panels == (dtype == "float32")  # a bfloat16 model runs torch's bfloat16 products, as before

@@ -118,19 +118,21 @@ def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int, in_f
 
 
 class PanelLinear(nn.Module):
-    """y = x @ W.T for a float32 CPU weight W [out, in] (no bias), in panels for linear.c's kernel: bfloat16 or
-    float16 panels where they hold W exactly (`exact_storage`), else float32.
+    """y = x @ W.T for float32 x and a CPU weight W [out, in] (no bias), in panels for linear.c's kernel: a
+    bfloat16 or float16 W in panels of its dtype; a float32 one in bfloat16 or float16 panels where they hold
+    it exactly (`exact_storage`), else float32.
 
     `weight` gives the plain float32 [out, in] values back (a copy), e.g. to quantize or to compile."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
-            raise ValueError(f"PanelLinear takes a 2-D float32 CPU weight, got {weight.dtype} "
+        if weight.device.type != "cpu" or weight.dtype not in PANEL_KINDS or weight.dim() != 2:
+            raise ValueError(f"PanelLinear takes a 2-D float32, bfloat16 or float16 CPU weight, got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         weight = weight.detach()
-        self.register_buffer("panels", to_panels(weight.to(exact_storage(weight))), persistent=False)
+        stored = exact_storage(weight) if weight.dtype == torch.float32 else weight.dtype
+        self.register_buffer("panels", to_panels(weight.to(stored)), persistent=False)
         available()  # loads the kernels for forward, where they build
 
     @property

@@ -82,6 +82,7 @@ def test_16_bit_panels_give_the_float32_panels_products_bit_for_bit(stored, rows
 
 
 @pytest.mark.skipif(build.shutil.which("cc") is None, reason="no C compiler here")
+@pytest.mark.skipif(build.platform.machine() not in ("x86_64", "AMD64"), reason="F16C and AVX-512 are x86 flags")
 def test_float16_panels_widen_exactly_without_f16c(tmp_path):
     # -march=native on a CPU with F16C or AVX-512 converts in hardware; elsewhere linear.c widens in C.
     import ctypes

@@ -74,8 +74,12 @@ def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: tor
     return model.requires_grad_(False).eval()
 
 
+_PROJECTIONS = (*TP_SPLIT_DIM, "output")
+
+
 def _is_projection(name: str) -> bool:
-    return name.endswith(".weight") and name.split(".")[-2] in META_SHARD_DIM and not name.startswith("tok_embeddings")
+    module, _, kind = name.rpartition(".")
+    return kind == "weight" and module.rpartition(".")[2] in _PROJECTIONS
 
 
 def assign_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor]], ckpt_dir: Path,

@@ -168,12 +168,11 @@ def keep_int8_in_panels(model: nn.Module) -> int:
     if not cpu_kernels.available():
         return 0
     replaced = 0
-    for name, child in list(model.named_children()):
-        if type(child) is Int8Linear and child.weight.device.type == "cpu" and child.scales.dtype == torch.float32:
-            setattr(model, name, Int8PanelLinear(child))
-            replaced += 1
-        else:
-            replaced += keep_int8_in_panels(child)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is Int8Linear and child.weight.device.type == "cpu" and child.scales.dtype == torch.float32:
+                setattr(parent, name, Int8PanelLinear(child))
+                replaced += 1
     return replaced
 
 

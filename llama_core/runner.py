@@ -64,10 +64,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             # The compiled step traces through plain products: it cannot take packed weights as inputs.
             if not compile and not tensor_parallel and on_one_device(model):
-                pack_linears(model, float32_model=self.dtype == torch.float32)
+                cpu_serving_layout(model, float32_model=self.dtype == torch.float32)  # the loader's did most parts
                 if self.dtype == torch.float32 and cpu_kernels_available():
                     model.use_cpu_kernels()
-                    keep_int8_in_panels(model)
             model.use_column_major_weights()
         model.setup_caches(max_batch_size, max_seq_len + (1 if compile else 0))  # a compiled step's spare position
         self._first_kv_cache = model.layers[0].attention.kv_cache  # every forward and copy writes it
@@ -294,8 +293,7 @@ def cpu_serving_layout(part: nn.Module, float32_model: bool = True) -> nn.Module
         part.feed_forward.fuse_projections()
     holder = nn.ModuleDict({"part": part})  # so that a part which is itself a projection can be replaced
     pack_linears(holder, float32_model=float32_model)
-    if cpu_kernels_available():
-        keep_int8_in_panels(holder)
+    keep_int8_in_panels(holder)
     return holder["part"]
 
 

@@ -164,21 +164,17 @@ def test_sharded_tensor_wrong_size_after_merge(tmp_path, tiny_args, tiny_state_d
         build_llama(ckpt)
 
 
-def test_params_with_more_layers_than_weights(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
+@pytest.mark.parametrize("n_layers, message", [
+    (3, r"lacks tensor\(s\) \['layers\.2\..*n_layers=3"),  # more layers than weights
+    (1, r"has tensor layers\.1\..*, which the model config \(n_layers=1\) has no place for"),  # fewer
+])
+def test_params_with_another_layer_count_than_the_weights(tmp_path, tiny_args, tiny_state_dict, tokenizer_path,
+                                                          n_layers, message):
     ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [tiny_state_dict], tokenizer_path)
     params = json.loads((ckpt / "params.json").read_text())
-    params["n_layers"] = 3
+    params["n_layers"] = n_layers
     (ckpt / "params.json").write_text(json.dumps(params))
-    with pytest.raises(CheckpointError, match=r"lacks tensor\(s\) \['layers\.2\..*n_layers=3"):
-        build_llama(ckpt)
-
-
-def test_params_with_fewer_layers_than_weights(tmp_path, tiny_args, tiny_state_dict, tokenizer_path):
-    ckpt = write_meta_checkpoint(tmp_path / "ckpt", tiny_args, [tiny_state_dict], tokenizer_path)
-    params = json.loads((ckpt / "params.json").read_text())
-    params["n_layers"] = 1
-    (ckpt / "params.json").write_text(json.dumps(params))
-    with pytest.raises(CheckpointError, match=r"has tensor layers\.1\..*, which the model config \(n_layers=1\) has no place for"):
+    with pytest.raises(CheckpointError, match=message):
         build_llama(ckpt)
 
 

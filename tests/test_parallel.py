@@ -14,9 +14,9 @@ import torch
 
 from conftest import MAX_SEQ_LEN, REPO_ROOT, build_llama, load_weights, split_meta_shards, write_meta_checkpoint
 from llama_core import CheckpointError, Engine, InvalidRequestError, Llama
-from llama_core.checkpoint import load_torch_file
+from llama_core.checkpoint import TP_SPLIT_DIM, iter_rank_tensors, load_torch_file
 from llama_core.distributed.device_map import parse_max_memory
-from llama_core.distributed.parallel import TP_SPLIT_DIM, check_world_size, iter_rank_tensors
+from llama_core.distributed.parallel import check_world_size
 from tp_worker import shared_prefix_requests
 
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"

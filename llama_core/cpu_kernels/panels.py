@@ -2,11 +2,12 @@
 
 A float32 weight W [out, in] becomes panels [ceil(out / 32), in, 32]: each group of 32 rows of W transposed,
 so one panel is one contiguous stream (int8: [ceil(out / 32), ceil(in / 4), 32, 4], four inputs per output
-side by side for VNNI). A PanelLinear keeps its panels in bfloat16 or float16 where every value of W is one
-of that dtype's (a checkpoint stored in it, as Llama-2's are, then cast to float32): the products are the
-float32 panels' bit for bit, from half the memory, read twice as fast. Where the OS allows it the panels sit in 2 MiB pages (transparent huge
-pages, asked for with madvise): streaming the weight then costs far fewer page walks, which on the
-110m shape is the difference between reading at ~25 and ~33 GB/s with 2 threads (docs/benchmarks.md).
+side by side for VNNI). A PanelLinear keeps its panels in bfloat16 or float16 where W comes in that dtype (a
+projection loaded as stored, as Llama-2's are) or every value of it is one of that dtype's: the products are
+the float32 panels' bit for bit, from half the memory. Where the OS allows it the panels sit in 2 MiB pages
+(transparent huge pages, asked for with madvise): streaming the weight then costs far fewer page walks,
+which on the 110m shape is the difference between reading at ~25 and ~33 GB/s with 2 threads
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import TP_SPLIT_DIM, WeightsProgress, assign_weights, iter_rank_tensors  # noqa: F401  (tests import them from here)
+from ..checkpoint import TP_SPLIT_DIM, WeightsProgress, assign_weights, iter_rank_tensors
 from ..config import ModelArgs
 from ..errors import InvalidRequestError
 from ..model import Transformer

@@ -137,7 +137,8 @@ def generate(plan: ModelPlan, args: argparse.Namespace, params: SamplingParams, 
     engine = None
     try:
         engine = Engine(load(plan.ckpt_dir, plan.tokenizer_path, plan.max_seq_len, 1, args.device, args.dtype,
-                             progress=status is not None, quantize=plan.quantize))
+                             progress=status is not None, quantize=plan.quantize,
+                             kv_cache_dtype=plan.kv_cache_dtype))
         # The engine's loop is not started: reading the stream runs its steps in this thread.
         if args.chat:
             stream = stream_chat(engine, request, max_new_tokens=max_new_tokens, params=params)

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Optional, TypedDict
 import torch
 
 from . import dialog as chat_format
+from .devices import resolve_kv_cache_dtype
 from .errors import InvalidRequestError, LlamaError
 from .loader import DEFAULT_CKPT_DIR, LoadedModel, load
 from .model import Transformer
@@ -64,9 +65,12 @@ class Llama:
 
     @classmethod
     def from_model(cls, model: Transformer, tokenizer: Tokenizer, max_seq_len: int, max_batch_size: int,
-                   seed: Optional[int] = None, compile: bool = False) -> "Llama":
+                   seed: Optional[int] = None, compile: bool = False,
+                   kv_cache_dtype: str | torch.dtype = "auto") -> "Llama":
         """A Llama over a Transformer already in memory (weights loaded, eval mode)."""
-        return cls(LoadedModel.from_runner(ModelRunner(model, max_batch_size, max_seq_len, compile), tokenizer), seed)
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model.tok_embeddings.weight.dtype)
+        runner = ModelRunner(model, max_batch_size, max_seq_len, compile, kv_cache_dtype=kv_dtype)
+        return cls(LoadedModel.from_runner(runner, tokenizer), seed)
 
     @staticmethod
     def build(
@@ -82,6 +86,7 @@ class Llama:
         tensor_parallel: bool = False,
         compile: bool = False,
         quantize: Optional[str] = None,
+        kv_cache_dtype: str | torch.dtype = "auto",
     ) -> "Llama":
         """Loads a checkpoint in Meta or Hugging Face layout.
 
@@ -109,14 +114,17 @@ class Llama:
             quantize: "int8" stores every projection's weight as int8 with one scale per output channel,
                 once loaded (on CPU faster than float32, with 8-bit activations; see llama_core.quantize);
                 None keeps the dtype's weights. Not with device_map or tensor_parallel.
+            kv_cache_dtype: "auto" keeps keys and values in the model's dtype; "float16" or "bfloat16" in a
+                float32 model halves the KV cache's memory (on the CPU, a long context also decodes faster),
+                rounding each key and value to 16 bits.
 
         Raises:
             CheckpointNotFoundError: a directory or file is missing.
             CheckpointError: a file is unreadable or the parts don't fit together.
-            InvalidRequestError: a bad max_seq_len, max_batch_size, device, dtype or quantize.
+            InvalidRequestError: a bad max_seq_len, max_batch_size, device, dtype, quantize or kv_cache_dtype.
         """
         loaded = load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, device, dtype, device_map,
-                      max_memory, tensor_parallel, compile, quantize=quantize)
+                      max_memory, tensor_parallel, compile, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
         return Llama(loaded, seed)
 
     @property

@@ -14,6 +14,10 @@ class KVCache(nn.Module):
     Buffers are [max_batch_size, n_kv_heads, max_seq_len, head_dim] and never change shape, so a
     compiled decode step can be replayed for every position. Each row is a slot: a sequence that
     owns it writes its own positions, which may differ from row to row.
+
+    `dtype` may be narrower than the model's (a float32 model with a float16 cache holds twice the
+    context in the same memory): keys and values are rounded to it when written and widened back to
+    the model's dtype when read.
     """
 
     def __init__(
@@ -65,9 +69,10 @@ class KVCache(nn.Module):
             kv_len: how many leading positions to return; None returns all max_seq_len.
 
         Returns:
-            Keys and values, each [B, n_kv_heads, kv_len, head_dim].
+            Keys and values, each [B, n_kv_heads, kv_len, head_dim], in k's dtype.
         """
-        batch = k.shape[0]
+        batch, dtype = k.shape[0], k.dtype
+        k, v = k.to(self.k_cache.dtype), v.to(self.v_cache.dtype)
         if cache_rows is None:
             cache_rows = slice(0, batch)
         length = self.max_seq_len if kv_len is None else kv_len
@@ -76,8 +81,8 @@ class KVCache(nn.Module):
             batch_rows = torch.arange(batch, device=k.device)[:, None]
             k_rows[batch_rows, :, input_pos] = k.transpose(1, 2)
             v_rows[batch_rows, :, input_pos] = v.transpose(1, 2)
-            return k_rows[:, :, :length], v_rows[:, :, :length]
+            return k_rows[:, :, :length].to(dtype), v_rows[:, :, :length].to(dtype)
         # Advanced indices separated by a slice put their broadcast shape [B, S] first.
         self.k_cache[cache_rows[:, None], :, input_pos] = k.transpose(1, 2)
         self.v_cache[cache_rows[:, None], :, input_pos] = v.transpose(1, 2)
-        return self.k_cache[cache_rows, :, :length], self.v_cache[cache_rows, :, :length]
+        return self.k_cache[cache_rows, :, :length].to(dtype), self.v_cache[cache_rows, :, :length].to(dtype)

@@ -14,7 +14,7 @@ from . import cpu_kernels
 from .checkpoint import load_model
 from .checkpoint_files import find_tokenizer, read_model_args, stored_dtype
 from .config import ModelArgs
-from .devices import resolve_device, resolve_dtype
+from .devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
 from .quantize import QUANTIZATIONS, quantization_of, quantize_int8
 from .resources import DEFAULT_CKPT_DIR
@@ -40,6 +40,7 @@ class ModelInfo:
     projections_stored_in: Optional[str] = None
     weights_bytes: int = 0  # what the weights take on their devices (this rank's, under tensor parallelism)
     kv_cache_bytes: int = 0
+    kv_cache_dtype: Optional[str] = None  # where it differs from dtype
 
     @property
     def weights(self) -> str:
@@ -73,6 +74,7 @@ class LoadedModel:
             device=str(runner.device), load_seconds=load_seconds, quantization=quantization_of(runner.model),
             projections_stored_in=panel_storage_of(runner.model),
             weights_bytes=weights_bytes, kv_cache_bytes=kv_cache_bytes,
+            kv_cache_dtype=None if runner.kv_cache_dtype == runner.dtype else str(runner.kv_cache_dtype).removeprefix("torch."),
         )
         return cls(runner, tokenizer, info)
 
@@ -90,10 +92,12 @@ def load(
     compile: bool = False,
     progress: bool = False,
     quantize: Optional[str] = None,
+    kv_cache_dtype: str | torch.dtype = "auto",
 ) -> LoadedModel:
     """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`, and
     progress shows a bar on stderr while the weights load (on rank 0 only under tensor parallelism).
     quantize="int8" stores the projections' weights as int8 once loaded (see llama_core.quantize).
+    kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
 
     Under tensor parallelism, ranks > 0 serve rank 0's forwards inside this call and then exit the process.
 
@@ -118,6 +122,7 @@ def load(
             f"{ckpt_dir} has vocab_size {args.vocab_size}"
         )
     check_quantize(quantize, device_map, tensor_parallel)
+    kv_dtype = None if kv_cache_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
     stored = stored_dtype(ckpt_dir)
     # Neither rank 0's broadcast of each forward nor accelerate's hooks that move a layer's inputs and
     # weights can be traced into the compiled step.
@@ -139,7 +144,8 @@ def load(
 
         if str(device) != "auto":
             raise InvalidRequestError(f"device_map places the model: leave device as 'auto', got {device!r}")
-        model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len, progress)
+        model = load_dispatched(ckpt_dir, args, dtype, device_map, max_memory, max_batch_size, max_seq_len, progress,
+                                kv_dtype)
     else:
         torch_device = resolve_device(device)
         cpu_eager = torch_device.type == "cpu" and not compile
@@ -149,7 +155,8 @@ def load(
         model = load_model(ckpt_dir, args, torch_device, model_dtype, progress,
                            assigned=_prepare_part(quantize, cpu_eager, model_dtype == torch.float32),
                            projections_as_stored=as_stored)
-    runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel)
+    runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel,
+                         kv_cache_dtype=kv_dtype)
     if tensor_parallel:
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
     return LoadedModel.from_runner(runner, tokenizer, ckpt_dir, time.perf_counter() - start)

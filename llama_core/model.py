@@ -256,12 +256,13 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     # -- KV cache ownership -------------------------------------------------------------------
-    def setup_caches(self, max_batch_size: int, max_seq_len: int) -> None:
-        """Allocates one KV cache per layer, on the device that layer runs on and in its dtype."""
+    def setup_caches(self, max_batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None) -> None:
+        """Allocates one KV cache per layer, on the device that layer runs on, in `dtype` (None: the layer's)."""
         for layer in self.layers:
-            attention, dtype = layer.attention, layer.attention_norm.weight.dtype
+            attention = layer.attention
             attention.kv_cache = KVCache(
-                max_batch_size, max_seq_len, attention.n_kv_heads, attention.head_dim, dtype, execution_device(layer)
+                max_batch_size, max_seq_len, attention.n_kv_heads, attention.head_dim,
+                dtype or layer.attention_norm.weight.dtype, execution_device(layer)
             )
 
     def fuse_projections(self) -> None:

@@ -41,10 +41,10 @@ class ModelRunner:
     """
 
     def __init__(self, model: Transformer, max_batch_size: int, max_seq_len: int, compile: bool = False,
-                 tensor_parallel: bool = False) -> None:
+                 tensor_parallel: bool = False, kv_cache_dtype: Optional[torch.dtype] = None) -> None:
         """model: loaded weights in eval mode. compile: decode with a compiled step (static on CUDA, leading rows on CPU: see the module docstring).
         tensor_parallel: every forward is replayed on the other ranks (see llama_core.distributed.parallel),
-        so only model.forward may run it.
+        so only model.forward may run it. kv_cache_dtype: the KV cache's, None for the model's.
 
         Raises:
             InvalidRequestError: max_batch_size or max_seq_len not a positive integer.
@@ -68,8 +68,10 @@ class ModelRunner:
                 if self.dtype == torch.float32 and cpu_kernels_available():
                     model.use_cpu_kernels()
             model.use_column_major_weights()
-        model.setup_caches(max_batch_size, max_seq_len + (1 if compile else 0))  # a compiled step's spare position
+        # a compiled step's spare position
+        model.setup_caches(max_batch_size, max_seq_len + (1 if compile else 0), kv_cache_dtype)
         self._first_kv_cache = model.layers[0].attention.kv_cache  # every forward and copy writes it
+        self.kv_cache_dtype = self._first_kv_cache.k_cache.dtype
         self.decode_step = DecodeStep(model, max_batch_size, compile, context=max_seq_len)
         if self.decode_step.compiled:
             self.decode_step.warm_up()

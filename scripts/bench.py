@@ -75,6 +75,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per decode measurement")
     p.add_argument("--prompt-lengths", default="128,512,2048", help="prompt lengths for time to first token")
     p.add_argument("--batch-sizes", default="8,32", help="concurrent sequences for aggregate throughput")
+    p.add_argument("--decode-depths", default="", help="also batch-1 decode speed with this many tokens already "
+                   "in the context, e.g. 1024,3072: a long chat's next reply (llama-bench -d)")
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
     p.add_argument("--quantize", choices=["none", "int8"], default="none")
     p.add_argument("--with-float", action="store_true", help="with --quantize int8: also measure the float model, "
@@ -88,6 +90,10 @@ def parse_args() -> argparse.Namespace:
                         "are bfloat16 or float16): on CPU llama_core then keeps float32 models' projections in 16 bits")
     p.add_argument("--with-float32-panels", action="store_true", help="with --stored bfloat16/float16 on CPU: also "
                    "llama_core with the same weights in float32 panels (llama_core_float32_panels), side by side")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="llama_core's KV cache (auto: the model's dtype)")
+    p.add_argument("--with-kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="also llama_core with its KV cache in this dtype (llama_core_kv_DTYPE), side by side")
     p.add_argument("--skip-hf", action="store_true", help="measure llama_core only")
     p.add_argument("--compile", action="store_true", help="llama_core with the static, torch.compile'd decode step")
     p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
@@ -200,6 +206,11 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
     for length in (int(x) for x in a.prompt_lengths.split(",")):
         for name, t in best(lambda g: lambda: g(prompts(1, length), 1), a.repeats).items():
             results[name]["ttft_s"][length] = t
+    for depth in _ints(a.decode_depths):
+        t_first = best(lambda g: lambda: g(prompts(1, depth), 1), a.repeats)
+        t_full = best(lambda g: lambda: g(prompts(1, depth), n + 1), a.repeats)
+        for name in impls:
+            results[name].setdefault("decode_tokens_per_s_at_depth", {})[depth] = n / max(t_full[name] - t_first[name], 1e-9)
     for batch in (int(x) for x in a.batch_sizes.split(",")):
         t_first = best(lambda g: lambda: g(prompts(batch, 16), 1), a.repeats)
         t_full = best(lambda g: lambda: g(prompts(batch, 16), n + 1), a.repeats)
@@ -208,6 +219,10 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
         for name, t in best(lambda g: lambda: g(prompts(batch, BATCHED_PROMPT), BATCHED_NEW), a.repeats).items():
             results[name]["aggregate_with_prefill_tokens_per_s"][batch] = batch * BATCHED_NEW / t
     return results
+
+
+def _ints(csv: str) -> list[int]:
+    return [int(x) for x in csv.split(",") if x.strip()]
 
 
 def export_for_llama_cpp(model: Transformer, a, folder: Path) -> Path:
@@ -238,6 +253,8 @@ def measure_llama_cpp(hf_dir: Path, a, report: dict) -> None:
         batched = peer.batched(gguf, threads, batches, BATCHED_PROMPT, BATCHED_NEW)
         report["results"][f"llama_cpp_{outtype}"] = {
             "decode_tokens_per_s": peer.decode_tokens_per_s(gguf, threads, a.decode_tokens, a.repeats),
+            **({"decode_tokens_per_s_at_depth": peer.decode_tokens_per_s_at_depth(
+                gguf, threads, a.decode_tokens, _ints(a.decode_depths), a.repeats)} if a.decode_depths else {}),
             "ttft_s": peer.prompt_seconds(gguf, threads, lengths, a.repeats),
             "aggregate_tokens_per_s": {b: batched[b]["decode_tokens_per_s"] for b in batches},
             "aggregate_with_prefill_tokens_per_s": {b: batched[b]["tokens_per_s_with_prefill"] for b in batches},
@@ -307,7 +324,7 @@ def main() -> None:
         except PeerError as exc:
             raise LlamaError(str(exc)) from None
     workdir = tempfile.TemporaryDirectory()
-    max_len = max(max(int(x) for x in a.prompt_lengths.split(",")) + a.decode_tokens, BATCHED_PROMPT + BATCHED_NEW,
+    max_len = max(max(_ints(a.prompt_lengths) + _ints(a.decode_depths)) + a.decode_tokens, BATCHED_PROMPT + BATCHED_NEW,
                   AGREEMENT_PROMPT + a.agreement_tokens) + 8
     max_batch = max(int(x) for x in a.batch_sizes.split(","))
     model = random_model(args, device, dtype, a.stored)
@@ -332,7 +349,10 @@ def main() -> None:
     compiled_model = copy.deepcopy(model) if a.with_compiled else None  # before Llama fuses and packs model
     torch_kernels_model = copy.deepcopy(model) if a.with_torch_kernels else None
     float32_panels_model = copy.deepcopy(model) if a.with_float32_panels else None
-    llama = Llama.from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
+    other_kv_model = copy.deepcopy(model) if a.with_kv_cache_dtype else None
+    llama = Llama.from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
+                             kv_cache_dtype=a.kv_cache_dtype)
+    report["kv_cache_dtype"] = str(llama.runner.kv_cache_dtype).removeprefix("torch.")
     impls = {"llama_core": lambda p, n: llama.generate(p, n, temperature=0)}
     if compiled_model is not None:
         compiled = Llama.from_model(compiled_model, _Vocab(args.vocab_size), max_len, max_batch, compile=True)
@@ -353,6 +373,10 @@ def main() -> None:
             if isinstance(module, PanelLinear):
                 module.panels = to_panels(module.weight)
         impls["llama_core_float32_panels"] = lambda p, n: wide.generate(p, n, temperature=0)
+    if other_kv_model is not None:
+        other_kv = Llama.from_model(other_kv_model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
+                                    kv_cache_dtype=a.with_kv_cache_dtype)
+        impls[f"llama_core_kv_{a.with_kv_cache_dtype}"] = lambda p, n: other_kv.generate(p, n, temperature=0)
     if reference is not None and a.with_float:
         float_llama = Llama.from_model(reference, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
         impls["llama_core_float"] = lambda p, n: float_llama.generate(p, n, temperature=0)
@@ -450,9 +474,13 @@ def ratios(report: dict) -> dict:
         if peer in results:
             other = results[peer]
             out[f"decode_over_{peer}"] = ours["decode_tokens_per_s"] / other["decode_tokens_per_s"]
+            if "decode_tokens_per_s_at_depth" in other:
+                out[f"decode_at_depth_over_{peer}"] = {d: ours["decode_tokens_per_s_at_depth"][d] / t
+                                                       for d, t in other["decode_tokens_per_s_at_depth"].items()}
             out[f"ttft_{peer}_over_ours"] = {n: other["ttft_s"][n] / t for n, t in ours["ttft_s"].items()
                                              if n in other["ttft_s"]}
-    for other in ("llama_core_float", "llama_core_compiled", "llama_core_float32_panels"):
+    for other in ("llama_core_float", "llama_core_compiled", "llama_core_float32_panels",
+                  *(n for n in results if n.startswith("llama_core_kv_"))):
         if other in results:
             out[f"decode_over_{other}"] = ours["decode_tokens_per_s"] / results[other]["decode_tokens_per_s"]
     if "share_of_copy_bandwidth" in ours:
@@ -493,6 +521,8 @@ def print_table(report: dict) -> None:
     rows = [("decode tok/s (batch 1)", lambda r: f"{r['decode_tokens_per_s']:.1f}")]
     for length in next(iter(results.values()))["ttft_s"]:
         rows.append((f"TTFT {length} tokens (ms)", lambda r, n=length: f"{1000 * r['ttft_s'][n]:.1f}"))
+    for depth in next(iter(results.values())).get("decode_tokens_per_s_at_depth", {}):
+        rows.append((f"decode tok/s at depth {depth}", lambda r, d=depth: f"{r['decode_tokens_per_s_at_depth'][d]:.1f}"))
     for batch in next(iter(results.values()))["aggregate_tokens_per_s"]:
         rows.append((f"aggregate tok/s ({batch} seqs)", lambda r, b=batch: f"{r['aggregate_tokens_per_s'][b]:.1f}"))
     for batch in next(iter(results.values())).get("aggregate_with_prefill_tokens_per_s", {}):
@@ -507,10 +537,12 @@ def print_table(report: dict) -> None:
     for label, cell in rows:
         print(f"{label:<{width}}  " + "  ".join(f"{cell(results[n]):>18}" for n in names))
     ours = results["llama_core"]
-    for peer in ("hf_eager", "llama_core_float32_panels", "llama_cpp_f32", "llama_cpp_bf16", "llama_cpp_f16", "llama_cpp_q8_0"):
+    for peer in ("hf_eager", "llama_core_float32_panels", *(n for n in results if n.startswith("llama_core_kv_")), "llama_cpp_f32", "llama_cpp_bf16", "llama_cpp_f16", "llama_cpp_q8_0"):
         if peer in results:
             other = results[peer]
             ratios = [f"decode {ours['decode_tokens_per_s'] / other['decode_tokens_per_s']:.2f}x"]
+            for depth, figure in other.get("decode_tokens_per_s_at_depth", {}).items():
+                ratios.append(f"decode at depth {depth} {ours['decode_tokens_per_s_at_depth'][depth] / figure:.2f}x")
             for batch, figure in other.get("aggregate_with_prefill_tokens_per_s", {}).items():
                 ratios.append(f"{batch} seqs with prefill {ours['aggregate_with_prefill_tokens_per_s'][batch] / figure:.2f}x")
             print(f"\nllama_core / {peer}: " + ", ".join(ratios))

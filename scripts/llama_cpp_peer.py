@@ -48,6 +48,12 @@ class LlamaCpp:
         rows = self._bench(gguf, threads, repeats, "-p", "0", "-n", str(tokens))
         return rows[0]["avg_ts"]
 
+    def decode_tokens_per_s_at_depth(self, gguf: Path, threads: int, tokens: int, depths: list[int],
+                                      repeats: int) -> dict[int, float]:
+        """Batch-1 decode speed with `depth` tokens already in the context, `llama-bench -p 0 -n tokens -d depth`."""
+        rows = self._bench(gguf, threads, repeats, "-p", "0", "-n", str(tokens), "-d", ",".join(map(str, depths)))
+        return {row["n_depth"]: row["avg_ts"] for row in rows}
+
     def prompt_seconds(self, gguf: Path, threads: int, lengths: list[int], repeats: int) -> dict[int, float]:
         """Time to process a prompt of each length in one batch, `llama-bench -p L -n 0`: what the first
         token waits for."""

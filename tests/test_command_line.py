@@ -279,6 +279,18 @@ def test_generate_with_int8_weights_says_so_and_completes_as_the_python_api_does
     assert result.errors[0].endswith("cpu, float32, int8 weights")
 
 
+def test_generate_with_a_float16_kv_cache_says_so_and_completes_as_the_python_api_does():
+    from llama_core.app import ui
+
+    result = run(GENERATE, "ROMEO:", "--kv-cache-dtype", "float16", "--temperature", "0", "--max-new-tokens", "16",
+                 "--device", "cpu")
+    narrow = Llama.build(None, max_seq_len=TRAINED_FOR, max_batch_size=1, device="cpu", kv_cache_dtype="float16")
+    expected = narrow.text_completion(["ROMEO:"], temperature=0, max_gen_len=16)[0]["generation"]
+    assert result.status == 0 and result.stdout.strip() == expected.strip() and expected.strip()
+    assert result.errors[0].endswith("cpu, float32, float16 KV cache")
+    assert " · KV cache 0.8 MiB in float16 |" in ui.model_facts(narrow.loaded.info)  # 6 layers x 2 x 512 x 64 x 2 bytes
+
+
 def test_generate_echo_prints_the_prompt_first():
     result = run(GENERATE, "ROMEO:", "--echo", "--temperature", "0", "--max-new-tokens", "4", "-q")
     assert result.status == 0 and result.stdout.startswith("ROMEO:") and len(result.stdout) > len("ROMEO:\n")
@@ -329,6 +341,7 @@ BAD_GENERATE_ARGUMENTS = {
     "context beyond training": (["x", "--max-seq-len", "1024"], ["--max-seq-len 1024", "--allow-longer-context"]),
     "checkpoint is a file": (["x", "--ckpt-dir", str(DEFAULT_CKPT_DIR / "params.json")], ["is a file"]),
     "quantization unknown": (["x", "--quantize", "int4"], ["argument --quantize", "'int4'", "'none', 'int8'"]),
+    "kv cache dtype unknown": (["x", "--kv-cache-dtype", "int8"], ["argument --kv-cache-dtype", "'int8'", "'float16'"]),
 }
 
 

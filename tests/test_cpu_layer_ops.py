@@ -228,3 +228,119 @@ def test_argmax_gives_torchs_indices_ties_infinities_and_nans_included():
             assert torch.equal(layer_ops.argmax(batch), torch.argmax(batch, dim=-1)), batch
     strided = torch.randn(64, 6)[:, ::2].t()  # not contiguous
     assert torch.equal(layer_ops.argmax(strided), torch.argmax(strided, dim=-1))
+
+
+# -- 16-bit KV caches ----------------------------------------------------------------------------------------
+SIXTEEN_BITS = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BITS, ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (6, 2, 32), (8, 2, 128), (3, 1, 24)])
+def test_a_16_bit_cache_attends_as_a_float32_cache_holding_the_same_values(dtype, heads, kv_heads, head_dim):
+    """The kernels widen a 16-bit cache exactly and then run float32's arithmetic in float32's order, so
+    attending over it gives, bit for bit, what a float32 cache of the same (rounded) values gives. The new
+    tokens' queries, keys and values are 16-bit values and their rotation is the identity, so both caches
+    receive them unrounded."""
+    torch.manual_seed(0)
+    slots, max_seq_len = 3, 300
+    narrow = KVCache(slots, max_seq_len, kv_heads, head_dim, dtype, torch.device("cpu"))
+    wide = KVCache(slots, max_seq_len, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    narrow.k_cache.copy_(torch.randn(narrow.k_cache.shape) * 3)
+    narrow.v_cache.copy_(torch.randn(narrow.v_cache.shape))
+    wide.k_cache.copy_(narrow.k_cache)
+    wide.v_cache.copy_(narrow.v_cache)
+    positions = torch.tensor([299, 0, 130])
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim).to(dtype).float()
+    identity = torch.stack([torch.ones(head_dim // 2), torch.zeros(head_dim // 2)], dim=-1).expand(3, -1, -1)
+    got = layer_ops.attend_new_tokens(qkv, identity, narrow.k_cache, narrow.v_cache, None, positions, heads, kv_heads)
+    expected = layer_ops.attend_new_tokens(qkv, identity, wide.k_cache, wide.v_cache, None, positions, heads, kv_heads)
+    assert torch.equal(got, expected)
+    assert torch.equal(narrow.k_cache.float(), wide.k_cache) and torch.equal(narrow.v_cache.float(), wide.v_cache)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BITS, ids=str)
+def test_a_16_bit_cache_is_written_as_torch_rounds_and_attends_as_torch_does(dtype):
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, slots, max_seq_len = 6, 2, 32, 4, 40
+    ours, theirs = (KVCache(slots, max_seq_len, kv_heads, head_dim, dtype, torch.device("cpu")) for _ in range(2))
+    for cache in (ours, theirs):
+        torch.manual_seed(1)
+        cache.k_cache.copy_(torch.randn(cache.k_cache.shape))
+        cache.v_cache.copy_(torch.randn(cache.v_cache.shape))
+    positions, rows = torch.tensor([7, 0, 39]), torch.tensor([3, 0, 2])
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim) * 5
+    rotation = rotary_angles(positions[:, None], head_dim, 10000.0)
+    got = layer_ops.attend_new_tokens(qkv, rotation, ours.k_cache, ours.v_cache, rows, positions, heads, kv_heads)
+    expected = _torch_decode(qkv, rotation, theirs, rows, positions, heads, kv_heads)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours.v_cache, theirs.v_cache)  # values are written unchanged, then rounded: as torch rounds
+    # keys are rotated first (in C and torch, a rounding apart in float32), then rounded to 16 bits
+    assert (ours.k_cache.float() - theirs.k_cache.float()).abs().max() <= theirs.k_cache.float().abs().max() * 2**-7
+
+
+@pytest.mark.skipif(cpu_kernels.build.shutil.which("cc") is None, reason="no C compiler here")
+@pytest.mark.skipif(cpu_kernels.build.platform.machine() not in ("x86_64", "AMD64"), reason="F16C and AVX-512 are x86 flags")
+@pytest.mark.parametrize("dtype", SIXTEEN_BITS, ids=str)
+def test_16_bit_cache_writes_round_as_torch_does_without_f16c(tmp_path, dtype):
+    """Where the CPU has no F16C, widen.h rounds to float16 in C (and bfloat16 always): every kind of float32
+    value, ties, subnormals, overflow and infinities included, lands in the cache as torch rounds it, and NaN
+    stays NaN."""
+    import ctypes
+
+    from llama_core.cpu_kernels import build
+
+    library_path = tmp_path / "layer.so"
+    layer_c = next(path for path in build.SOURCES if path.name == "layer.c")
+    result = build.subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-mno-f16c", "-mno-avx512f", str(layer_c),
+                                   "-o", str(library_path), "-lm"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    library = ctypes.CDLL(str(library_path))
+    size, pointer = ctypes.c_int64, ctypes.c_void_p
+    library.attend_new_tokens.argtypes = [pointer, size, pointer, ctypes.c_int, pointer, pointer, pointer, pointer,
+                                          size, size, size, size, size, size, pointer, ctypes.c_int]
+    generator = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), dtype=torch.int64, generator=generator).to(torch.int32)
+    specials = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e9, float("inf"), -float("inf"), float("nan"),
+                             2**-24, 2**-25, 3 * 2**-26, 2**-14 - 2**-25, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8,
+                             1 + 3 * 2**-8, 3.0e38, 1e-45])
+    values = torch.cat([bits.view(torch.float32), specials, -specials])
+    head_dim = 16
+    values = torch.cat([values, torch.zeros(-values.numel() % head_dim)]).view(-1, head_dim)
+    count = values.shape[0]
+    qkv = torch.cat([torch.zeros(count, head_dim), torch.zeros(count, head_dim), values], dim=1)  # q, k, v
+    rotation = torch.stack([torch.ones(head_dim // 2), torch.zeros(head_dim // 2)], dim=-1).expand(count, -1, -1).contiguous()
+    k_cache, v_cache = (torch.zeros(1, 1, count, head_dim, dtype=dtype) for _ in range(2))
+    rows, positions = torch.zeros(count, dtype=torch.int64), torch.arange(count)
+    out = torch.empty(count, head_dim)
+    kind = layer_ops.cache_kind(k_cache, v_cache)
+    status = library.attend_new_tokens(qkv.data_ptr(), qkv.stride(0), rotation.data_ptr(), kind, k_cache.data_ptr(),
+                                       v_cache.data_ptr(), rows.data_ptr(), positions.data_ptr(), count, 1, 1,
+                                       head_dim, 1, count, out.data_ptr(), 1)
+    assert status == 0
+    expected, nan = values.to(dtype), values.isnan()
+    assert torch.equal(v_cache[0, 0][~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert v_cache[0, 0][nan].isnan().all()  # torch's own NaN bits differ between its scalar and vector paths
+
+
+def test_a_model_with_a_16_bit_cache_decodes_the_same_in_c_and_in_torch(meta_ckpt_dir, tokenizer):
+    """Prompts longer than the C kernels' attention take (written into the cache by torch), decoding in C: the
+    tokens and log-probabilities of the torch path over the same float16 cache."""
+    from conftest import build_llama
+
+    from llama_core.model import C_ATTENTION_MAX_TOKENS
+
+    llama = build_llama(meta_ckpt_dir, max_batch_size=3, kv_cache_dtype="float16")
+    torch_path = build_llama(meta_ckpt_dir, max_batch_size=3, kv_cache_dtype="float16")
+    torch_path.model.use_cpu_kernels(False)
+    assert llama.model.layers[0].attention.kv_cache.k_cache.dtype == torch.float16
+    long = tokenizer.encode("Once upon a time there was a king", bos=True, eos=False) * 12
+    long = long[: C_ATTENTION_MAX_TOKENS + 20]
+    assert len(long) > C_ATTENTION_MAX_TOKENS
+    prompts = [long, tokenizer.encode("The king", bos=True, eos=False)]
+    tokens, logprobs = llama.generate(prompts, 12, temperature=0, logprobs=True)
+    expected_tokens, expected_logprobs = torch_path.generate(prompts, 12, temperature=0, logprobs=True)
+    assert tokens == expected_tokens
+    # C and torch rotate a key a float32 rounding apart, which now and then rounds to neighbouring 16-bit values
+    for ours, theirs in zip(logprobs, expected_logprobs):
+        assert ours == pytest.approx(theirs, abs=1e-3)
+

@@ -56,6 +56,20 @@ def test_prompt_logprobs_and_text_equal_in_process(served, llama, prompts):  # n
     assert text == "".join(c.text for c in llama.stream(tokens, 20, temperature=0)) and text.strip()
 
 
+def test_the_app_engine_with_a_float16_kv_cache_holds_it_in_its_process_and_says_so(prompts):  # noqa: F811
+    from llama_core.serving.launch import open_engine
+
+    narrow = Llama.build(_model_dir(), max_batch_size=2, kv_cache_dtype="float16", **BUILD)
+    expected = narrow.generate([prompts[0]], 12, temperature=0)[0][0]
+    engine = open_engine(_model_dir(), max_seq_len=256, max_batch_size=2, device="cpu", dtype="float32", threads=1,
+                         seed=0, kv_cache_dtype="float16")
+    try:
+        assert engine.info.kv_cache_dtype == "float16" and engine.info.kv_cache_bytes == narrow.loaded.info.kv_cache_bytes
+        assert [chunk.token for chunk in engine.submit(prompts[0], 12, temperature=0)] == expected
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_new_tokens=0), "max_new_tokens must be an integer from 1 to 255"),
     (dict(temperature=float("nan")), "temperature must be a finite number"),

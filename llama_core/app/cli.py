@@ -126,7 +126,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         engine = open_engine(plan.ckpt_dir, plan.tokenizer_path, plan.max_seq_len, args.max_batch_size, args.device,
                              args.dtype, args.device_map, args.max_memory, args.compile, args.threads,
                              args.single_process, progress=True, prefix_caching=not args.no_prefix_caching,
-                             max_waiting=args.max_waiting, quantize=plan.quantize)
+                             max_waiting=args.max_waiting, quantize=plan.quantize,
+                             kv_cache_dtype=plan.kv_cache_dtype)
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("linear.c", "layer.c", "block.c", "threads.c"))
+HEADERS = (Path(__file__).with_name("widen.h"),)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi", "-shared", "-fPIC")
 DISABLE_VARIABLE = "LLAMA_CORE_CPU_KERNELS"  # "0" keeps torch's own CPU products
 
@@ -68,7 +69,7 @@ def _build_and_load(compiler: str) -> Optional[ctypes.CDLL]:
         warnings.warn(f"llama_core: no C compiler ({compiler!r}) found, so CPU products use torch's kernels, "
                       f"which are slower at a few rows; install gcc (or set CC) for the faster ones", stacklevel=3)
         return None
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     version = _run([compiler, "--version"]) or ""
     last_error = ""
     for openmp in (("-fopenmp",), ()):  # without OpenMP (e.g. Apple's clang) the product runs on one thread
@@ -130,12 +131,12 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rms_norm.restype = None
     library.silu_mul.argtypes = [pointer, pointer, size, size, ctypes.c_int]
     library.silu_mul.restype = None
-    library.attend_new_tokens.argtypes = [pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size,
-                                      size, size, size, pointer, ctypes.c_int]
+    library.attend_new_tokens.argtypes = [pointer, size, pointer, ctypes.c_int, pointer, pointer, pointer, pointer, size,
+                                          size, size, size, size, size, pointer, ctypes.c_int]
     library.attend_new_tokens.restype = ctypes.c_int
     library.decoder_block.argtypes = [pointer, size, size, ctypes.c_float, pointer, ctypes.c_int, pointer, pointer, pointer,
-                                      pointer, pointer, size, pointer, pointer, pointer, pointer, pointer, size, size, size, size,
-                                      size, ctypes.c_int]
+                                      pointer, pointer, size, pointer, ctypes.c_int, pointer, pointer, pointer, pointer, size,
+                                      size, size, size, size, ctypes.c_int]
     library.decoder_block.restype = ctypes.c_int
     library.argmax_rows.argtypes = [pointer, size, size, pointer]
     library.argmax_rows.restype = None

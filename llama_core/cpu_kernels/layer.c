@@ -1,6 +1,6 @@
 /* The small operations of a decoding layer, each one call instead of several torch kernels: RMSNorm, SiLU
  * gating, and a decoding token's attention (rotary embedding, KV-cache write and attention over its own
- * cache row). Float32, built with linear.c (build.py). Each row's result is computed the same way whatever
+ * cache row, which may hold 16-bit floats). Float32, built with linear.c (build.py). Each row's result is computed the same way whatever
  * else is in the batch. */
 #include <math.h>
 #include <stdint.h>
@@ -9,10 +9,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "widen.h"
 
 #define ENOUGH_FOR_THREADS (1 << 16) /* elements; below this one thread is faster than waking others */
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
@@ -158,27 +158,112 @@ static void rotate(const float *x, const float *rotation, float *out, int64_t he
   }
 }
 
+/* q . the key of `kind` at element `at` of keys, n a multiple of 16, summed in dot()'s order (so float32 keys
+ * give dot()'s value). */
+static inline __attribute__((always_inline)) float dot_cached(int kind, const float *q, const void *keys, int64_t at,
+                                                              int64_t n) {
+  v16 lanes = {0};
+  for (int64_t i = 0; i < n; i += 16) lanes += *(const v16 *)(q + i) * load_kind(kind, keys, at + i);
+  return sum_lanes(lanes);
+}
+
+#define VALUE_BLOCK 32 /* positions whose values stay in L1 while each query head of a group takes them */
+
+/* out[j] = sum over t of weights[j][t] * value t, for the `group` query heads j of one kv head: values of `kind`
+ * [length][head_dim] from element `base` of v_cache, read once, in order, a block of positions at a time. The
+ * head_dim / 16 sums of a head stay in registers over a block (head_dim a multiple of 16, at most 128). */
+static inline __attribute__((always_inline)) void weigh_values(int kind, const void *v_cache, int64_t base,
+                                                               int64_t length, int64_t group, int64_t head_dim,
+                                                               const float *weights, float *out) {
+  int64_t chunks = head_dim / 16;
+  memset(out, 0, (size_t)(group * head_dim) * sizeof(float));
+  for (int64_t t0 = 0; t0 < length; t0 += VALUE_BLOCK) {
+    int64_t t1 = t0 + VALUE_BLOCK < length ? t0 + VALUE_BLOCK : length;
+    for (int64_t j = 0; j < group; j++) {
+      const float *w = weights + j * length;
+      v16 sums[8];
+      for (int64_t c = 0; c < chunks; c++) memcpy(&sums[c], out + j * head_dim + 16 * c, sizeof(v16));
+      for (int64_t t = t0; t < t1; t++)
+        for (int64_t c = 0; c < chunks; c++) sums[c] += w[t] * load_kind(kind, v_cache, base + t * head_dim + 16 * c);
+      for (int64_t c = 0; c < chunks; c++) memcpy(out + j * head_dim + 16 * c, &sums[c], sizeof(v16));
+    }
+  }
+}
+
+/* A cached row of `kind` as float32: the cache itself for float32, else widened into scratch. */
+static inline const float *row_as_float(int kind, const void *cache, int64_t at, int64_t n, float *scratch) {
+  if (kind == KIND_FLOAT32) return (const float *)cache + at;
+  for (int64_t i = 0; i < n; i++) scratch[i] = value_of_kind(kind, cache, at + i);
+  return scratch;
+}
+
+/* weigh_values for any head_dim: each value row as float32, then the same float32 sums whatever the kind. */
+static void weigh_values_any_width(int kind, const void *v_cache, int64_t base, int64_t length, int64_t group,
+                                   int64_t head_dim, const float *weights, float *out, float *scratch) {
+  memset(out, 0, (size_t)(group * head_dim) * sizeof(float));
+  for (int64_t t = 0; t < length; t++) {
+    const float *value = row_as_float(kind, v_cache, base + t * head_dim, head_dim, scratch);
+    for (int64_t j = 0; j < group; j++)
+      for (int64_t d = 0; d < head_dim; d++) out[j * head_dim + d] += weights[j * length + t] * value[d];
+  }
+}
+
+/* The `group` query heads q [group][head_dim] of one kv head attend over positions 0..length-1 of its keys and
+ * values (of `kind`, from element `base`); out [group][head_dim]; scores [group * length] and scratch
+ * [head_dim] are scratch. */
+static inline __attribute__((always_inline)) void attend_kv_head(
+    int kind, const float *q, const void *k_cache, const void *v_cache, int64_t base, int64_t length,
+    int64_t group, int64_t head_dim, float scale, float *scores, float *scratch, float *out) {
+  if (head_dim % 16 == 0) {
+    for (int64_t t = 0; t < length; t++)
+      for (int64_t j = 0; j < group; j++)
+        scores[j * length + t] = dot_cached(kind, q + j * head_dim, k_cache, base + t * head_dim, head_dim) * scale;
+  } else {
+    for (int64_t t = 0; t < length; t++) {
+      const float *key = row_as_float(kind, k_cache, base + t * head_dim, head_dim, scratch);
+      for (int64_t j = 0; j < group; j++) scores[j * length + t] = dot(q + j * head_dim, key, head_dim) * scale;
+    }
+  }
+  for (int64_t j = 0; j < group; j++) {
+    float *row_scores = scores + j * length, largest = max_of(row_scores, length);
+    for (int64_t t = 0; t < length; t++) row_scores[t] = exp_approx(row_scores[t] - largest);
+    float total = sum_of(row_scores, length);
+    for (int64_t t = 0; t < length; t++) row_scores[t] /= total;
+  }
+  if (head_dim == 64)
+    weigh_values(kind, v_cache, base, length, group, 64, scores, out);
+  else if (head_dim == 128)
+    weigh_values(kind, v_cache, base, length, group, 128, scores, out);
+  else if (head_dim % 16 == 0 && head_dim <= 128)
+    weigh_values(kind, v_cache, base, length, group, head_dim, scores, out);
+  else
+    weigh_values_any_width(kind, v_cache, base, length, group, head_dim, scores, out, scratch);
+}
+
 /* New tokens, each with its own cache row and position (a decoding row's one token, or a prompt's tokens
  * each with its row): qkv [count][qkv_stride] holds a token's query heads, key heads and value heads side by
  * side; rotation [count][head_dim / 2][2]. Every token's rotated key and its value go to position
- * positions[i] of cache row rows[i] (caches [slots][kv_heads][max_seq_len][head_dim]) before any attends;
- * then each query head attends over positions 0..positions[i] of that row (its kv head: h / (heads /
- * kv_heads)), scaled by 1/sqrt(head_dim). out [count][heads * head_dim]. Returns -1, writing nothing, if a
- * row or position is outside the cache, -2 without memory. */
-int attend_new_tokens(const float *qkv, int64_t qkv_stride, const float *rotation, float *k_cache, float *v_cache,
-                  const int64_t *rows, const int64_t *positions, int64_t batch, int64_t heads, int64_t kv_heads,
-                  int64_t head_dim, int64_t slots, int64_t max_seq_len, float *out, int threads) {
+ * positions[i] of cache row rows[i] (caches [slots][kv_heads][max_seq_len][head_dim] of cache_kind: 0 float32,
+ * 1 bfloat16, 2 float16, rounded to it) before any attends; then each query head attends over positions
+ * 0..positions[i] of that row (its kv head: h / (heads / kv_heads)), scaled by 1/sqrt(head_dim). out
+ * [count][heads * head_dim]. Returns -1, writing nothing, if a row or position is outside the cache, -2
+ * without memory. */
+int attend_new_tokens(const float *qkv, int64_t qkv_stride, const float *rotation, int cache_kind, void *k_cache,
+                      void *v_cache, const int64_t *rows, const int64_t *positions, int64_t batch, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t slots, int64_t max_seq_len, float *out, int threads) {
   for (int64_t b = 0; b < batch; b++)
     if (rows[b] < 0 || rows[b] >= slots || positions[b] < 0 || positions[b] >= max_seq_len) return -1;
-  float *queries = malloc((size_t)(batch * heads * head_dim) * sizeof(float));
+  float *queries = malloc((size_t)((batch * heads + 1) * head_dim) * sizeof(float));
   if (queries == NULL) return -2;
+  float *rotated_key = queries + batch * heads * head_dim;
   for (int64_t b = 0; b < batch; b++) {
     const float *source = qkv + b * qkv_stride, *angles = rotation + b * head_dim;
     for (int64_t h = 0; h < heads; h++) rotate(source + h * head_dim, angles, queries + (b * heads + h) * head_dim, head_dim);
     for (int64_t g = 0; g < kv_heads; g++) {
       int64_t at = ((rows[b] * kv_heads + g) * max_seq_len + positions[b]) * head_dim;
-      rotate(source + (heads + g) * head_dim, angles, k_cache + at, head_dim);
-      memcpy(v_cache + at, source + (heads + kv_heads + g) * head_dim, (size_t)head_dim * sizeof(float));
+      rotate(source + (heads + g) * head_dim, angles, rotated_key, head_dim);
+      store_kind(cache_kind, k_cache, at, rotated_key, head_dim);
+      store_kind(cache_kind, v_cache, at, source + (heads + kv_heads + g) * head_dim, head_dim);
     }
   }
   int64_t group = heads / kv_heads, longest = 0;
@@ -188,7 +273,7 @@ int attend_new_tokens(const float *qkv, int64_t qkv_stride, const float *rotatio
   /* One task per (row, kv head): its `group` query heads read each cached key and value once together. */
 #pragma omp parallel num_threads(threads) if (batch * heads * longest * head_dim >= ENOUGH_FOR_THREADS)
   {
-    float *scores = malloc((size_t)(group * longest) * sizeof(float));
+    float *scores = malloc((size_t)(group * longest + head_dim) * sizeof(float));
     if (scores == NULL) {
 #pragma omp atomic write
       failed = 1;
@@ -198,36 +283,15 @@ int attend_new_tokens(const float *qkv, int64_t qkv_stride, const float *rotatio
       if (scores == NULL) continue;
       int64_t b = task / kv_heads, g = task % kv_heads, length = positions[b] + 1;
       int64_t base = (rows[b] * kv_heads + g) * max_seq_len * head_dim;
-      const float *keys = k_cache + base, *values = v_cache + base;
       const float *q = queries + (b * heads + g * group) * head_dim;
-      for (int64_t t = 0; t < length; t++)
-        for (int64_t j = 0; j < group; j++) scores[j * length + t] = dot(q + j * head_dim, keys + t * head_dim, head_dim) * scale;
-      for (int64_t j = 0; j < group; j++) {
-        float *row_scores = scores + j * length, largest = max_of(row_scores, length);
-        for (int64_t t = 0; t < length; t++) row_scores[t] = exp_approx(row_scores[t] - largest);
-        float total = sum_of(row_scores, length);
-        for (int64_t t = 0; t < length; t++) row_scores[t] /= total;
-      }
-      float *o = out + (b * heads + g * group) * head_dim;
-      for (int64_t j = 0; j < group; j++) {
-        const float *weights = scores + j * length;
-        int64_t d = 0;
-        for (; d + 16 <= head_dim; d += 16) { /* 16 of its outputs in registers over all positions, 4 sums apart */
-          const float *column = values + d;
-          v16 sums[4] = {{0}, {0}, {0}, {0}};
-          int64_t t = 0;
-          for (; t + 4 <= length; t += 4)
-            for (int k = 0; k < 4; k++) sums[k] += weights[t + k] * *(const v16 *)(column + (t + k) * head_dim);
-          for (; t < length; t++) sums[0] += weights[t] * *(const v16 *)(column + t * head_dim);
-          v16 sum = (sums[0] + sums[1]) + (sums[2] + sums[3]);
-          memcpy(o + j * head_dim + d, &sum, sizeof sum);
-        }
-        for (; d < head_dim; d++) {
-          float sum = 0;
-          for (int64_t t = 0; t < length; t++) sum += weights[t] * values[t * head_dim + d];
-          o[j * head_dim + d] = sum;
-        }
-      }
+      float *o = out + (b * heads + g * group) * head_dim, *scratch = scores + group * longest;
+      /* one copy of the loop per kind, so none of them tests the kind inside it */
+      if (cache_kind == KIND_BFLOAT16)
+        attend_kv_head(KIND_BFLOAT16, q, k_cache, v_cache, base, length, group, head_dim, scale, scores, scratch, o);
+      else if (cache_kind == KIND_FLOAT16)
+        attend_kv_head(KIND_FLOAT16, q, k_cache, v_cache, base, length, group, head_dim, scale, scores, scratch, o);
+      else
+        attend_kv_head(KIND_FLOAT32, q, k_cache, v_cache, base, length, group, head_dim, scale, scores, scratch, o);
     }
     free(scores);
   }

@@ -85,8 +85,8 @@ def attend_new_tokens(qkv: torch.Tensor, rotation: torch.Tensor, k_cache: torch.
     [B, S, ...] (their queries, keys and values, as the stacked projection gives them), rotation with
     [head_dim / 2, 2] (cos, sin) per token, positions [B, S] (or [B]). Writes each token's rotated key and
     value at its position of its row's cache row (rows: [B], a slice, or None for 0..B-1) in k_cache and
-    v_cache [slots, kv_heads, max_seq_len, head_dim], all before any attends, and returns each token's
-    attention over positions 0..its own [B * S, heads * head_dim]."""
+    v_cache [slots, kv_heads, max_seq_len, head_dim] (float32, or bfloat16 or float16, rounded to it), all before
+    any attends, and returns each token's attention over positions 0..its own [B * S, heads * head_dim]."""
     batch = positions.shape[0]
     slots = token_slots(token_rows(rows, batch, positions.numel() // batch), positions, rotation)
     return attend(qkv, slots, k_cache, v_cache, heads, kv_heads)
@@ -101,7 +101,8 @@ def attend(qkv: torch.Tensor, slots: TokenSlots, k_cache: torch.Tensor, v_cache:
         qkv = qkv.contiguous()
     out = torch.empty(slots.count, heads * head_dim)
     status = panels._KERNELS.attend_new_tokens(
-        qkv.data_ptr(), qkv.stride(0), slots.rotation.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        qkv.data_ptr(), qkv.stride(0), slots.rotation.data_ptr(), cache_kind(k_cache, v_cache), k_cache.data_ptr(),
+        v_cache.data_ptr(),
         slots.rows.data_ptr(), slots.positions.data_ptr(), slots.count, heads, kv_heads, head_dim, cache_rows,
         max_seq_len, out.data_ptr(), torch.get_num_threads())
     _check(status, slots, k_cache)
@@ -119,11 +120,20 @@ def decoder_block(x: torch.Tensor, slots: TokenSlots, block) -> torch.Tensor:
         out.data_ptr(), slots.count, out.shape[-1], block.attention_norm.eps, block.attention_norm.weight.data_ptr(),
         panels.PANEL_KINDS[attention.wqkv.panels.dtype], attention.wqkv.panels.data_ptr(), attention.wo.panels.data_ptr(), block.ffn_norm.weight.data_ptr(),
         feed_forward.w13.panels.data_ptr(), feed_forward.w2.panels.data_ptr(), feed_forward.w2.in_features,
-        slots.rotation.data_ptr(), cache.k_cache.data_ptr(), cache.v_cache.data_ptr(), slots.rows.data_ptr(),
+        slots.rotation.data_ptr(), cache_kind(cache.k_cache, cache.v_cache), cache.k_cache.data_ptr(),
+        cache.v_cache.data_ptr(), slots.rows.data_ptr(),
         slots.positions.data_ptr(), attention.n_heads, attention.n_kv_heads, attention.head_dim,
         cache.k_cache.shape[0], cache.k_cache.shape[2], torch.get_num_threads())
     _check(status, slots, cache.k_cache)
     return out
+
+
+def cache_kind(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The kernels' number for a KV cache's dtype (float32, bfloat16 or float16, as panels.PANEL_KINDS)."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in panels.PANEL_KINDS:
+        raise ValueError(f"the CPU kernels take a KV cache of float32, bfloat16 or float16, keys and values alike; "
+                         f"got {k_cache.dtype} and {v_cache.dtype}")
+    return panels.PANEL_KINDS[k_cache.dtype]
 
 
 def _check(status: int, slots: TokenSlots, k_cache: torch.Tensor) -> None:

@@ -19,14 +19,10 @@
 #if defined(__AVX512VNNI__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "widen.h"
 
 #define PANEL 32
 #define TILE_ROWS 8
-
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-
-typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 
 static inline __attribute__((always_inline)) v16 load_f32(const float *p) { return *(const v16 *)p; }
 
@@ -42,43 +38,6 @@ static inline __attribute__((always_inline)) void load_pair_bf16(const uint16_t 
   v16u lanes = *(const v16u *)p;
   *low = (v16)(lanes << 16);
   *high = (v16)(lanes & 0xffff0000u);
-}
-
-static float half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000 | (mantissa << 13); /* inf, nan */
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else { /* subnormal: normalise */
-    exponent = 113;
-    while (!(mantissa & 0x400)) {
-      mantissa <<= 1;
-      exponent--;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
-  }
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline __attribute__((always_inline)) v16 load_f16(const uint16_t *p) {
-  v16 out;
-#if defined(__AVX512F__)
-  __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-  memcpy(&out, &wide, sizeof out);
-#elif defined(__F16C__)
-  __m256 low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-  __m256 high = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
-  memcpy(&out, &low, sizeof low);
-  memcpy((char *)&out + sizeof low, &high, sizeof high);
-#else
-  for (int i = 0; i < 16; i++) out[i] = half_to_float(p[i]);
-#endif
-  return out;
 }
 
 static inline __attribute__((always_inline)) void load_pair_f16(const uint16_t *p, v16 *low, v16 *high) {
@@ -240,9 +199,9 @@ DEFINE_LINEAR(panel_linear_f16, uint16_t, row_times_panels_f16, panel_product_f1
 
 /* The product for panels of a kind: 0 float32, 1 bfloat16, 2 float16 (block.c's projections). */
 void panel_linear(int kind, const float *x, const void *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
-  if (kind == 1)
+  if (kind == KIND_BFLOAT16)
     panel_linear_bf16(x, w, NULL, y, M, N, K, threads);
-  else if (kind == 2)
+  else if (kind == KIND_FLOAT16)
     panel_linear_f16(x, w, NULL, y, M, N, K, threads);
   else
     panel_linear_f32(x, w, NULL, y, M, N, K, threads);

@@ -39,6 +39,7 @@ def load_dispatched(
     max_batch_size: int = 1,
     max_seq_len: int = 1,
     progress: bool = False,
+    kv_cache_dtype: Optional[torch.dtype] = None,
 ) -> Transformer:
     """Loads a checkpoint with its layers placed by device_map, each tensor read straight to its device
     (with progress, a bar on stderr follows them).
@@ -50,7 +51,8 @@ def load_dispatched(
             "layers", "layers.N", "norm", "output", or "" for everything) to a device: a CUDA index, "cuda:N"
             or "cpu". A dict must cover the whole model and map whole blocks.
         max_memory: for the strategies, the most each device may hold, e.g. {0: "20GiB", "cpu": "64GiB"};
-            None lets accelerate use what is free. KV caches for max_batch_size x max_seq_len are counted.
+            None lets accelerate use what is free. KV caches for max_batch_size x max_seq_len are counted,
+            in kv_cache_dtype (None: the model's).
 
     Raises:
         InvalidRequestError: a bad device_map or max_memory, or the model does not fit in max_memory.
@@ -63,7 +65,7 @@ def load_dispatched(
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)
-    placement = resolve_device_map(model, device_map, max_memory, max_batch_size, max_seq_len)
+    placement = resolve_device_map(model, device_map, max_memory, max_batch_size, max_seq_len, kv_cache_dtype)
 
     # Whole tensors one at a time, each straight to its device: host memory holds only the offloaded part.
     with WeightsProgress(model, dtype, progress) as bar:
@@ -80,6 +82,7 @@ def resolve_device_map(
     max_memory: Optional[MaxMemory] = None,
     max_batch_size: int = 1,
     max_seq_len: int = 1,
+    kv_cache_dtype: Optional[torch.dtype] = None,
 ) -> dict[str, Union[int, str]]:
     """One device per top-level module ("tok_embeddings", "layers.N", "norm", "output") of a model on the
     meta device, in accelerate's notation: a CUDA index or "cpu"."""
@@ -88,7 +91,7 @@ def resolve_device_map(
             raise InvalidRequestError(
                 f"device_map must be one of {', '.join(STRATEGIES)} or a dict of module names to devices, got {device_map!r}"
             )
-        placement = _infer(model, device_map, max_memory, max_batch_size, max_seq_len)
+        placement = _infer(model, device_map, max_memory, max_batch_size, max_seq_len, kv_cache_dtype)
     elif isinstance(device_map, dict):
         if max_memory is not None:
             raise InvalidRequestError("max_memory applies to device_map strategies like 'auto', not to an explicit map")
@@ -121,12 +124,12 @@ def parse_max_memory(text: str) -> MaxMemory:
 
 
 # -- helpers --------------------------------------------------------------------------------------
-def _infer(model, strategy, max_memory, max_batch_size, max_seq_len) -> dict[str, Union[int, str]]:
+def _infer(model, strategy, max_memory, max_batch_size, max_seq_len, kv_cache_dtype) -> dict[str, Union[int, str]]:
     from accelerate import infer_auto_device_map
     from accelerate.utils import get_balanced_memory
 
     budget = _check_max_memory(max_memory)
-    model.setup_caches(max_batch_size, max_seq_len)  # meta buffers: block sizes then include their KV cache
+    model.setup_caches(max_batch_size, max_seq_len, kv_cache_dtype)  # meta buffers: block sizes then include their KV cache
     try:
         if strategy != "sequential":
             budget = get_balanced_memory(

@@ -37,6 +37,7 @@ def open_engine(
     prefix_caching: bool = True,
     max_waiting: int = 64,
     quantize: Optional[str] = None,
+    kv_cache_dtype: str = "auto",
 ) -> Union[Engine, EngineProcess]:
     """Loads the model and starts the engine serving it; `shutdown()` it at the end.
 
@@ -49,6 +50,7 @@ def open_engine(
         prefix_caching: reuse the KV cache of earlier requests' prompt prefixes (see Engine).
         max_waiting: requests that may wait for a slot; beyond them, new ones are refused as busy at once.
         quantize: "int8" for int8 weights, None for the dtype's; in the engine process, that process quantizes.
+        kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
         The others are those of `Llama.build`.
 
     Raises:
@@ -67,7 +69,7 @@ def open_engine(
     build = dict(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
                  max_batch_size=max_batch_size, device=device, dtype=dtype, device_map=device_map,
                  max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile, progress=progress,
-                 quantize=quantize)
+                 quantize=quantize, kv_cache_dtype=kv_cache_dtype)
     if single_process or launched_by_torchrun():
         # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit.
         return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed,

@@ -178,18 +178,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: int, device: torch.device) -> dict:
+def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: int, device: torch.device,
+            engines: Optional[dict[str, Llama]] = None) -> dict:
     """Decode speed, time to first token and batched throughput of each implementation. Each figure is
-    taken for all implementations in turn, repeat after repeat, so they share the machine's conditions."""
+    taken for all implementations in turn, repeat after repeat, so they share the machine's conditions.
+    engines: the Llama behind each llama_core implementation; decoding after a long context is timed on its
+    engine's stream from the first token to the last, as subtracting two runs' times would leave mostly
+    the long prompt's noise."""
     gen = torch.Generator().manual_seed(1)
 
     def prompts(batch: int, length: int) -> list[list[int]]:
         return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
 
-    def best(make_call: Callable[[Callable], Callable[[], object]], repeats: int) -> dict[str, float]:
-        times = {name: float("inf") for name in impls}
+    def best(make_call: Callable[[Callable], Callable[[], object]], repeats: int, only=None) -> dict[str, float]:
+        chosen = {name: g for name, g in impls.items() if only is None or name in only}
+        times = {name: float("inf") for name in chosen}
         for _ in range(repeats):
-            for name, generate in impls.items():
+            for name, generate in chosen.items():
                 times[name] = min(times[name], best_time(make_call(generate), 1, device))
         return times
 
@@ -206,11 +211,18 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
     for length in (int(x) for x in a.prompt_lengths.split(",")):
         for name, t in best(lambda g: lambda: g(prompts(1, length), 1), a.repeats).items():
             results[name]["ttft_s"][length] = t
+    engines = engines or {}
     for depth in _ints(a.decode_depths):
-        t_first = best(lambda g: lambda: g(prompts(1, depth), 1), a.repeats)
-        t_full = best(lambda g: lambda: g(prompts(1, depth), n + 1), a.repeats)
+        others = [name for name in impls if name not in engines]
+        t_first = best(lambda g: lambda: g(prompts(1, depth), 1), a.repeats, others)
+        t_full = best(lambda g: lambda: g(prompts(1, depth), n + 1), a.repeats, others)
+        decode_seconds = {name: float("inf") for name in engines}
+        for _ in range(a.repeats):  # taking turns, as best() does
+            for name, engine in engines.items():
+                decode_seconds[name] = min(decode_seconds[name], _decode_seconds(engine, prompts(1, depth)[0], n, device))
         for name in impls:
-            results[name].setdefault("decode_tokens_per_s_at_depth", {})[depth] = n / max(t_full[name] - t_first[name], 1e-9)
+            seconds = decode_seconds[name] if name in engines else t_full[name] - t_first[name]
+            results[name].setdefault("decode_tokens_per_s_at_depth", {})[depth] = n / max(seconds, 1e-9)
     for batch in (int(x) for x in a.batch_sizes.split(",")):
         t_first = best(lambda g: lambda: g(prompts(batch, 16), 1), a.repeats)
         t_full = best(lambda g: lambda: g(prompts(batch, 16), n + 1), a.repeats)
@@ -219,6 +231,17 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
         for name, t in best(lambda g: lambda: g(prompts(batch, BATCHED_PROMPT), BATCHED_NEW), a.repeats).items():
             results[name]["aggregate_with_prefill_tokens_per_s"][batch] = batch * BATCHED_NEW / t
     return results
+
+
+def _decode_seconds(llama: Llama, prompt: list[int], n: int, device: torch.device) -> float:
+    """Seconds from a greedy stream's first token to its (n + 1)th: n tokens decoded after the prompt."""
+    stream = iter(llama.engine.submit(prompt, n + 1, temperature=0, logprobs=False))
+    next(stream)
+    start = time.perf_counter()
+    for _ in stream:
+        pass
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def _ints(csv: str) -> list[int]:
@@ -251,10 +274,14 @@ def measure_llama_cpp(hf_dir: Path, a, report: dict) -> None:
         print(f"llama.cpp {outtype} ...", flush=True)
         gguf = peer.convert(hf_dir, hf_dir.parent / f"model-{outtype}.gguf", outtype)
         batched = peer.batched(gguf, threads, batches, BATCHED_PROMPT, BATCHED_NEW)
+        at_depth = {}
+        if a.decode_depths:
+            figures, settings = peer.decode_tokens_per_s_at_depth(gguf, threads, a.decode_tokens,
+                                                                  _ints(a.decode_depths), a.repeats)
+            at_depth = {"decode_tokens_per_s_at_depth": figures, "attention_settings": settings}
         report["results"][f"llama_cpp_{outtype}"] = {
             "decode_tokens_per_s": peer.decode_tokens_per_s(gguf, threads, a.decode_tokens, a.repeats),
-            **({"decode_tokens_per_s_at_depth": peer.decode_tokens_per_s_at_depth(
-                gguf, threads, a.decode_tokens, _ints(a.decode_depths), a.repeats)} if a.decode_depths else {}),
+            **at_depth,
             "ttft_s": peer.prompt_seconds(gguf, threads, lengths, a.repeats),
             "aggregate_tokens_per_s": {b: batched[b]["decode_tokens_per_s"] for b in batches},
             "aggregate_with_prefill_tokens_per_s": {b: batched[b]["tokens_per_s_with_prefill"] for b in batches},
@@ -354,9 +381,11 @@ def main() -> None:
                              kv_cache_dtype=a.kv_cache_dtype)
     report["kv_cache_dtype"] = str(llama.runner.kv_cache_dtype).removeprefix("torch.")
     impls = {"llama_core": lambda p, n: llama.generate(p, n, temperature=0)}
+    engines = {"llama_core": llama}  # the Llama behind each llama_core implementation but torch's kernels
     if compiled_model is not None:
         compiled = Llama.from_model(compiled_model, _Vocab(args.vocab_size), max_len, max_batch, compile=True)
         impls["llama_core_compiled"] = lambda p, n: compiled.generate(p, n, temperature=0)
+        engines["llama_core_compiled"] = compiled
     if torch_kernels_model is not None:
         with torch_kernels_only():
             torch_kernels = Llama.from_model(torch_kernels_model, _Vocab(args.vocab_size), max_len, max_batch,
@@ -373,17 +402,20 @@ def main() -> None:
             if isinstance(module, PanelLinear):
                 module.panels = to_panels(module.weight)
         impls["llama_core_float32_panels"] = lambda p, n: wide.generate(p, n, temperature=0)
+        engines["llama_core_float32_panels"] = wide
     if other_kv_model is not None:
         other_kv = Llama.from_model(other_kv_model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
                                     kv_cache_dtype=a.with_kv_cache_dtype)
         impls[f"llama_core_kv_{a.with_kv_cache_dtype}"] = lambda p, n: other_kv.generate(p, n, temperature=0)
+        engines[f"llama_core_kv_{a.with_kv_cache_dtype}"] = other_kv
     if reference is not None and a.with_float:
         float_llama = Llama.from_model(reference, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
         impls["llama_core_float"] = lambda p, n: float_llama.generate(p, n, temperature=0)
+        engines["llama_core_float"] = float_llama
     del reference
     if hf is not None:
         impls["hf_eager"] = lambda p, n: _hf_generate(hf, p, n)
-    report["results"] = measure(impls, a, args.vocab_size, device)
+    report["results"] = measure(impls, a, args.vocab_size, device, engines)
     if a.count_syncs:
         report["per_decoded_token"] = per_token_events(impls["llama_core"], args.vocab_size, a.decode_tokens, device)
     if hf is not None and a.agreement_tokens > 0:

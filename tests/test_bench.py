@@ -56,6 +56,24 @@ def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
     assert "llama_core / hf_eager: decode " in result.stdout
 
 
+def test_bench_decodes_after_a_long_context_with_each_kv_cache(tmp_path):
+    report_path = tmp_path / "report.json"
+    result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
+                  "--n-kv-heads", "2", "--vocab-size", "256", "--prompt-lengths", "8", "--batch-sizes", "2",
+                  "--decode-tokens", "4", "--repeats", "1", "--threads", "1", "--json", str(report_path),
+                  "--decode-depths", "16,100", "--kv-cache-dtype", "float16", "--with-kv-cache-dtype", "float32")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    assert set(report["results"]) == {"llama_core", "llama_core_kv_float32", "hf_eager"}
+    assert report["kv_cache_dtype"] == "float16"
+    for figures in report["results"].values():
+        assert set(figures["decode_tokens_per_s_at_depth"]) == {"16", "100"}
+        assert all(t > 0 for t in figures["decode_tokens_per_s_at_depth"].values())
+    assert report["ratios"]["decode_over_llama_core_kv_float32"] > 0
+    assert "decode tok/s at depth 100" in result.stdout
+    assert "llama_core / llama_core_kv_float32: decode " in result.stdout and "decode at depth 100 " in result.stdout
+
+
 def test_bench_measures_hf_compiled_after_compiling_every_shape(tmp_path):
     report_path = tmp_path / "report.json"
     result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "2", "--n-heads", "4",

@@ -3,7 +3,8 @@ and the checks of those options before a model loads; `llama-export` checks its 
 
 `add_model_options(parser)` adds --ckpt-dir, --tokenizer, --max-seq-len, --allow-longer-context, --device,
 --dtype, --quantize and --kv-cache-dtype. `check_model_options(args)` judges them cheapest first: the checkpoint's files, config and
-tokenizer (milliseconds, no torch), then the device and dtype (imports torch, loads nothing). A value that
+tokenizer (milliseconds, no torch), then the device and dtype (imports torch, loads nothing);
+`check_memory(plan, max_batch_size)` then asks whether a CPU model fits in the memory that is free. A value that
 cannot work raises `OptionError`, whose message names the flag and the fix; the command prints it as one
 line and exits with status 2 before any weight is read.
 """
@@ -114,6 +115,51 @@ def check_model_options(options: argparse.Namespace, device_map: Optional[str] =
     device, dtype = check_device(options.device, options.dtype, device_map, stored_dtype(ckpt_dir))
     return ModelPlan(ckpt_dir, tokenizer_path, args, max_seq_len, device, dtype, warnings, quantize,
                      options.kv_cache_dtype)
+
+
+def check_memory(plan: ModelPlan, max_batch_size: int, compile: bool = False) -> None:
+    """Refuses a CPU model whose weights and KV cache (for max_batch_size slots of the whole context) would not
+    fit in the memory free now: loading it would swap, or end with the system killing the process. The
+    message gives what would fit. GPUs report their own out-of-memory errors as soon as they happen."""
+    from .memory_plan import available_memory, plan_cpu_memory
+
+    available = available_memory()
+    if plan.device != "cpu" or available is None:
+        return
+    positions = plan.max_seq_len + (1 if compile else 0)
+    need = plan_cpu_memory(plan.args, plan.ckpt_dir, plan.dtype, plan.quantize, plan.kv_cache_dtype, max_batch_size,
+                           positions)
+    if need.total_bytes <= available:
+        return
+    kv_dtype = plan.dtype if plan.kv_cache_dtype == "auto" else plan.kv_cache_dtype
+    fixes = []
+    room = available - need.weights_bytes
+    if room > 0:
+        if kv_dtype == "float32" and need.weights_bytes + need.kv_cache_bytes // 2 <= available:
+            fixes.append(f"add --kv-cache-dtype float16 (KV cache {_gib(need.kv_cache_bytes // 2)})")
+        slots = room // (need.kv_bytes_per_position * positions)
+        if slots >= 1:
+            fixes.append(f"pass --max-batch-size {slots}")
+        context = room // (need.kv_bytes_per_position * max_batch_size)
+        if context >= 64:
+            fixes.append(f"pass --max-seq-len {context - (1 if compile else 0)}")
+    if plan.quantize is None:
+        for kv_cache_dtype, flags in ((plan.kv_cache_dtype, "--quantize int8"),
+                                      ("float16", "--quantize int8 --kv-cache-dtype float16")):
+            int8 = plan_cpu_memory(plan.args, plan.ckpt_dir, plan.dtype, "int8", kv_cache_dtype, max_batch_size,
+                                   positions)
+            if int8.total_bytes <= available:
+                fixes.append(f"add {flags} (weights {_gib(int8.weights_bytes)}, KV cache {_gib(int8.kv_cache_bytes)})")
+                break
+    advice = ", or ".join(fixes) if fixes else "use a machine with more memory, or a smaller model"
+    raise OptionError(
+        f"{plan.name} needs at least {_gib(need.total_bytes)} of memory on the CPU (weights {_gib(need.weights_bytes)}, "
+        f"KV cache {_gib(need.kv_cache_bytes)}: {max_batch_size} requests x {plan.max_seq_len:,} tokens in {kv_dtype}) "
+        f"and {_gib(available)} is free: {advice}")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 
 def check_checkpoint(ckpt_dir: Optional[Path]) -> Path:

@@ -17,7 +17,8 @@ import os
 import sys
 from typing import Optional, TextIO
 
-from .cli_options import ArgumentParser, ModelPlan, OptionError, add_model_options, check_model_options, positive_int
+from .cli_options import (ArgumentParser, ModelPlan, OptionError, add_model_options, check_memory, check_model_options,
+                          positive_int)
 from .dialog import SPECIAL_TAGS, Dialog, has_special_tags
 from .errors import InvalidRequestError, LlamaError
 from .serving import requests  # the request checks: no torch
@@ -70,6 +71,7 @@ def main(argv: Optional[list[str]] = None, stdin: Optional[TextIO] = None, stdou
         params = check_sampling_options(args)
         request = check_request(read_prompt(args.prompt, stdin), args.chat, args.system)
         plan = check_model_options(args)  # the device last: it imports torch
+        check_memory(plan, 1)
         max_new_tokens = check_max_new_tokens(args.max_new_tokens, plan.max_seq_len)
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)

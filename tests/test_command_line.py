@@ -120,6 +120,9 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
     "login without a password": (["--auth", "alice"], ["--auth alice", "USER:PASSWORD"]),
     "empty API key": (["--api-key", " "], ["--api-key", "must not be empty"]),
     "empty model name": (["--model-name", ""], ["--model-name must not be empty"]),
+    "more slots than memory": (["--max-batch-size", "10000000"], [
+        "tiny-shakespeare needs at least", "of memory on the CPU (weights 7 MiB, KV cache 14",
+        f"10000000 requests x {TRAINED_FOR} tokens in float32)", "is free: pass --max-batch-size "]),
 }
 
 
@@ -131,7 +134,8 @@ def test_a_bad_app_argument_gets_one_line_naming_it_before_anything_loads(case, 
     assert len(result.errors) == 1 and result.errors[0].startswith("error: "), result.errors
     for part in expected:
         assert part.format(root=checkpoints) in result.errors[0]
-    assert result.stdout == "" and result.imported == []
+    # memory is judged once the device is known, which imports torch; still nothing loads
+    assert result.stdout == "" and result.imported == (["torch"] if case == "more slots than memory" else [])
 
 
 def test_a_tokenizer_of_another_model_is_refused(tokenizer_path):
@@ -341,6 +345,8 @@ BAD_GENERATE_ARGUMENTS = {
     "context beyond training": (["x", "--max-seq-len", "1024"], ["--max-seq-len 1024", "--allow-longer-context"]),
     "checkpoint is a file": (["x", "--ckpt-dir", str(DEFAULT_CKPT_DIR / "params.json")], ["is a file"]),
     "quantization unknown": (["x", "--quantize", "int4"], ["argument --quantize", "'int4'", "'none', 'int8'"]),
+    "more context than memory": (["x", "--max-seq-len", "400000000", "--allow-longer-context"], [
+        "needs at least", "1 requests x 400,000,000 tokens in float32", "pass --max-seq-len "]),
     "kv cache dtype unknown": (["x", "--kv-cache-dtype", "int8"], ["argument --kv-cache-dtype", "'int8'", "'float16'"]),
 }
 
@@ -354,7 +360,7 @@ def test_a_bad_generate_argument_gets_one_line_naming_it_before_anything_loads(c
     for part in expected:
         assert part in result.errors[0]
     assert result.stdout == "" and "llama_core.loader" not in result.imported
-    if case != "max-new-tokens":  # that one needs the context, known once the device is checked
+    if case != "max-new-tokens" and "memory" not in case:  # those need the device checked first
         assert result.imported == []
 
 
@@ -373,3 +379,45 @@ def test_importing_llama_core_and_its_command_lines_imports_neither_torch_nor_gr
             "llama_core.serving.requests; print(sorted(m for m in ('torch', 'gradio') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+# -- memory ---------------------------------------------------------------------------------------------------
+def test_the_memory_plan_is_a_floor_of_what_the_model_then_holds():
+    from llama_core.memory_plan import plan_cpu_memory
+
+    for kv_cache_dtype, quantize in (("auto", None), ("float16", None), ("auto", "int8")):
+        llama = Llama.build(None, max_seq_len=256, max_batch_size=3, device="cpu", kv_cache_dtype=kv_cache_dtype,
+                            quantize=quantize)
+        info = llama.loaded.info
+        plan = plan_cpu_memory(llama.args, DEFAULT_CKPT_DIR, "float32", quantize, kv_cache_dtype, 3, 256)
+        assert plan.kv_cache_bytes == info.kv_cache_bytes
+        assert 0.85 * info.weights_bytes <= plan.weights_bytes <= info.weights_bytes, (plan, info)
+
+
+def test_a_7b_on_a_small_machine_is_refused_with_what_would_fit(monkeypatch, tmp_path):
+    from llama_core import memory_plan
+    from llama_core.cli_options import ModelPlan, check_memory
+    from llama_core.config import ModelArgs
+
+    args = ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256, max_seq_len=4096)
+    plan = ModelPlan(tmp_path / "llama-2-7b-chat-hf", tmp_path / "tokenizer.model", args, 2048, "cpu", "float32")
+    monkeypatch.setattr(memory_plan, "stored_bytes_per_weight", lambda ckpt_dir, args: 2.0)  # bfloat16 files
+    monkeypatch.setattr(memory_plan, "available_memory", lambda: 24 * 2**30)
+    with pytest.raises(OptionError) as refused:
+        check_memory(plan, 8)
+    message = str(refused.value)
+    assert message.startswith("llama-2-7b-chat-hf needs at least 28.8 GiB of memory on the CPU (weights 12.8 GiB, "
+                              "KV cache 16.0 GiB: 8 requests x 2,048 tokens in float32) and 24.0 GiB is free: "), message
+    assert message.endswith("add --kv-cache-dtype float16 (KV cache 8.0 GiB), or pass --max-batch-size 5, or pass "
+                            "--max-seq-len 1434, or add --quantize int8 (weights 6.6 GiB, KV cache 16.0 GiB)"), message
+    check_memory(plan, 5)  # what it said fits, fits
+    monkeypatch.setattr(memory_plan, "available_memory", lambda: 9 * 2**30)  # the weights alone do not fit
+    with pytest.raises(OptionError, match=r"is free: add --quantize int8 \(weights 6.6 GiB, KV cache 2.0 GiB\)$"):
+        check_memory(plan, 1)
+    monkeypatch.setattr(memory_plan, "available_memory", lambda: 8 * 2**30)
+    with pytest.raises(OptionError, match=r"add --quantize int8 --kv-cache-dtype float16 \(weights 6.6 GiB, KV cache 1.0 GiB\)$"):
+        check_memory(plan, 1)
+    monkeypatch.setattr(memory_plan, "available_memory", lambda: 4 * 2**30)
+    with pytest.raises(OptionError, match="is free: use a machine with more memory, or a smaller model$"):
+        check_memory(plan, 1)
+    check_memory(ModelPlan(plan.ckpt_dir, plan.tokenizer_path, args, 2048, "cuda:0", "float16"), 64)  # not the CPU's

@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Optional
 
-from ..cli_options import ArgumentParser, OptionError, add_model_options, check_model_options, positive_int
+from ..cli_options import (ArgumentParser, OptionError, add_model_options, check_memory, check_model_options,
+                           positive_int)
 from ..errors import LlamaError
 from ..prompt_library import load_prompts
 from .address import listen_socket, port_number
@@ -110,6 +111,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.max_memory is not None and args.device_map is None:
             raise OptionError("--max-memory goes with --device-map: add --device-map auto, or leave out --max-memory")
         plan = check_model_options(args, args.device_map)
+        check_memory(plan, args.max_batch_size, args.compile)
         if args.max_memory is not None:
             check_max_memory(args.max_memory)
     except LlamaError as exc:  # OptionError, or a prompts file that cannot be used

@@ -195,3 +195,18 @@ def test_the_overlapped_engine_on_cuda_equals_the_synchronous_one(meta_ckpt_dir,
     assert results[True] == results[False]
     engine = Engine(llama.loaded)
     assert engine.overlap and engine.prefill_chunk == 2048  # the defaults on CUDA
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_float16_kv_cache_on_cuda_equals_the_cpu_path_over_the_same_cache(meta_ckpt_dir, tokenizer, compile):
+    """A float32 model on CUDA with its keys and values in float16 (eager, and in the compiled step's CUDA
+    graphs): the greedy tokens of the CPU's float32 model with the same float16 cache, log-probabilities close."""
+    cpu = build_llama(meta_ckpt_dir, kv_cache_dtype="float16")
+    cuda = build_llama(meta_ckpt_dir, device="cuda", dtype="float32", kv_cache_dtype="float16", compile=compile)
+    assert cuda.model.layers[0].attention.kv_cache.k_cache.dtype == torch.float16
+    prompts = _prompts(tokenizer)
+    expected, expected_lps = cpu.generate(prompts, 20, temperature=0, logprobs=True)
+    tokens, lps = cuda.generate(prompts, 20, temperature=0, logprobs=True)
+    assert tokens == expected
+    for got, want in zip(lps, expected_lps):
+        assert got == pytest.approx(want, abs=2e-3)

@@ -2,8 +2,9 @@
 and the checks of those options before a model loads; `llama-export` checks its checkpoint with them too.
 
 `add_model_options(parser)` adds --ckpt-dir, --tokenizer, --max-seq-len, --allow-longer-context, --device,
---dtype, --quantize and --kv-cache-dtype. `check_model_options(args)` judges them cheapest first: the checkpoint's files, config and
-tokenizer (milliseconds, no torch), then the device and dtype (imports torch, loads nothing);
+--dtype, --quantize and --kv-cache-dtype. `check_model_options(args)` judges them cheapest first: the
+checkpoint's files, config and tokenizer (milliseconds, no torch), then the device and dtype (imports
+torch, loads nothing);
 `check_memory(plan, max_batch_size)` then asks whether a CPU model fits in the memory that is free. A value that
 cannot work raises `OptionError`, whose message names the flag and the fix; the command prints it as one
 line and exits with status 2 before any weight is read.

@@ -64,19 +64,20 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, stored: Option
     return DTYPE_NAMES[dtype]
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: Optional[str | torch.dtype], model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype from a name: "auto" (or None) is the model's; float16 or bfloat16 in a float32
-    model holds twice the context in the same memory, and on the CPU a long context decodes faster.
+def resolve_kv_cache_dtype(kv_cache_dtype: Optional[str | torch.dtype]) -> Optional[torch.dtype]:
+    """The KV cache's dtype from a name; None for "auto" (or None): the model's. float16 or bfloat16 in a
+    float32 model holds twice the context in the same memory, and on the CPU a long context decodes faster.
 
     Raises:
         InvalidRequestError: a name or dtype other than auto, float32, bfloat16 and float16.
     """
     if kv_cache_dtype is None or kv_cache_dtype == "auto":
-        return model_dtype
+        return None
     if isinstance(kv_cache_dtype, torch.dtype) and kv_cache_dtype in DTYPE_NAMES.values():
         return kv_cache_dtype
     if kv_cache_dtype not in DTYPE_NAMES:
-        raise InvalidRequestError(f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {kv_cache_dtype!r}")
+        raise InvalidRequestError(
+            f"kv_cache_dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {kv_cache_dtype!r}")
     return DTYPE_NAMES[kv_cache_dtype]
 
 

@@ -68,8 +68,8 @@ class Llama:
                    seed: Optional[int] = None, compile: bool = False,
                    kv_cache_dtype: str | torch.dtype = "auto") -> "Llama":
         """A Llama over a Transformer already in memory (weights loaded, eval mode)."""
-        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model.tok_embeddings.weight.dtype)
-        runner = ModelRunner(model, max_batch_size, max_seq_len, compile, kv_cache_dtype=kv_dtype)
+        runner = ModelRunner(model, max_batch_size, max_seq_len, compile,
+                             kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype))
         return cls(LoadedModel.from_runner(runner, tokenizer), seed)
 
     @staticmethod

@@ -74,7 +74,8 @@ class LoadedModel:
             device=str(runner.device), load_seconds=load_seconds, quantization=quantization_of(runner.model),
             projections_stored_in=panel_storage_of(runner.model),
             weights_bytes=weights_bytes, kv_cache_bytes=kv_cache_bytes,
-            kv_cache_dtype=None if runner.kv_cache_dtype == runner.dtype else str(runner.kv_cache_dtype).removeprefix("torch."),
+            kv_cache_dtype=(None if runner.kv_cache_dtype == runner.dtype
+                            else str(runner.kv_cache_dtype).removeprefix("torch.")),
         )
         return cls(runner, tokenizer, info)
 
@@ -122,7 +123,7 @@ def load(
             f"{ckpt_dir} has vocab_size {args.vocab_size}"
         )
     check_quantize(quantize, device_map, tensor_parallel)
-    kv_dtype = None if kv_cache_dtype in (None, "auto") else resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype)  # None: the model's
     stored = stored_dtype(ckpt_dir)
     # Neither rank 0's broadcast of each forward nor accelerate's hooks that move a layer's inputs and
     # weights can be traced into the compiled step.

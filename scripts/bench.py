@@ -219,7 +219,8 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
         decode_seconds = {name: float("inf") for name in engines}
         for _ in range(a.repeats):  # taking turns, as best() does
             for name, engine in engines.items():
-                decode_seconds[name] = min(decode_seconds[name], _decode_seconds(engine, prompts(1, depth)[0], n, device))
+                seconds = _decode_seconds(engine, prompts(1, depth)[0], n, device)
+                decode_seconds[name] = min(decode_seconds[name], seconds)
         for name in impls:
             seconds = decode_seconds[name] if name in engines else t_full[name] - t_first[name]
             results[name].setdefault("decode_tokens_per_s_at_depth", {})[depth] = n / max(seconds, 1e-9)
@@ -569,7 +570,9 @@ def print_table(report: dict) -> None:
     for label, cell in rows:
         print(f"{label:<{width}}  " + "  ".join(f"{cell(results[n]):>18}" for n in names))
     ours = results["llama_core"]
-    for peer in ("hf_eager", "llama_core_float32_panels", *(n for n in results if n.startswith("llama_core_kv_")), "llama_cpp_f32", "llama_cpp_bf16", "llama_cpp_f16", "llama_cpp_q8_0"):
+    other_caches = [n for n in results if n.startswith("llama_core_kv_")]
+    for peer in ("hf_eager", "llama_core_float32_panels", *other_caches, "llama_cpp_f32", "llama_cpp_bf16",
+                 "llama_cpp_f16", "llama_cpp_q8_0"):
         if peer in results:
             other = results[peer]
             ratios = [f"decode {ours['decode_tokens_per_s'] / other['decode_tokens_per_s']:.2f}x"]

@@ -27,7 +27,8 @@ static int64_t larger(int64_t a, int64_t b) { return a > b ? a : b; }
  * -2: no memory), 0 when done. */
 int decoder_block(float *x, int64_t count, int64_t dim, float eps, const float *attention_norm, int kind, const void *wqkv,
                   const void *wo, const float *ffn_norm, const void *w13, const void *w2, int64_t hidden,
-                  const float *rotation, int cache_kind, void *k_cache, void *v_cache, const int64_t *rows, const int64_t *positions,
+                  const float *rotation, int cache_kind, void *k_cache, void *v_cache, const int64_t *rows,
+                  const int64_t *positions,
                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t slots, int64_t max_seq_len, int threads) {
   int64_t qkv_width = (heads + 2 * kv_heads) * head_dim, attended_width = heads * head_dim;
   float *normed = malloc((size_t)(count * dim) * sizeof(float));
@@ -37,7 +38,8 @@ int decoder_block(float *x, int64_t count, int64_t dim, float eps, const float *
   if (normed != NULL && wide != NULL && narrow != NULL) {
     rms_norm(x, attention_norm, normed, count, dim, eps, threads);
     panel_linear(kind, normed, wqkv, wide, count, qkv_width, dim, threads);
-    status = attend_new_tokens(wide, qkv_width, rotation, cache_kind, k_cache, v_cache, rows, positions, count, heads, kv_heads,
+    status = attend_new_tokens(wide, qkv_width, rotation, cache_kind, k_cache, v_cache, rows, positions, count, heads,
+                               kv_heads,
                                head_dim, slots, max_seq_len, narrow, threads);
     if (status == 0) {
       panel_linear(kind, narrow, wo, normed, count, dim, attended_width, threads);

@@ -1,7 +1,7 @@
 /* The small operations of a decoding layer, each one call instead of several torch kernels: RMSNorm, SiLU
  * gating, and a decoding token's attention (rotary embedding, KV-cache write and attention over its own
- * cache row, which may hold 16-bit floats). Float32, built with linear.c (build.py). Each row's result is computed the same way whatever
- * else is in the batch. */
+ * cache row, which may hold 16-bit floats). Float32, built with linear.c (build.py). Each row's result is
+ * computed the same way whatever else is in the batch. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -129,7 +129,8 @@ def _infer(model, strategy, max_memory, max_batch_size, max_seq_len, kv_cache_dt
     from accelerate.utils import get_balanced_memory
 
     budget = _check_max_memory(max_memory)
-    model.setup_caches(max_batch_size, max_seq_len, kv_cache_dtype)  # meta buffers: block sizes then include their KV cache
+    # meta buffers: block sizes then include their KV cache
+    model.setup_caches(max_batch_size, max_seq_len, kv_cache_dtype)
     try:
         if strategy != "sequential":
             budget = get_balanced_memory(

@@ -55,9 +55,45 @@ def plan_cpu_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optio
 
 
 def available_memory() -> Optional[int]:
-    """Bytes the system can give without swapping (psutil's `available`), or None where psutil is missing."""
+    """Bytes this process can still take without swapping: the system's available memory (psutil's), or less
+    where a memory cgroup limits the process (a container's limit, which the system's figure does not see);
+    None where psutil is missing."""
     try:
         import psutil
     except ImportError:
         return None
-    return int(psutil.virtual_memory().available)
+    room = cgroup_room()
+    available = int(psutil.virtual_memory().available)
+    return available if room is None else min(available, room)
+
+
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def cgroup_room(root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> Optional[int]:
+    """The memory left under this process's cgroup limit (limit - usage; the tightest where several are
+    readable), in cgroup v2 (memory.max, memory.current) or v1 (memory.limit_in_bytes, memory.usage_in_bytes);
+    None where no limit is set or none can be read."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        lines = []
+    folders = [root, root / "memory"]  # a container sees its own cgroup at the mount's top
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            folders.append(root / path.lstrip("/"))
+        elif "memory" in controllers.split(","):
+            folders.append(root / "memory" / path.lstrip("/"))
+    rooms = []
+    for folder in folders:
+        for limit_name, usage_name in (("memory.max", "memory.current"),
+                                       ("memory.limit_in_bytes", "memory.usage_in_bytes")):
+            try:
+                limit = (folder / limit_name).read_text().strip()
+                usage = int((folder / usage_name).read_text().strip())
+            except (OSError, ValueError):
+                continue
+            if limit.isdigit() and int(limit) < UNLIMITED:
+                rooms.append(max(int(limit) - usage, 0))
+    return min(rooms) if rooms else None

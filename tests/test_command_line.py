@@ -421,3 +421,25 @@ def test_a_7b_on_a_small_machine_is_refused_with_what_would_fit(monkeypatch, tmp
     with pytest.raises(OptionError, match="is free: use a machine with more memory, or a smaller model$"):
         check_memory(plan, 1)
     check_memory(ModelPlan(plan.ckpt_dir, plan.tokenizer_path, args, 2048, "cuda:0", "float16"), 64)  # not the CPU's
+
+
+def test_a_containers_memory_limit_counts_as_what_is_free(tmp_path):
+    from llama_core.memory_plan import cgroup_room
+
+    # cgroup v2: the process's own group below the mount, with a limit
+    (tmp_path / "v2" / "app").mkdir(parents=True)
+    (tmp_path / "v2" / "app" / "memory.max").write_text("8589934592\n")  # 8 GiB
+    (tmp_path / "v2" / "app" / "memory.current").write_text(str(3 * 2**30) + "\n")
+    (tmp_path / "v2.cgroup").write_text("0::/app\n")
+    assert cgroup_room(tmp_path / "v2", tmp_path / "v2.cgroup") == 5 * 2**30
+    (tmp_path / "v2" / "app" / "memory.max").write_text("max\n")
+    assert cgroup_room(tmp_path / "v2", tmp_path / "v2.cgroup") is None
+    # cgroup v1, as a container sees it: its group at the memory mount's top; "no limit" is a huge number
+    (tmp_path / "v1" / "memory").mkdir(parents=True)
+    (tmp_path / "v1" / "memory" / "memory.limit_in_bytes").write_text("4294967296\n")
+    (tmp_path / "v1" / "memory" / "memory.usage_in_bytes").write_text(str(5 * 2**30) + "\n")
+    (tmp_path / "v1.cgroup").write_text("4:memory:/docker/abc\n1:cpu:/\n")
+    assert cgroup_room(tmp_path / "v1", tmp_path / "v1.cgroup") == 0  # over its limit already: nothing left
+    (tmp_path / "v1" / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert cgroup_room(tmp_path / "v1", tmp_path / "v1.cgroup") is None
+    assert cgroup_room(tmp_path / "none", tmp_path / "missing") is None

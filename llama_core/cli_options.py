@@ -122,45 +122,20 @@ def check_memory(plan: ModelPlan, max_batch_size: int, compile: bool = False) ->
     """Refuses a CPU model whose weights and KV cache (for max_batch_size slots of the whole context) would not
     fit in the memory free now: loading it would swap, or end with the system killing the process. The
     message gives what would fit. GPUs report their own out-of-memory errors as soon as they happen."""
-    from .memory_plan import available_memory, plan_cpu_memory
+    from .memory_plan import cpu_shortfall
 
-    available = available_memory()
-    if plan.device != "cpu" or available is None:
+    if plan.device != "cpu":
         return
-    positions = plan.max_seq_len + (1 if compile else 0)
-    need = plan_cpu_memory(plan.args, plan.ckpt_dir, plan.dtype, plan.quantize, plan.kv_cache_dtype, max_batch_size,
-                           positions)
-    if need.total_bytes <= available:
-        return
-    kv_dtype = plan.dtype if plan.kv_cache_dtype == "auto" else plan.kv_cache_dtype
-    fixes = []
-    room = available - need.weights_bytes
-    if room > 0:
-        if kv_dtype == "float32" and need.weights_bytes + need.kv_cache_bytes // 2 <= available:
-            fixes.append(f"add --kv-cache-dtype float16 (KV cache {_gib(need.kv_cache_bytes // 2)})")
-        slots = room // (need.kv_bytes_per_position * positions)
-        if slots >= 1:
-            fixes.append(f"pass --max-batch-size {slots}")
-        context = room // (need.kv_bytes_per_position * max_batch_size)
-        if context >= 64:
-            fixes.append(f"pass --max-seq-len {context - (1 if compile else 0)}")
-    if plan.quantize is None:
-        for kv_cache_dtype, flags in ((plan.kv_cache_dtype, "--quantize int8"),
-                                      ("float16", "--quantize int8 --kv-cache-dtype float16")):
-            int8 = plan_cpu_memory(plan.args, plan.ckpt_dir, plan.dtype, "int8", kv_cache_dtype, max_batch_size,
-                                   positions)
-            if int8.total_bytes <= available:
-                fixes.append(f"add {flags} (weights {_gib(int8.weights_bytes)}, KV cache {_gib(int8.kv_cache_bytes)})")
-                break
-    advice = ", or ".join(fixes) if fixes else "use a machine with more memory, or a smaller model"
-    raise OptionError(
-        f"{plan.name} needs at least {_gib(need.total_bytes)} of memory on the CPU (weights {_gib(need.weights_bytes)}, "
-        f"KV cache {_gib(need.kv_cache_bytes)}: {max_batch_size} requests x {plan.max_seq_len:,} tokens in {kv_dtype}) "
-        f"and {_gib(available)} is free: {advice}")
+    shortfall = cpu_shortfall(plan.args, plan.ckpt_dir, plan.dtype, plan.quantize, plan.kv_cache_dtype,
+                              max_batch_size, plan.max_seq_len, compile)
+    if shortfall is not None:
+        raise OptionError(shortfall.describe(_as_flags))
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+def _as_flags(values: dict[str, object]) -> str:
+    """Option values as the flags that set them: "add --quantize int8", "pass --max-batch-size 5"."""
+    verb = "pass" if all(isinstance(value, int) for value in values.values()) else "add"
+    return verb + "".join(f" --{name.replace('_', '-')} {value}" for name, value in values.items())
 
 
 def check_checkpoint(ckpt_dir: Optional[Path]) -> Path:

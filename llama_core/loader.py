@@ -16,6 +16,7 @@ from .checkpoint_files import find_tokenizer, read_model_args, stored_dtype
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from .memory_plan import cpu_shortfall
 from .quantize import QUANTIZATIONS, quantization_of, quantize_int8
 from .resources import DEFAULT_CKPT_DIR
 from .runner import ModelRunner, cpu_serving_layout, panel_storage_of
@@ -151,6 +152,8 @@ def load(
         torch_device = resolve_device(device)
         cpu_eager = torch_device.type == "cpu" and not compile
         model_dtype = resolve_dtype(dtype, torch_device, stored)
+        if torch_device.type == "cpu":
+            _check_cpu_memory(args, ckpt_dir, model_dtype, quantize, kv_dtype, max_batch_size, max_seq_len, compile)
         # The CPU kernels keep 16-bit projections as stored: casting them to float32 first only costs time.
         as_stored = cpu_eager and quantize is None and model_dtype == torch.float32 and cpu_kernels.available()
         model = load_model(ckpt_dir, args, torch_device, model_dtype, progress,
@@ -162,6 +165,20 @@ def load(
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
     return LoadedModel.from_runner(runner, tokenizer, ckpt_dir, time.perf_counter() - start)
 
+
+
+def _check_cpu_memory(args: ModelArgs, ckpt_dir: Path, dtype: torch.dtype, quantize: Optional[str],
+                      kv_dtype: Optional[torch.dtype], max_batch_size: int, max_seq_len: int, compile: bool) -> None:
+    """InvalidRequestError, naming the arguments that would fit, where the weights and the KV cache would not fit
+    in the memory free now (loading would swap, or the system would kill the process partway)."""
+    def name(value: Optional[torch.dtype]) -> str:
+        return "auto" if value is None else str(value).removeprefix("torch.")
+
+    shortfall = cpu_shortfall(args, ckpt_dir, name(dtype), quantize, name(kv_dtype), max_batch_size, max_seq_len,
+                              compile)
+    if shortfall is not None:
+        raise InvalidRequestError(shortfall.describe(
+            lambda values: ", ".join(f"{option}={value!r}" for option, value in values.items())))
 
 
 def _prepare_part(quantize: Optional[str], cpu_eager: bool, float32_model: bool):

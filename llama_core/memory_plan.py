@@ -1,12 +1,13 @@
-"""What a model will take in memory, from its config and the size of its files alone: the command lines
-compare it with the CPU's free memory before any weight is read, so that a model too big for the machine is
-refused with a message instead of swapping, or being killed by the system halfway through loading."""
+"""What a model will take in memory, from its config and the size of its files alone: the loader and the
+command lines compare it with the CPU's free memory before any weight is read, so that a model too big for
+the machine is refused with a message instead of swapping, or being killed by the system halfway through
+loading. The message names what would fit, in the caller's terms (flags, or Llama.build's arguments)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .checkpoint_files import weight_files
 from .config import ModelArgs
@@ -52,6 +53,66 @@ def plan_cpu_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optio
     per_position = args.n_layers * 2 * (args.n_kv_heads or args.n_heads) * args.head_dim * kv_bytes
     return MemoryPlan(embedding * model_bytes + projections * per_projection_weight,
                       per_position * max_batch_size * positions, per_position)
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A CPU model that does not fit: what it needs, what is free, and changes that would each make it fit."""
+
+    name: str
+    need: MemoryPlan
+    available: int
+    max_batch_size: int
+    max_seq_len: int
+    kv_dtype: str
+    fixes: tuple[tuple[dict[str, object], str], ...]  # (option values, what they then take)
+
+    def describe(self, option: Callable[[dict[str, object]], str]) -> str:
+        """One line; option renders a fix's option values (as flags, or as keyword arguments)."""
+        fixes = [option(values) + (f" ({detail})" if detail else "") for values, detail in self.fixes]
+        advice = ", or ".join(fixes) if fixes else "use a machine with more memory, or a smaller model"
+        return (f"{self.name} needs at least {gib(self.need.total_bytes)} of memory on the CPU (weights "
+                f"{gib(self.need.weights_bytes)}, KV cache {gib(self.need.kv_cache_bytes)}: {self.max_batch_size} "
+                f"requests x {self.max_seq_len:,} tokens in {self.kv_dtype}) and {gib(self.available)} is free: "
+                f"{advice}")
+
+
+def cpu_shortfall(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[str], kv_cache_dtype: str,
+                  max_batch_size: int, max_seq_len: int, compile: bool = False) -> Optional[Shortfall]:
+    """None where the CPU model fits in the memory free now (or that cannot be told); else what it lacks and
+    what would fit: a float16 KV cache, fewer slots, a shorter context, or int8 weights (with a float16 cache
+    where needed), each alone enough."""
+    available = available_memory()
+    if available is None:
+        return None
+    positions = max_seq_len + (1 if compile else 0)  # a compiled step's spare position
+    need = plan_cpu_memory(args, ckpt_dir, dtype, quantize, kv_cache_dtype, max_batch_size, positions)
+    if need.total_bytes <= available:
+        return None
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    fixes: list[tuple[dict[str, object], str]] = []
+    room = available - need.weights_bytes
+    if room > 0:
+        if kv_dtype == "float32" and need.weights_bytes + need.kv_cache_bytes // 2 <= available:
+            fixes.append(({"kv_cache_dtype": "float16"}, f"KV cache {gib(need.kv_cache_bytes // 2)}"))
+        slots = room // (need.kv_bytes_per_position * positions)
+        if slots >= 1:
+            fixes.append(({"max_batch_size": slots}, ""))
+        context = room // (need.kv_bytes_per_position * max_batch_size)
+        if context >= 64:
+            fixes.append(({"max_seq_len": context - (1 if compile else 0)}, ""))
+    if quantize is None:
+        for values in ({"quantize": "int8"}, {"quantize": "int8", "kv_cache_dtype": "float16"}):
+            int8 = plan_cpu_memory(args, ckpt_dir, dtype, "int8", str(values.get("kv_cache_dtype", kv_cache_dtype)),
+                                   max_batch_size, positions)
+            if int8.total_bytes <= available:
+                fixes.append((values, f"weights {gib(int8.weights_bytes)}, KV cache {gib(int8.kv_cache_bytes)}"))
+                break
+    return Shortfall(ckpt_dir.name, need, available, max_batch_size, max_seq_len, kv_dtype, tuple(fixes))
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 
 def available_memory() -> Optional[int]:

@@ -443,3 +443,13 @@ def test_a_containers_memory_limit_counts_as_what_is_free(tmp_path):
     (tmp_path / "v1" / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     assert cgroup_room(tmp_path / "v1", tmp_path / "v1.cgroup") is None
     assert cgroup_room(tmp_path / "none", tmp_path / "missing") is None
+
+
+def test_the_python_api_refuses_a_cpu_model_that_would_not_fit_naming_its_arguments():
+    from llama_core import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as refused:
+        Llama.build(None, max_seq_len=TRAINED_FOR, max_batch_size=10_000_000, device="cpu")
+    message = str(refused.value)
+    assert message.startswith("tiny-shakespeare needs at least ") and "is free: max_batch_size=" in message
+    assert "--" not in message  # the API's arguments, not the command line's flags

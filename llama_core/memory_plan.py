@@ -11,8 +11,7 @@ from typing import Callable, Optional
 
 from .checkpoint_files import weight_files
 from .config import ModelArgs
-
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from .devices import DTYPE_NAMES
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ def plan_cpu_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optio
     they are stored in when dtype is float32 (the CPU kernels keep them so), else in dtype; the KV cache in
     kv_cache_dtype ("auto": dtype) for max_batch_size slots of `positions`. Small things (norms, scales,
     panel padding, the interpreter) come on top."""
-    model_bytes = BYTES[dtype]
+    model_bytes = DTYPE_NAMES[dtype].itemsize
     embedding = args.vocab_size * args.dim
     projections = args.parameter_count - embedding - args.dim * (2 * args.n_layers + 1)
     if quantize == "int8":
@@ -49,7 +48,7 @@ def plan_cpu_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optio
         per_projection_weight = 2
     else:
         per_projection_weight = model_bytes
-    kv_bytes = BYTES[dtype if kv_cache_dtype == "auto" else kv_cache_dtype]
+    kv_bytes = DTYPE_NAMES[dtype if kv_cache_dtype == "auto" else kv_cache_dtype].itemsize
     per_position = args.n_layers * 2 * (args.n_kv_heads or args.n_heads) * args.head_dim * kv_bytes
     return MemoryPlan(embedding * model_bytes + projections * per_projection_weight,
                       per_position * max_batch_size * positions, per_position)

@@ -381,12 +381,17 @@ def main() -> None:
     llama = Llama.from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
                              kv_cache_dtype=a.kv_cache_dtype)
     report["kv_cache_dtype"] = str(llama.runner.kv_cache_dtype).removeprefix("torch.")
-    impls = {"llama_core": lambda p, n: llama.generate(p, n, temperature=0)}
-    engines = {"llama_core": llama}  # the Llama behind each llama_core implementation but torch's kernels
+    impls: dict[str, Callable[[list[list[int]], int], None]] = {}
+    engines: dict[str, Llama] = {}  # the Llama behind each llama_core implementation but torch's kernels
+
+    def add(name: str, implementation: Llama) -> None:
+        impls[name] = lambda p, n: implementation.generate(p, n, temperature=0)
+        engines[name] = implementation
+
+    add("llama_core", llama)
     if compiled_model is not None:
-        compiled = Llama.from_model(compiled_model, _Vocab(args.vocab_size), max_len, max_batch, compile=True)
-        impls["llama_core_compiled"] = lambda p, n: compiled.generate(p, n, temperature=0)
-        engines["llama_core_compiled"] = compiled
+        add("llama_core_compiled", Llama.from_model(compiled_model, _Vocab(args.vocab_size), max_len, max_batch,
+                                                    compile=True))
     if torch_kernels_model is not None:
         with torch_kernels_only():
             torch_kernels = Llama.from_model(torch_kernels_model, _Vocab(args.vocab_size), max_len, max_batch,
@@ -402,17 +407,14 @@ def main() -> None:
         for module in wide.model.modules():
             if isinstance(module, PanelLinear):
                 module.panels = to_panels(module.weight)
-        impls["llama_core_float32_panels"] = lambda p, n: wide.generate(p, n, temperature=0)
-        engines["llama_core_float32_panels"] = wide
+        add("llama_core_float32_panels", wide)
     if other_kv_model is not None:
-        other_kv = Llama.from_model(other_kv_model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
-                                    kv_cache_dtype=a.with_kv_cache_dtype)
-        impls[f"llama_core_kv_{a.with_kv_cache_dtype}"] = lambda p, n: other_kv.generate(p, n, temperature=0)
-        engines[f"llama_core_kv_{a.with_kv_cache_dtype}"] = other_kv
+        add(f"llama_core_kv_{a.with_kv_cache_dtype}", Llama.from_model(
+            other_kv_model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
+            kv_cache_dtype=a.with_kv_cache_dtype))
     if reference is not None and a.with_float:
-        float_llama = Llama.from_model(reference, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
-        impls["llama_core_float"] = lambda p, n: float_llama.generate(p, n, temperature=0)
-        engines["llama_core_float"] = float_llama
+        add("llama_core_float", Llama.from_model(reference, _Vocab(args.vocab_size), max_len, max_batch,
+                                                 compile=a.compile))
     del reference
     if hf is not None:
         impls["hf_eager"] = lambda p, n: _hf_generate(hf, p, n)

@@ -19,7 +19,7 @@ a step attends over is ever the whole cache (torch.compile would specialise that
 from __future__ import annotations
 
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -198,10 +198,10 @@ class DecodeStep:
         self.leading_rows = compile and not self.static
         self._step = self._all_rows
         if self.static and compile:  # dynamic: the context length is a symbolic size, compiled once
-            self._step = torch.compile(self._all_rows, options=STATIC_STEP_OPTIONS if on_cuda else None,
-                                       fullgraph=True, dynamic=True)
+            self._step = _floats_as_constants(torch.compile(
+                self._all_rows, options=STATIC_STEP_OPTIONS if on_cuda else None, fullgraph=True, dynamic=True))
         elif self.leading_rows:
-            self._step = torch.compile(self._leading_rows, fullgraph=True, dynamic=True)
+            self._step = _floats_as_constants(torch.compile(self._leading_rows, fullgraph=True, dynamic=True))
 
     def __call__(
         self,
@@ -281,6 +281,19 @@ class DecodeStep:
     def _leading_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         # cache_rows None: rows 0..B-1 with B symbolic (a slice object would be specialised to its bounds).
         return self.model(tokens[:, None], positions[:, None], cache_rows=None, kv_len=kv_len)[:, 0]
+
+
+def _floats_as_constants(compiled: Callable) -> Callable:
+    """compiled, traced with the model's float attributes (each RMSNorm's eps, rope_theta) as constants.
+    Under dynamic=True, torch 2.11's dynamo traces them as symbolic values, specialises them, and then
+    guards each one on every call by making it a tensor and reading it back with .item(): two host-side
+    .item() calls a layer on every step (67 for a 7B)."""
+
+    def step(*args):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return step
 
 
 def cpu_serving_layout(part: nn.Module, float32_model: bool = True) -> nn.Module:

@@ -154,6 +154,14 @@ def test_a_compiled_static_step_compiles_when_warmed_up_and_not_again_across_len
         for position in (3, 20, 40, 100, llama.max_seq_len - 1):  # lengths 16, 32, 64, 128, 128
             step(torch.tensor([5, 6]), torch.tensor([position, 2]), slice(0, 2), position + 1)
     assert counters["stats"]["unique_graphs"] == 1
+    # A call reads nothing back to the host, its guards included: torch 2.11 guarded each RMSNorm's eps
+    # and rope_theta with a tensor's .item() on every call unless traced with floats as constants.
+    from torch.profiler import profile
+
+    with torch.inference_mode(), profile() as prof:
+        step(torch.tensor([5, 6]), torch.tensor([7, 2]), slice(0, 2), 8)
+    reads = [e.name for e in prof.events() if e.name in ("aten::item", "aten::_local_scalar_dense")]
+    assert reads == []
 
 
 @pytest.mark.parametrize("seq_len", [1, 5])

@@ -104,7 +104,11 @@ def parse_args() -> argparse.Namespace:
                    help="also count, with the torch profiler, what llama_core's batch-1 decode loop does per token "
                         "that makes the host wait: CUDA synchronisations, copies between host and device, .item()")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here (after each phase, "
+                   "so a run killed partway leaves the figures it took)")
+    p.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                   help="once this many seconds have passed since the start, skip the figures not yet taken "
+                        "(checked at the end of each phase) and report what was measured")
     p.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
                    help="also run llama.cpp built in DIR by ../shared/peers/build_llama_cpp.sh")
     p.add_argument("--tokenizer", type=Path, default=LLAMA2_TOKENIZER,
@@ -117,6 +121,8 @@ def model_args(a: argparse.Namespace) -> ModelArgs:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size"):
         if getattr(a, key) is not None:
             shape[key] = getattr(a, key)
+    if a.n_heads is not None and a.n_kv_heads is None:  # not the base shape's: no grouped-query attention
+        shape["n_kv_heads"] = a.n_heads
     return ModelArgs(**shape, max_seq_len=4096)
 
 
@@ -179,12 +185,15 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: int, device: torch.device,
-            engines: Optional[dict[str, Llama]] = None) -> dict:
+            engines: Optional[dict[str, Llama]] = None, results: Optional[dict] = None,
+            phase_done: Callable[[str], None] = lambda phase: None) -> dict:
     """Decode speed, time to first token and batched throughput of each implementation. Each figure is
     taken for all implementations in turn, repeat after repeat, so they share the machine's conditions.
     engines: the Llama behind each llama_core implementation; decoding after a long context is timed on its
     engine's stream from the first token to the last, as subtracting two runs' times would leave mostly
-    the long prompt's noise."""
+    the long prompt's noise. The figures go into results (a new dict if None) as they are taken, and
+    phase_done(name) is called after each phase ("decode", "ttft_128", "depth_2048", "batch_8", ...): it
+    may save them, or raise to stop there."""
     gen = torch.Generator().manual_seed(1)
 
     def prompts(batch: int, length: int) -> list[list[int]]:
@@ -200,17 +209,20 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
 
     # Every call gets prompts of its own: a prompt seen before would be served from llama_core's prefix cache.
     n = a.decode_tokens
-    results = {name: {"ttft_s": {}, "aggregate_tokens_per_s": {}, "aggregate_with_prefill_tokens_per_s": {}}
-               for name in impls}
+    results = {} if results is None else results
+    for name in impls:
+        results[name] = {"ttft_s": {}, "aggregate_tokens_per_s": {}, "aggregate_with_prefill_tokens_per_s": {}}
     for generate in impls.values():
         generate(prompts(1, 16), 2)  # warm-up
     first = best(lambda g: lambda: g(prompts(1, 16), 1), a.repeats)
     full = best(lambda g: lambda: g(prompts(1, 16), n + 1), a.repeats)
     for name in impls:
         results[name]["decode_tokens_per_s"] = n / max(full[name] - first[name], 1e-9)
-    for length in (int(x) for x in a.prompt_lengths.split(",")):
+    phase_done("decode")
+    for length in _ints(a.prompt_lengths):
         for name, t in best(lambda g: lambda: g(prompts(1, length), 1), a.repeats).items():
             results[name]["ttft_s"][length] = t
+        phase_done(f"ttft_{length}")
     engines = engines or {}
     for depth in _ints(a.decode_depths):
         others = [name for name in impls if name not in engines]
@@ -224,13 +236,15 @@ def measure(impls: dict[str, Callable[[list[list[int]], int], None]], a, vocab: 
         for name in impls:
             seconds = decode_seconds[name] if name in engines else t_full[name] - t_first[name]
             results[name].setdefault("decode_tokens_per_s_at_depth", {})[depth] = n / max(seconds, 1e-9)
-    for batch in (int(x) for x in a.batch_sizes.split(",")):
+        phase_done(f"depth_{depth}")
+    for batch in _ints(a.batch_sizes):
         t_first = best(lambda g: lambda: g(prompts(batch, 16), 1), a.repeats)
         t_full = best(lambda g: lambda: g(prompts(batch, 16), n + 1), a.repeats)
         for name in impls:
             results[name]["aggregate_tokens_per_s"][batch] = batch * n / max(t_full[name] - t_first[name], 1e-9)
         for name, t in best(lambda g: lambda: g(prompts(batch, BATCHED_PROMPT), BATCHED_NEW), a.repeats).items():
             results[name]["aggregate_with_prefill_tokens_per_s"][batch] = batch * BATCHED_NEW / t
+        phase_done(f"batch_{batch}")
     return results
 
 
@@ -320,7 +334,10 @@ def copy_bandwidth(device: torch.device) -> Optional[float]:
         return None
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * (1 << 30) / best_time(lambda: dst.copy_(src), 5, device)
+    seconds = best_time(lambda: dst.copy_(src), 5, device)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / seconds
 
 
 def max_logprob_deviation(reference: Transformer, quantized: Transformer, vocab: int, device) -> float:
@@ -331,7 +348,45 @@ def max_logprob_deviation(reference: Transformer, quantized: Transformer, vocab:
     return float((ref - out).abs().max())
 
 
+class DeadlinePassed(Exception):
+    """--deadline passed: the figures not yet taken are skipped."""
+
+
+class Progress:
+    """Writes the report (--json) after every phase, so a run its caller kills at a time limit still leaves
+    the figures it took, and stops the run at a phase's end once --deadline seconds have passed."""
+
+    def __init__(self, report: dict, path: Optional[Path], seconds: Optional[float], started: float) -> None:
+        self.report, self.path, self.seconds = report, path, seconds
+        self.deadline = None if seconds is None else started + seconds
+
+    def save(self) -> None:
+        derive_figures(self.report)
+        if self.path:
+            self.path.write_text(json.dumps(self.report, indent=2) + "\n")
+
+    def done(self, phase: str) -> None:
+        self.report["phases_done"].append(phase)
+        self.save()
+        print(f"[{phase} done]", flush=True)
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise DeadlinePassed(phase)
+
+
+def derive_figures(report: dict) -> None:
+    """Each implementation's achieved weight bandwidth and share of the copy bandwidth (on CUDA), and the
+    ratios, from the figures taken so far."""
+    bandwidth = report.get("copy_bandwidth_bytes_per_s")
+    for name, result in report["results"].items():
+        if bandwidth and "decode_tokens_per_s" in result:
+            achieved = report["weight_bytes_read"].get(name, report["weight_bytes"]) * result["decode_tokens_per_s"]
+            result["achieved_bandwidth_bytes_per_s"] = achieved
+            result["share_of_copy_bandwidth"] = achieved / bandwidth
+    report["ratios"] = ratios(report)
+
+
 def main() -> None:
+    started = time.monotonic()
     a = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -360,9 +415,16 @@ def main() -> None:
     report = {
         "shape": a.shape, "args": args.to_dict(), "device": _device_name(device), "dtype": str(dtype).split(".")[-1],
         "threads": torch.get_num_threads(), "torch": torch.__version__, "parameters": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": weight_bytes, "stored": a.stored, "decode_tokens": a.decode_tokens, "results": {},
+        "weight_bytes": weight_bytes, "weight_bytes_read": {}, "stored": a.stored, "decode_tokens": a.decode_tokens,
+        "phases_done": [], "results": {},
     }
     print(f"{a.shape}: {report['parameters'] / 1e6:.1f}M parameters, {dtype}, {report['device']}, {report['threads']} threads", flush=True)
+    progress = Progress(report, a.json, a.deadline, started)
+    bandwidth = copy_bandwidth(device)  # first: the share of it is the headline figure on CUDA
+    if bandwidth:
+        report["copy_bandwidth_bytes_per_s"] = bandwidth
+        print(f"device copy bandwidth: {bandwidth / 1e9:.0f} GB/s", flush=True)
+    progress.save()
 
     hf_dir = None
     if a.llama_cpp is not None:
@@ -418,39 +480,53 @@ def main() -> None:
     del reference
     if hf is not None:
         impls["hf_eager"] = lambda p, n: _hf_generate(hf, p, n)
-    report["results"] = measure(impls, a, args.vocab_size, device, engines)
-    if a.count_syncs:
-        report["per_decoded_token"] = per_token_events(impls["llama_core"], args.vocab_size, a.decode_tokens, device)
-    if hf is not None and a.agreement_tokens > 0:
-        report["greedy_agreement_with_hf"] = greedy_agreement(llama, hf, args.vocab_size, a.agreement_tokens)
-    if hf is not None and a.hf_compile:
-        try:
-            hf.generation_config.cache_implementation = "static"
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-            compiled_hf = {"hf_static_compiled": impls["hf_eager"]}
-            # A first pass compiles (and records CUDA graphs) for every shape the figures use: one per prompt
-            # length, batch size and number of new tokens (the static cache's length); then the figures.
-            measure(compiled_hf, argparse.Namespace(**{**vars(a), "repeats": 1}), args.vocab_size, device)
-            report["results"].update(measure(compiled_hf, a, args.vocab_size, device))
-        except Exception as exc:  # compile support varies by version and device
-            report["hf_compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
-    if hf_dir is not None:
-        measure_llama_cpp(hf_dir, a, report)
+    if a.quantize == "int8":  # every llama_core implementation but the float one reads the int8 weights
+        report["weight_bytes_read"] = {name: report["weight_bytes_int8"] for name in engines if name != "llama_core_float"}
+
+    def phase_done(phase: str) -> None:
+        progress.done(phase)
+        if phase == "decode" and a.count_syncs:  # right after the headline figure: what the decode loop waits on
+            report["per_decoded_token"] = per_token_events(impls["llama_core"], args.vocab_size, a.decode_tokens,
+                                                           device)
+            progress.done("count_syncs")
+
+    try:
+        measure(impls, a, args.vocab_size, device, engines, report["results"], phase_done)
+        if hf is not None and a.agreement_tokens > 0:
+            report["greedy_agreement_with_hf"] = greedy_agreement(llama, hf, args.vocab_size, a.agreement_tokens)
+            progress.done("agreement")
+        if hf is not None and a.hf_compile:
+            measure_hf_compiled(hf, impls["hf_eager"], a, args.vocab_size, device, report, progress)
+        if hf_dir is not None:
+            measure_llama_cpp(hf_dir, a, report)
+        for name, peak in peak_memory_each(impls, a, args.vocab_size, device).items():
+            report["results"][name]["peak_memory_bytes"] = peak
+    except DeadlinePassed as exc:
+        report["cut_short"] = f"--deadline {a.deadline:g} s had passed after phase '{exc}': the later figures were not taken"
+        print(report["cut_short"], flush=True)
     # Peak memory of the whole run (on CPU: the process's peak resident set, both models included).
     report["peak_memory_bytes"] = _peak_memory(device)
-    for name, peak in peak_memory_each(impls, a, args.vocab_size, device).items():
-        report["results"][name]["peak_memory_bytes"] = peak
-    bandwidth = copy_bandwidth(device)
-    if bandwidth:
-        report["copy_bandwidth_bytes_per_s"] = bandwidth
-        for result in report["results"].values():
-            achieved = report.get("weight_bytes_int8", weight_bytes) * result["decode_tokens_per_s"]
-            result["achieved_bandwidth_bytes_per_s"] = achieved
-            result["share_of_copy_bandwidth"] = achieved / bandwidth
-    report["ratios"] = ratios(report)
+    progress.save()
     print_table(report)
-    if a.json:
-        a.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def measure_hf_compiled(hf, generate: Callable, a, vocab: int, device: torch.device, report: dict,
+                        progress: Progress) -> None:
+    """HF with its static cache under torch.compile ("reduce-overhead"): hf_static_compiled's figures."""
+    try:
+        hf.generation_config.cache_implementation = "static"
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        compiled_hf = {"hf_static_compiled": generate}
+        # A first pass compiles (and records CUDA graphs) for every shape the figures use: one per prompt
+        # length, batch size and number of new tokens (the static cache's length); then the figures.
+        measure(compiled_hf, argparse.Namespace(**{**vars(a), "repeats": 1}), vocab, device)
+        progress.done("hf_compiled_warm_up")
+        measure(compiled_hf, a, vocab, device, results=report["results"],
+                phase_done=lambda phase: progress.done(f"hf_compiled_{phase}"))
+    except DeadlinePassed:
+        raise
+    except Exception as exc:  # compile support varies by version and device
+        report["hf_compile_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
 
 def per_token_events(generate: Callable[[list[list[int]], int], None], vocab: int, tokens: int,
@@ -502,12 +578,14 @@ def greedy_agreement(llama: Llama, hf, vocab: int, tokens: int) -> dict:
 def ratios(report: dict) -> dict:
     """The comparisons the targets are stated in, from one run's figures."""
     results, out = report["results"], {}
-    ours = results["llama_core"]
+    ours = results.get("llama_core", {})
+    if "decode_tokens_per_s" not in ours:  # a run cut short before its first figure
+        return out
     out["aggregate_over_batch1_decode"] = {b: t / ours["decode_tokens_per_s"]
                                            for b, t in ours["aggregate_tokens_per_s"].items()}
     for peer in ("hf_eager", "hf_static_compiled", "llama_cpp_f32", "llama_cpp_bf16", "llama_cpp_f16"):
-        if peer in results:
-            other = results[peer]
+        other = results.get(peer, {})
+        if "decode_tokens_per_s" in other:
             out[f"decode_over_{peer}"] = ours["decode_tokens_per_s"] / other["decode_tokens_per_s"]
             if "decode_tokens_per_s_at_depth" in other:
                 out[f"decode_at_depth_over_{peer}"] = {d: ours["decode_tokens_per_s_at_depth"][d] / t
@@ -516,7 +594,7 @@ def ratios(report: dict) -> dict:
                                              if n in other["ttft_s"]}
     for other in ("llama_core_float", "llama_core_compiled", "llama_core_float32_panels",
                   *(n for n in results if n.startswith("llama_core_kv_"))):
-        if other in results:
+        if "decode_tokens_per_s" in results.get(other, {}):
             out[f"decode_over_{other}"] = ours["decode_tokens_per_s"] / results[other]["decode_tokens_per_s"]
     if "share_of_copy_bandwidth" in ours:
         out["share_of_copy_bandwidth"] = ours["share_of_copy_bandwidth"]
@@ -552,6 +630,8 @@ def _device_name(device: torch.device) -> str:
 
 def print_table(report: dict) -> None:
     results = report["results"]
+    if not results:
+        return
     names = list(results)
     rows = [("decode tok/s (batch 1)", lambda r: f"{r['decode_tokens_per_s']:.1f}")]
     for length in next(iter(results.values()))["ttft_s"]:
@@ -568,10 +648,19 @@ def print_table(report: dict) -> None:
         rows.append(("weight bandwidth (GB/s)", lambda r: f"{r['achieved_bandwidth_bytes_per_s'] / 1e9:.0f}"))
         rows.append(("share of copy bandwidth", lambda r: f"{100 * r['share_of_copy_bandwidth']:.0f}%"))
     width = max(len(label) for label, _ in rows)
+
+    def shown(cell: Callable[[dict], str], result: dict) -> str:
+        try:
+            return cell(result)
+        except KeyError:  # not taken: the run was cut short (--deadline)
+            return "-"
+
     print(f"\n{'':<{width}}  " + "  ".join(f"{n:>18}" for n in names))
     for label, cell in rows:
-        print(f"{label:<{width}}  " + "  ".join(f"{cell(results[n]):>18}" for n in names))
-    ours = results["llama_core"]
+        print(f"{label:<{width}}  " + "  ".join(f"{shown(cell, results[n]):>18}" for n in names))
+    ours = results.get("llama_core", {})
+    if "decode_tokens_per_s" not in ours:
+        return
     other_caches = [n for n in results if n.startswith("llama_core_kv_")]
     for peer in ("hf_eager", "llama_core_float32_panels", *other_caches, "llama_cpp_f32", "llama_cpp_bf16",
                  "llama_cpp_f16", "llama_cpp_q8_0"):
@@ -605,7 +694,7 @@ def print_table(report: dict) -> None:
     for batch, ratio in report["ratios"]["aggregate_over_batch1_decode"].items():
         print(f"llama_core {batch} seqs aggregate / its batch-1 decode: {ratio:.2f}x")
     for name, value in report["ratios"].items():
-        if name.startswith("ttft_"):
+        if name.startswith("ttft_") and value:
             print(f"time to first token, {name[len('ttft_'):-len('_over_ours')]} / llama_core: " + ", ".join(f"{n} tokens {r:.2f}x" for n, r in value.items()))
     if "int8_max_logprob_deviation" in report:
         print(f"int8 max |logprob - float logprob| over 64 positions: {report['int8_max_logprob_deviation']:.4f}")

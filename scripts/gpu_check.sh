@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/benchmarks.md ("GPU"), for a machine with one CUDA GPU (torch, transformers and
-# accelerate installed; gradio not needed): the CUDA tests, then the 7B benchmarks against HF transformers.
-# Each step has a time limit and the next one runs even if it fails; logs and JSON reports go to OUT_DIR.
+# accelerate installed; gradio not needed): the 7B benchmarks against HF transformers and the CUDA tests.
+# Each step has a time limit, and all the steps together a budget (GPU_CHECK_BUDGET_S, default 540 s: one
+# call of a device tool that allows 600); a step the budget has no room for left is skipped, saying so, and
+# the next one runs even if one fails. The benchmarks stop taking figures a while before their limit
+# (bench.py --deadline) and write their JSON after every phase, so a step cut short still reports what it
+# measured. Logs and JSON reports go to OUT_DIR: 8 files for the default steps.
 #
 #   bash scripts/gpu_check.sh --carry                 # here, beside ../shared: copies the files the CUDA tests
 #                                                     # read from ../shared into .gpu-shared/ (git ignores it)
-#   bash scripts/gpu_check.sh OUT_DIR [STEP ...]      # there: the named steps in order (default: all)
-#   bash scripts/gpu_check.sh --list                  # the steps, in their default order
+#   bash scripts/gpu_check.sh OUT_DIR [STEP ...]      # there: the named steps in order (default: ALL_STEPS)
+#   bash scripts/gpu_check.sh --list                  # the steps, in their default order, then the optional ones
 #   python scripts/gpu_summary.py OUT_DIR             # the targets, met or not, from the JSON reports
 #
 # Where .gpu-shared/ is present (carried along with the working tree), the tests read it instead of ../shared.
-# Every step ends well inside 9 minutes, so any one step fits one call to a machine that allows 10.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(device versions tests_cuda tests 7b_compiled 7b_eager 7b_int8 7b_engine32 7b_hf_compiled)
-OPTIONAL_STEPS=(load_7b)  # run only when named
+ALL_STEPS=(device 7b_compiled tests_cuda 7b_int8 7b_engine32)
+OPTIONAL_STEPS=(tests 7b_hf_compiled load_7b)  # run only when named
 bench=(python3 scripts/bench.py --shape 7b --device cuda)
 
 if [[ ${1:-} == --list ]]; then
@@ -39,44 +42,64 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 [[ -d .gpu-shared ]] && export LLAMA_SHARED_DIR=$PWD/.gpu-shared
 
+budget=${GPU_CHECK_BUDGET_S:-540}
+SECONDS=0
+
+limit() {  # limit CAP: the seconds a step may take, CAP or what is left of the budget; 0 if under a minute
+  local left=$(( budget - SECONDS ))
+  (( left < 60 )) && { echo 0; return; }
+  echo $(( $1 < left ? $1 : left ))
+}
+
 run() {  # run NAME SECONDS COMMAND...: runs COMMAND, its output to the screen and to OUT_DIR/NAME.log
   local name=$1 seconds=$2
   shift 2
-  echo "== $name: $*"
+  if (( seconds == 0 )); then
+    echo "== $name: skipped, $(( budget - SECONDS )) s of the ${budget} s budget left"
+    return
+  fi
+  echo "== $name (at most ${seconds} s): $*"
   timeout "$seconds" "$@" 2>&1 | tee "$out/$name.log"
-  echo "== $name: exit ${PIPESTATUS[0]}"
+  echo "== $name: exit ${PIPESTATUS[0]} after $SECONDS s of the ${budget} s budget"
+}
+
+run_bench() {  # run_bench NAME CAP ARGS...: bench.py on the 7B shape, taking figures until 3/4 of its time
+  local name=$1 seconds
+  seconds=$(limit "$2")
+  shift 2
+  run "$name" "$seconds" "${bench[@]}" "$@" --deadline $(( seconds * 3 / 4 )) --json "$out/$name.json"
 }
 
 for step in "${steps[@]}"; do
   case $step in
-    device) run device 30 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv ;;
-    versions) run versions 60 python3 -c "import sys, torch, transformers, accelerate; print(sys.version.split()[0], \
-torch.__version__, torch.version.cuda, transformers.__version__, accelerate.__version__, torch.cuda.get_device_name())" ;;
-    # The CUDA tests (several compile a tiny model's step), then the decode steps (eager, static, compiled),
-    # tensor parallel in one process and stories260K, which run on the CPU too.
-    tests_cuda) run tests_cuda 480 python3 -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider ;;
-    tests) run tests 480 python3 -m pytest tests/test_parallel.py tests/test_decode.py tests/test_stories260k.py \
-             -q -rs -p no:cacheprovider ;;
-    # The CUDA-graph decode step beside HF eager (targets: >= 85 % of the copy bandwidth measured in the
-    # same run, >= 5x HF eager), and what its decode loop does per token that makes the host wait.
-    7b_compiled) run 7b_compiled 480 "${bench[@]}" --compile --prompt-lengths 128 --batch-sizes 1 \
-                   --decode-tokens 128 --repeats 3 --count-syncs --json "$out/7b_compiled.json" ;;
-    # Eager bf16 beside HF eager: time to first token (target: no slower), 8 sequences, and greedy agreement
-    # with HF bf16 over 256 tokens.
-    7b_eager) run 7b_eager 420 "${bench[@]}" --prompt-lengths 128,512,2048 --batch-sizes 8 --decode-tokens 64 \
-                --repeats 3 --agreement-tokens 256 --json "$out/7b_eager.json" ;;
-    # int8 weight-only beside bf16, both compiled (target: >= 1.7x), and int8's largest logprob deviation.
-    7b_int8) run 7b_int8 530 "${bench[@]}" --compile --quantize int8 --with-float --skip-hf --prompt-lengths 128 \
-               --batch-sizes 1 --decode-tokens 128 --repeats 3 --json "$out/7b_int8.json" ;;
-    # The engine with 32 sequences under the compiled step (target: >= 12x the batch-1 decode of 7b_compiled).
-    7b_engine32) run 7b_engine32 480 "${bench[@]}" --compile --skip-hf --prompt-lengths 128 --batch-sizes 32 \
-                   --decode-tokens 64 --repeats 3 --json "$out/7b_engine32.json" ;;
-    # HF with its static cache under torch.compile, beside ours eager, at 1, 8 and 32 sequences.
-    7b_hf_compiled) run 7b_hf_compiled 500 "${bench[@]}" --hf-compile --prompt-lengths 128 --batch-sizes 8,32 \
-                      --decode-tokens 64 --repeats 2 --json "$out/7b_hf_compiled.json" ;;
-    # Loading a 7B-shaped Hugging Face checkpoint (random, bfloat16; written first, 2 x 13.5 GB of disk) in
-    # bfloat16 and as int8: load time, host memory and the GPU's peak (int8: the int8 model and one block).
-    load_7b) run load_7b 530 python3 scripts/bench_load.py --device cuda --n-layers 32 --layouts hf \
+    device) run device 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
+--format=csv; python3 -c 'import sys, torch, transformers, accelerate; print(sys.version.split()[0], torch.__version__, \
+torch.version.cuda, transformers.__version__, accelerate.__version__, torch.cuda.get_device_name())'" ;;
+    # The CUDA-graph decode step at batch 1 beside HF eager (targets: >= 85 % of the copy bandwidth measured
+    # in the same run, >= 5x HF eager), what its decode loop does per token that makes the host wait, the
+    # time to first token (no slower than HF eager) and greedy agreement with HF bf16 over 256 tokens.
+    7b_compiled) run_bench 7b_compiled 240 --compile --prompt-lengths 128,512,2048 --batch-sizes 1 \
+                   --decode-tokens 128 --repeats 3 --count-syncs --agreement-tokens 256 ;;
+    # int8 weight-only beside bf16, both compiled at batch 1 (target: >= 1.7x), and int8's largest logprob
+    # deviation. The bf16 step is 7b_compiled's graph, which inductor's cache then has.
+    7b_int8) run_bench 7b_int8 180 --compile --quantize int8 --with-float --skip-hf --prompt-lengths 128 \
+               --batch-sizes 1 --decode-tokens 128 --repeats 3 ;;
+    # The engine with 32 sequences under the compiled step (target: >= 12x 7b_compiled's batch-1 decode).
+    7b_engine32) run_bench 7b_engine32 150 --compile --skip-hf --prompt-lengths 128 --batch-sizes 32 \
+                   --decode-tokens 64 --repeats 3 ;;
+    # The CUDA tests, 4 at a time where pytest-xdist is installed (most of their time is compiling).
+    tests_cuda) run tests_cuda "$(limit 150)" python3 -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider \
+                  $(python3 -c "import xdist" 2>/dev/null && echo "-n 4") ;;
+    # Optional. The CPU tests of the decode steps, tensor parallel in one process and stories260K under the
+    # device's Python and torch.
+    tests) run tests "$(limit 480)" python3 -m pytest tests/test_parallel.py tests/test_decode.py \
+             tests/test_stories260k.py -q -rs -p no:cacheprovider ;;
+    # Optional. HF with its static cache under torch.compile, beside ours eager, at 1, 8 and 32 sequences.
+    7b_hf_compiled) run_bench 7b_hf_compiled 500 --hf-compile --prompt-lengths 128 --batch-sizes 8,32 \
+                      --decode-tokens 64 --repeats 2 ;;
+    # Optional. Loading a 7B-shaped Hugging Face checkpoint (random, bfloat16; written first, 2 x 13.5 GB of
+    # disk) in bfloat16 and as int8: load time, host memory and the GPU's peak (int8: the int8 model and one block).
+    load_7b) run load_7b "$(limit 530)" python3 scripts/bench_load.py --device cuda --n-layers 32 --layouts hf \
                --loads bfloat16,bfloat16+int8 --tokenizer "${LLAMA_SHARED_DIR:-../shared}/llama2/tokenizer.model" \
                --json "$out/load_7b.json" ;;
     *) echo "unknown step: $step (steps: ${ALL_STEPS[*]} ${OPTIONAL_STEPS[*]})" >&2; exit 2 ;;

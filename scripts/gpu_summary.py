@@ -19,6 +19,9 @@ from typing import Optional
 DRAINING_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
+REPORTS = ("7b_compiled", "7b_int8", "7b_engine32", "7b_hf_compiled")
+
+
 def _load(folder: Path, name: str) -> Optional[dict]:
     path = folder / f"{name}.json"
     try:
@@ -29,8 +32,8 @@ def _load(folder: Path, name: str) -> Optional[dict]:
 
 def rows(folder: Path) -> list[tuple[str, str, str, str]]:
     """(target, measured, report, met) for each target of the GPU issue."""
-    compiled, eager, int8, engine32, hf_compiled = (
-        _load(folder, name) for name in ("7b_compiled", "7b_eager", "7b_int8", "7b_engine32", "7b_hf_compiled"))
+    compiled, int8, engine32, hf_compiled = (
+        _load(folder, name) for name in ("7b_compiled", "7b_int8", "7b_engine32", "7b_hf_compiled"))
     out = []
 
     def add(target: str, report: Optional[dict], source: str, value, fmt: str, met) -> None:
@@ -66,9 +69,9 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
     batch1 = decode(compiled)
     add("engine, 32 sequences >= 12x its batch-1 decode", engine32, "7b_engine32 / 7b_compiled",
         aggregate / batch1 if aggregate and batch1 else None, "{:.1f}x", lambda v: v >= 12)
-    ttft = ratio(eager, "ttft_hf_eager_over_ours") or {}
+    ttft = ratio(compiled, "ttft_hf_eager_over_ours") or {}
     for length in ("128", "512", "2048"):
-        add(f"time to first token, {length}-token prompt, no slower than HF eager", eager, "7b_eager",
+        add(f"time to first token, {length}-token prompt, no slower than HF eager", compiled, "7b_compiled",
             ttft.get(length), "{:.2f}x HF's speed", lambda v: v >= 1.0)
     per_token = None if compiled is None else compiled.get("per_decoded_token")
     waits = None if per_token is None else sum(per_token.get(name, 0.0) for name in DRAINING_WAITS)
@@ -78,8 +81,8 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
         None if per_token is None else per_token.get("cudaEventSynchronize"), "{:.2f} per token", lambda v: True)
     add("GPU busy while decoding at batch 1, compiled (reported)", compiled, "7b_compiled",
         None if per_token is None else per_token.get("device_busy_share"), "{:.1%}", lambda v: True)
-    agreement = None if eager is None else eager.get("greedy_agreement_with_hf")
-    add("bf16 greedy agreement with HF bf16 over 256 tokens (reported)", eager, "7b_eager", agreement,
+    agreement = None if compiled is None else compiled.get("greedy_agreement_with_hf")
+    add("bf16 greedy agreement with HF bf16 over 256 tokens (reported)", compiled, "7b_compiled", agreement,
         "{0[identical_prefix]} identical, {0[teacher_forced_top1]:.1%} top-1 teacher-forced", lambda v: True)
     return out
 
@@ -88,13 +91,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path, help="where gpu_check.sh wrote its reports")
     folder = p.parse_args().folder
-    device = next((r["device"] for r in map(lambda n: _load(folder, n), ("7b_compiled", "7b_eager", "7b_int8"))
+    device = next((r["device"] for r in map(lambda n: _load(folder, n), REPORTS)
                    if r is not None), "unknown device")
     print(f"{device}, reports in {folder}\n")
     print("| target | measured | report | met |")
     print("| --- | --- | --- | --- |")
     for row in rows(folder):
         print("| " + " | ".join(row) + " |")
+    for name in REPORTS:
+        report = _load(folder, name)
+        if report is not None and "cut_short" in report:
+            print(f"\n{name} was cut short: {report['cut_short']} (phases done: {', '.join(report['phases_done'])})")
 
 
 if __name__ == "__main__":

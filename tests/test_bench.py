@@ -54,6 +54,27 @@ def test_bench_reports_every_figure_for_both_implementations(tmp_path, extra):
         assert report["stored"] == "bfloat16" and ratios["decode_over_llama_core_float32_panels"] > 0
         assert "llama_core / llama_core_float32_panels: decode " in result.stdout
     assert "llama_core / hf_eager: decode " in result.stdout
+    assert report["phases_done"] == ["decode", "count_syncs", "ttft_8", "ttft_16", "batch_2", "agreement"]
+    assert "cut_short" not in report
+
+
+def test_bench_past_its_deadline_reports_the_figures_it_took(tmp_path):
+    report_path = tmp_path / "report.json"
+    result = _run("bench.py", "--shape", "custom", "--dim", "64", "--n-layers", "2", "--n-heads", "4",
+                  "--vocab-size", "256", "--prompt-lengths", "8,16", "--batch-sizes", "2", "--decode-tokens", "4",
+                  "--repeats", "1", "--threads", "1", "--json", str(report_path), "--count-syncs",
+                  "--agreement-tokens", "8", "--deadline", "0")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    # The deadline is checked at the end of each phase: the first one's figures are in, nothing after them.
+    assert report["phases_done"] == ["decode"]
+    assert report["cut_short"] == ("--deadline 0 s had passed after phase 'decode': the later figures were not taken")
+    for figures in report["results"].values():
+        assert figures["decode_tokens_per_s"] > 0 and figures["ttft_s"] == {}
+    assert "per_decoded_token" not in report and "greedy_agreement_with_hf" not in report
+    assert report["ratios"]["decode_over_hf_eager"] > 0
+    table = result.stdout.split(report["cut_short"])[1]
+    assert "decode tok/s (batch 1)" in table and "TTFT" not in table
 
 
 def test_bench_decodes_after_a_long_context_with_each_kv_cache(tmp_path):
@@ -234,13 +255,13 @@ def test_gpu_check_runs_the_steps_asked_for_and_carries_the_shared_files(tmp_pat
     (shared / "llama2").mkdir()
     (shared / "llama2" / "tokenizer.model").write_bytes(b"sp")
 
-    def gpu_check(*arguments):
+    def gpu_check(*arguments, env=None):
         return subprocess.run(["bash", str(work / "scripts" / "gpu_check.sh"), *arguments], capture_output=True,
-                              text=True, timeout=120, env=dict(os.environ, LLAMA_SHARED_DIR=str(shared)))
+                              text=True, timeout=120, env=dict(os.environ, LLAMA_SHARED_DIR=str(shared), **(env or {})))
 
-    steps = gpu_check("--list").stdout.split()
-    assert steps[:4] == ["device", "versions", "tests_cuda", "tests"] and "7b_compiled" in steps
-    assert steps[-2:] == ["load_7b", "(optional)"]
+    steps = gpu_check("--list").stdout.splitlines()
+    assert steps == ["device", "7b_compiled", "tests_cuda", "7b_int8", "7b_engine32", "tests (optional)",
+                     "7b_hf_compiled (optional)", "load_7b (optional)"]
     assert gpu_check("--carry").returncode == 0
     assert (work / ".gpu-shared" / "models" / "stories260K" / "params.json").read_text() == "{}"
     assert (work / ".gpu-shared" / "llama2" / "tokenizer.model").read_bytes() == b"sp"
@@ -249,14 +270,22 @@ def test_gpu_check_runs_the_steps_asked_for_and_carries_the_shared_files(tmp_pat
     # One step, failing here for want of a GPU: its log is written and the script says how it ended.
     device = gpu_check(str(tmp_path / "out"), "device")
     assert "== device: exit" in device.stdout and (tmp_path / "out" / "device.log").is_file()
-    assert not (tmp_path / "out" / "versions.log").exists()
+    assert not (tmp_path / "out" / "tests_cuda.log").exists()
+    # A budget with less than a minute left skips the step, saying so, and writes nothing for it.
+    skipped = gpu_check(str(tmp_path / "out"), "7b_compiled", "tests_cuda", env={"GPU_CHECK_BUDGET_S": "59"})
+    assert skipped.returncode == 0
+    assert "== 7b_compiled: skipped, 59 s of the 59 s budget left" in skipped.stdout
+    assert "== tests_cuda: skipped" in skipped.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device.log"]
 
 
 def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
     compiled = {"device": "NVIDIA H100 80GB HBM3",
                 "results": {"llama_core": {"decode_tokens_per_s": 200.0, "aggregate_tokens_per_s": {"1": 200.0}}},
                 "ratios": {"share_of_copy_bandwidth": 0.9, "decode_over_hf_eager": 4.5},
-                "per_decoded_token": {"cudaStreamSynchronize": 1.0, "cudaMemcpyAsync": 3.0, "cudaEventSynchronize": 1.0}}
+                "per_decoded_token": {"cudaStreamSynchronize": 1.0, "cudaMemcpyAsync": 3.0, "cudaEventSynchronize": 1.0},
+                "phases_done": ["decode", "count_syncs"],
+                "cut_short": "--deadline 180 s had passed after phase 'count_syncs': the later figures were not taken"}
     engine32 = {"device": "NVIDIA H100 80GB HBM3",
                 "results": {"llama_core": {"decode_tokens_per_s": 150.0, "aggregate_tokens_per_s": {"32": 2600.0}}},
                 "ratios": {}}
@@ -272,6 +301,8 @@ def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
     assert table["no host synchronisation per decoded token (compiled)"][0] == "1.00 waits per token"
     assert table["waits on the step before, the next one queued (reported)"][0] == "1.00 per token"
     assert table["int8 >= 1.7x bf16 compiled decode"][0] == "not measured"
+    assert table["time to first token, 2048-token prompt, no slower than HF eager"][0] == "not measured"
+    assert "7b_compiled was cut short: --deadline 180 s had passed" in result.stdout
 
 
 def test_load_bench_reports_memory_for_each_layout_and_load(tmp_path, tokenizer_path, tokenizer):

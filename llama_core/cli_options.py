@@ -121,7 +121,8 @@ def check_model_options(options: argparse.Namespace, device_map: Optional[str] =
 def check_memory(plan: ModelPlan, max_batch_size: int, compile: bool = False) -> None:
     """Refuses a CPU model whose weights and KV cache (for max_batch_size slots of the whole context) would not
     fit in the memory free now: loading it would swap, or end with the system killing the process. The
-    message gives what would fit. GPUs report their own out-of-memory errors as soon as they happen."""
+    message gives what would fit. A GPU's free memory is checked by the process that loads the model
+    (asking here would start CUDA in the web server's process)."""
     from .memory_plan import cpu_shortfall
 
     if plan.device != "cpu":
@@ -129,13 +130,7 @@ def check_memory(plan: ModelPlan, max_batch_size: int, compile: bool = False) ->
     shortfall = cpu_shortfall(plan.args, plan.ckpt_dir, plan.dtype, plan.quantize, plan.kv_cache_dtype,
                               max_batch_size, plan.max_seq_len, compile)
     if shortfall is not None:
-        raise OptionError(shortfall.describe(_as_flags))
-
-
-def _as_flags(values: dict[str, object]) -> str:
-    """Option values as the flags that set them: "add --quantize int8", "pass --max-batch-size 5"."""
-    verb = "pass" if all(isinstance(value, int) for value in values.values()) else "add"
-    return verb + "".join(f" --{name.replace('_', '-')} {value}" for name, value in values.items())
+        raise OptionError(shortfall.describe("flags"))
 
 
 def check_checkpoint(ckpt_dir: Optional[Path]) -> Path:

@@ -16,7 +16,7 @@ from .checkpoint_files import find_tokenizer, read_model_args, stored_dtype
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
-from .memory_plan import cpu_shortfall
+from .memory_plan import cpu_shortfall, shortfall
 from .quantize import QUANTIZATIONS, quantization_of, quantize_int8
 from .resources import DEFAULT_CKPT_DIR
 from .runner import ModelRunner, cpu_serving_layout, panel_storage_of
@@ -95,11 +95,14 @@ def load(
     progress: bool = False,
     quantize: Optional[str] = None,
     kv_cache_dtype: str | torch.dtype = "auto",
+    fixes_as: str = "arguments",
 ) -> LoadedModel:
     """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`, and
     progress shows a bar on stderr while the weights load (on rank 0 only under tensor parallelism).
     quantize="int8" stores the projections' weights as int8 once loaded (see llama_core.quantize).
     kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
+    fixes_as: how a model that would not fit in its device's free memory is told what would: as these
+    keyword arguments ("arguments"), or as the command lines' flags ("flags").
 
     Under tensor parallelism, ranks > 0 serve rank 0's forwards inside this call and then exit the process.
 
@@ -152,8 +155,8 @@ def load(
         torch_device = resolve_device(device)
         cpu_eager = torch_device.type == "cpu" and not compile
         model_dtype = resolve_dtype(dtype, torch_device, stored)
-        if torch_device.type == "cpu":
-            _check_cpu_memory(args, ckpt_dir, model_dtype, quantize, kv_dtype, max_batch_size, max_seq_len, compile)
+        _check_memory(args, ckpt_dir, torch_device, str(device), model_dtype, quantize, kv_dtype, max_batch_size,
+                      max_seq_len, compile, fixes_as)
         # The CPU kernels keep 16-bit projections as stored: casting them to float32 first only costs time.
         as_stored = cpu_eager and quantize is None and model_dtype == torch.float32 and cpu_kernels.available()
         model = load_model(ckpt_dir, args, torch_device, model_dtype, progress,
@@ -167,18 +170,26 @@ def load(
 
 
 
-def _check_cpu_memory(args: ModelArgs, ckpt_dir: Path, dtype: torch.dtype, quantize: Optional[str],
-                      kv_dtype: Optional[torch.dtype], max_batch_size: int, max_seq_len: int, compile: bool) -> None:
-    """InvalidRequestError, naming the arguments that would fit, where the weights and the KV cache would not fit
-    in the memory free now (loading would swap, or the system would kill the process partway)."""
+def _check_memory(args: ModelArgs, ckpt_dir: Path, device: torch.device, device_option: str, dtype: torch.dtype,
+                  quantize: Optional[str], kv_dtype: Optional[torch.dtype], max_batch_size: int, max_seq_len: int,
+                  compile: bool, fixes_as: str) -> None:
+    """InvalidRequestError, naming what would fit (fixes_as: "arguments" or "flags"), where the weights and the
+    KV cache would not fit in the memory free now on the model's one device: on the CPU loading would swap, or
+    the system would kill the process partway; on a GPU it would run out of memory partway."""
     def name(value: Optional[torch.dtype]) -> str:
         return "auto" if value is None else str(value).removeprefix("torch.")
 
-    shortfall = cpu_shortfall(args, ckpt_dir, name(dtype), quantize, name(kv_dtype), max_batch_size, max_seq_len,
-                              compile)
-    if shortfall is not None:
-        raise InvalidRequestError(shortfall.describe(
-            lambda values: ", ".join(f"{option}={value!r}" for option, value in values.items())))
+    plan = (args, ckpt_dir, name(dtype), quantize, name(kv_dtype), max_batch_size, max_seq_len, compile)
+    if device.type == "cpu":
+        found = cpu_shortfall(*plan)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        where = f"{device} ({torch.cuda.get_device_name(device)})"
+        found = shortfall(*plan, free, where, on_cpu=False, device=device_option)
+    else:
+        found = None
+    if found is not None:
+        raise InvalidRequestError(found.describe(fixes_as))
 
 
 def _prepare_part(quantize: Optional[str], cpu_eager: bool, float32_model: bool):

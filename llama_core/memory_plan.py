@@ -1,13 +1,14 @@
 """What a model will take in memory, from its config and the size of its files alone: the loader and the
-command lines compare it with the CPU's free memory before any weight is read, so that a model too big for
-the machine is refused with a message instead of swapping, or being killed by the system halfway through
-loading. The message names what would fit, in the caller's terms (flags, or Llama.build's arguments)."""
+command lines compare it with the memory free on its device (the CPU's, or one GPU's) before any weight is
+read, so that a model too big for it is refused with a message instead of swapping, being killed by the
+system, or running out of GPU memory halfway through loading. The message names what would fit, in the
+caller's terms (flags, or Llama.build's arguments)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from .checkpoint_files import weight_files
 from .config import ModelArgs
@@ -16,7 +17,7 @@ from .devices import DTYPE_NAMES
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """At least what a CPU model holds: its weights, and its KV cache for every slot's whole context."""
+    """At least what a model holds: its weights, and its KV cache for every slot's whole context."""
 
     weights_bytes: int
     kv_cache_bytes: int
@@ -33,18 +34,18 @@ def stored_bytes_per_weight(ckpt_dir: Path, args: ModelArgs) -> float:
     return size / max(args.parameter_count, 1)
 
 
-def plan_cpu_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[str], kv_cache_dtype: str,
-                    max_batch_size: int, positions: int) -> MemoryPlan:
-    """A CPU model's floor: the embedding in dtype; the projections in int8 when quantized, else in the 16 bits
-    they are stored in when dtype is float32 (the CPU kernels keep them so), else in dtype; the KV cache in
-    kv_cache_dtype ("auto": dtype) for max_batch_size slots of `positions`. Small things (norms, scales,
-    panel padding, the interpreter) come on top."""
+def plan_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[str], kv_cache_dtype: str,
+                max_batch_size: int, positions: int, on_cpu: bool = True) -> MemoryPlan:
+    """A model's floor: the embedding in dtype; the projections in int8 when quantized, else on the CPU in the
+    16 bits they are stored in when dtype is float32 (the CPU kernels keep them so), else in dtype; the KV
+    cache in kv_cache_dtype ("auto": dtype) for max_batch_size slots of `positions`. Small things (norms,
+    scales, panel padding, activations, the interpreter) come on top."""
     model_bytes = DTYPE_NAMES[dtype].itemsize
     embedding = args.vocab_size * args.dim
     projections = args.parameter_count - embedding - args.dim * (2 * args.n_layers + 1)
     if quantize == "int8":
         per_projection_weight = 1
-    elif dtype == "float32" and stored_bytes_per_weight(ckpt_dir, args) < 3:
+    elif on_cpu and dtype == "float32" and stored_bytes_per_weight(ckpt_dir, args) < 3:
         per_projection_weight = 2
     else:
         per_projection_weight = model_bytes
@@ -56,9 +57,10 @@ def plan_cpu_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optio
 
 @dataclass(frozen=True)
 class Shortfall:
-    """A CPU model that does not fit: what it needs, what is free, and changes that would each make it fit."""
+    """A model that does not fit: what it needs, what is free, and changes that would each make it fit."""
 
     name: str
+    where: str  # "the CPU", "cuda:0 (NVIDIA ...)"
     need: MemoryPlan
     available: int
     max_batch_size: int
@@ -66,26 +68,47 @@ class Shortfall:
     kv_dtype: str
     fixes: tuple[tuple[dict[str, object], str], ...]  # (option values, what they then take)
 
-    def describe(self, option: Callable[[dict[str, object]], str]) -> str:
-        """One line; option renders a fix's option values (as flags, or as keyword arguments)."""
+    def describe(self, fixes_as: str = "arguments") -> str:
+        """One line, naming the fixes as Llama.build's keyword arguments ("arguments") or as flags ("flags")."""
+        option = as_flags if fixes_as == "flags" else as_arguments
         fixes = [option(values) + (f" ({detail})" if detail else "") for values, detail in self.fixes]
         advice = ", or ".join(fixes) if fixes else "use a machine with more memory, or a smaller model"
-        return (f"{self.name} needs at least {gib(self.need.total_bytes)} of memory on the CPU (weights "
+        return (f"{self.name} needs at least {gib(self.need.total_bytes)} of memory on {self.where} (weights "
                 f"{gib(self.need.weights_bytes)}, KV cache {gib(self.need.kv_cache_bytes)}: {self.max_batch_size} "
                 f"requests x {self.max_seq_len:,} tokens in {self.kv_dtype}) and {gib(self.available)} is free: "
                 f"{advice}")
 
 
+def as_flags(values: dict[str, object]) -> str:
+    """Option values as the flags that set them: "add --quantize int8", "pass --max-batch-size 5"."""
+    verb = "pass" if all(isinstance(value, int) for value in values.values()) else "add"
+    return verb + "".join(f" --{name.replace('_', '-')} {value}" for name, value in values.items())
+
+
+def as_arguments(values: dict[str, object]) -> str:
+    """Option values as keyword arguments: "quantize='int8'", "max_batch_size=5"."""
+    return ", ".join(f"{option}={value!r}" for option, value in values.items())
+
+
 def cpu_shortfall(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[str], kv_cache_dtype: str,
                   max_batch_size: int, max_seq_len: int, compile: bool = False) -> Optional[Shortfall]:
-    """None where the CPU model fits in the memory free now (or that cannot be told); else what it lacks and
-    what would fit: a float16 KV cache, fewer slots, a shorter context, or int8 weights (with a float16 cache
-    where needed), each alone enough."""
+    """None where the CPU model fits in the memory free now (or that cannot be told); else a Shortfall."""
     available = available_memory()
     if available is None:
         return None
+    return shortfall(args, ckpt_dir, dtype, quantize, kv_cache_dtype, max_batch_size, max_seq_len, compile,
+                     available, "the CPU")
+
+
+def shortfall(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[str], kv_cache_dtype: str,
+              max_batch_size: int, max_seq_len: int, compile: bool, available: int, where: str,
+              on_cpu: bool = True, device: str = "auto") -> Optional[Shortfall]:
+    """None where the model fits in `available` bytes on `where`; else what it lacks and what would fit: a
+    float16 KV cache (where it is float32), fewer slots, a shorter context, int8 weights (with a float16 cache
+    where needed), or on a GPU the blocks that do not fit kept in CPU memory (device_map="auto"; `device` is
+    the device asked for, which a device map needs to be "auto"), each alone enough."""
     positions = max_seq_len + (1 if compile else 0)  # a compiled step's spare position
-    need = plan_cpu_memory(args, ckpt_dir, dtype, quantize, kv_cache_dtype, max_batch_size, positions)
+    need = plan_memory(args, ckpt_dir, dtype, quantize, kv_cache_dtype, max_batch_size, positions, on_cpu)
     if need.total_bytes <= available:
         return None
     kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
@@ -102,12 +125,15 @@ def cpu_shortfall(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optiona
             fixes.append(({"max_seq_len": context - (1 if compile else 0)}, ""))
     if quantize is None:
         for values in ({"quantize": "int8"}, {"quantize": "int8", "kv_cache_dtype": "float16"}):
-            int8 = plan_cpu_memory(args, ckpt_dir, dtype, "int8", str(values.get("kv_cache_dtype", kv_cache_dtype)),
-                                   max_batch_size, positions)
+            int8 = plan_memory(args, ckpt_dir, dtype, "int8", str(values.get("kv_cache_dtype", kv_cache_dtype)),
+                               max_batch_size, positions, on_cpu)
             if int8.total_bytes <= available:
                 fixes.append((values, f"weights {gib(int8.weights_bytes)}, KV cache {gib(int8.kv_cache_bytes)}"))
                 break
-    return Shortfall(ckpt_dir.name, need, available, max_batch_size, max_seq_len, kv_dtype, tuple(fixes))
+    if not on_cpu and not compile:  # accelerate's hooks cannot be traced into a compiled step
+        values: dict[str, object] = {"device_map": "auto"} if device == "auto" else {"device": "auto", "device_map": "auto"}
+        fixes.append((values, "the blocks that do not fit wait in CPU memory: slower"))
+    return Shortfall(ckpt_dir.name, where, need, available, max_batch_size, max_seq_len, kv_dtype, tuple(fixes))
 
 
 def gib(nbytes: int) -> str:

@@ -23,7 +23,7 @@ from llama_core.checkpoint_files import checkpoint_layout, read_model_args, stor
 from llama_core.config import ModelArgs
 from llama_core.devices import resolve_dtype
 from llama_core.errors import CheckpointError
-from llama_core.quantize import Int8Linear, quantize_int8
+from llama_core.quantize import quantize_int8
 
 
 def assert_weights_equal(loaded, state_dict, what):

@@ -383,13 +383,13 @@ def test_importing_llama_core_and_its_command_lines_imports_neither_torch_nor_gr
 
 # -- memory ---------------------------------------------------------------------------------------------------
 def test_the_memory_plan_is_a_floor_of_what_the_model_then_holds():
-    from llama_core.memory_plan import plan_cpu_memory
+    from llama_core.memory_plan import plan_memory
 
     for kv_cache_dtype, quantize in (("auto", None), ("float16", None), ("auto", "int8")):
         llama = Llama.build(None, max_seq_len=256, max_batch_size=3, device="cpu", kv_cache_dtype=kv_cache_dtype,
                             quantize=quantize)
         info = llama.loaded.info
-        plan = plan_cpu_memory(llama.args, DEFAULT_CKPT_DIR, "float32", quantize, kv_cache_dtype, 3, 256)
+        plan = plan_memory(llama.args, DEFAULT_CKPT_DIR, "float32", quantize, kv_cache_dtype, 3, 256)
         assert plan.kv_cache_bytes == info.kv_cache_bytes
         assert 0.85 * info.weights_bytes <= plan.weights_bytes <= info.weights_bytes, (plan, info)
 
@@ -453,3 +453,45 @@ def test_the_python_api_refuses_a_cpu_model_that_would_not_fit_naming_its_argume
     message = str(refused.value)
     assert message.startswith("tiny-shakespeare needs at least ") and "is free: max_batch_size=" in message
     assert "--" not in message  # the API's arguments, not the command line's flags
+    # The command lines ask the loader, in the process that loads the model, to name flags.
+    from llama_core.serving.launch import open_engine
+
+    with pytest.raises(InvalidRequestError, match=r"is free: pass --max-batch-size \d+"):
+        open_engine(None, max_seq_len=TRAINED_FOR, max_batch_size=10_000_000, device="cpu", single_process=True,
+                    fixes_as="flags")
+
+
+def test_a_model_too_big_for_the_gpus_free_memory_is_refused_before_loading(monkeypatch, tmp_path):
+    import torch
+
+    from llama_core import InvalidRequestError, loader
+    from llama_core.config import ModelArgs
+
+    free = {"bytes": 26 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 32 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA GeForce RTX 4090")
+    args = ModelArgs(dim=5120, n_layers=40, n_heads=40, vocab_size=32000, multiple_of=256, max_seq_len=4096)  # 13B
+    ckpt_dir = tmp_path / "llama-2-13b-chat-hf"
+
+    def check(fixes_as="arguments", max_batch_size=8, quantize=None, compile=False, device="auto"):
+        loader._check_memory(args, ckpt_dir, torch.device("cuda:0"), device, torch.float16, quantize, None,
+                             max_batch_size, 2048, compile, fixes_as)
+
+    with pytest.raises(InvalidRequestError) as refused:
+        check()
+    assert str(refused.value) == (
+        "llama-2-13b-chat-hf needs at least 36.7 GiB of memory on cuda:0 (NVIDIA GeForce RTX 4090) (weights 24.2 GiB, "
+        "KV cache 12.5 GiB: 8 requests x 2,048 tokens in float16) and 26.0 GiB is free: max_batch_size=1, or "
+        "max_seq_len=287, or quantize='int8' (weights 12.3 GiB, KV cache 12.5 GiB), or device_map='auto' (the "
+        "blocks that do not fit wait in CPU memory: slower)")
+    check(max_batch_size=1)  # what it said fits, fits
+    check(quantize="int8")
+    with pytest.raises(InvalidRequestError) as refused:
+        check("flags", compile=True)  # no device map: it cannot go with a compiled step
+    assert str(refused.value).endswith("is free: pass --max-batch-size 1, or pass --max-seq-len 286, or add "
+                                       "--quantize int8 (weights 12.3 GiB, KV cache 12.5 GiB)")
+    free["bytes"] = 22 * 2**30  # not even the weights, nor int8's with 8 slots of cache
+    with pytest.raises(InvalidRequestError) as refused:
+        check("flags", device="cuda")
+    assert str(refused.value).endswith("and 22.0 GiB is free: add --device auto --device-map auto (the blocks that "
+                                       "do not fit wait in CPU memory: slower)")

@@ -12,7 +12,7 @@ from torch import nn
 from llama_core import cpu_kernels
 from llama_core.cpu_kernels import (PANEL, PanelLinear, build, exact_storage, from_int8_panels, from_panels,
                                     panel_product, to_int8_panels, to_panels)
-from llama_core.packed_linear import PackedLinear, pack_linears
+from llama_core.packed_linear import pack_linears
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here to build llama_core's CPU kernels")
 

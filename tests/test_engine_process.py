@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from llama_core import (CheckpointNotFoundError, EngineUnavailableError, InvalidRequestError, Llama, LlamaError,
+from llama_core import (CheckpointNotFoundError, EngineUnavailableError, InvalidRequestError, Llama,
                         ServerBusyError)
 from llama_core.serving import RequestFailedError
 from llama_core.serving.engine_process import EngineProcess, _Outbox

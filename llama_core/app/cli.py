@@ -129,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              args.dtype, args.device_map, args.max_memory, args.compile, args.threads,
                              args.single_process, progress=True, prefix_caching=not args.no_prefix_caching,
                              max_waiting=args.max_waiting, quantize=plan.quantize,
-                             kv_cache_dtype=plan.kv_cache_dtype)
+                             kv_cache_dtype=plan.kv_cache_dtype, fixes_as="flags")
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ def open_engine(
     max_waiting: int = 64,
     quantize: Optional[str] = None,
     kv_cache_dtype: str = "auto",
+    fixes_as: str = "arguments",
 ) -> Union[Engine, EngineProcess]:
     """Loads the model and starts the engine serving it; `shutdown()` it at the end.
 
@@ -51,6 +52,8 @@ def open_engine(
         max_waiting: requests that may wait for a slot; beyond them, new ones are refused as busy at once.
         quantize: "int8" for int8 weights, None for the dtype's; in the engine process, that process quantizes.
         kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
+        fixes_as: a model that would not fit in its device's free memory is refused naming what would, as
+            keyword arguments ("arguments") or as the command lines' flags ("flags").
         The others are those of `Llama.build`.
 
     Raises:
@@ -69,7 +72,7 @@ def open_engine(
     build = dict(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len,
                  max_batch_size=max_batch_size, device=device, dtype=dtype, device_map=device_map,
                  max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile, progress=progress,
-                 quantize=quantize, kv_cache_dtype=kv_cache_dtype)
+                 quantize=quantize, kv_cache_dtype=kv_cache_dtype, fixes_as=fixes_as)
     if single_process or launched_by_torchrun():
         # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit.
         return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed,

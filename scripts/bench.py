@@ -332,12 +332,15 @@ def copy_bandwidth(device: torch.device) -> Optional[float]:
     """Device-to-device copy bandwidth in bytes/s (read + write), best of a few 1 GiB copies."""
     if device.type != "cuda":
         return None
+    seconds = _copy_seconds(device)
+    torch.cuda.empty_cache()  # the two GiB it copied
+    return 2 * (1 << 30) / seconds
+
+
+def _copy_seconds(device: torch.device) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = best_time(lambda: dst.copy_(src), 5, device)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) / seconds
+    return best_time(lambda: dst.copy_(src), 5, device)
 
 
 def max_logprob_deviation(reference: Transformer, quantized: Transformer, vocab: int, device) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -87,6 +88,22 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
     return out
 
 
+def logs(folder: Path) -> list[str]:
+    """What the device log says (nvidia-smi's line, then Python, torch, CUDA, transformers and accelerate), and
+    each test log's pytest summary, as lines."""
+    out = []
+    device = folder / "device.log"
+    if device.is_file():
+        lines = [line for line in device.read_text().splitlines() if line.strip()]
+        out += [f"device: {line}" for line in lines[1:]]  # below nvidia-smi's header
+    for name in ("tests_cuda", "tests"):
+        log = folder / f"{name}.log"
+        if log.is_file():
+            summaries = re.findall(r"^=+ (.+ in [\d.]+s.*?) =+$", log.read_text(), re.MULTILINE)
+            out.append(f"{name}: {summaries[-1] if summaries else 'no pytest summary (cut short?)'}")
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path, help="where gpu_check.sh wrote its reports")
@@ -94,6 +111,9 @@ def main() -> None:
     device = next((r["device"] for r in map(lambda n: _load(folder, n), REPORTS)
                    if r is not None), "unknown device")
     print(f"{device}, reports in {folder}\n")
+    for line in logs(folder):
+        print(line)
+    print()
     print("| target | measured | report | met |")
     print("| --- | --- | --- | --- |")
     for row in rows(folder):

@@ -291,8 +291,16 @@ def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
                 "ratios": {}}
     (tmp_path / "7b_compiled.json").write_text(json.dumps(compiled))
     (tmp_path / "7b_engine32.json").write_text(json.dumps(engine32))
+    (tmp_path / "device.log").write_text("name, memory.total [MiB], driver_version\n"
+                                         "NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04\n"
+                                         "3.12.3 2.11.0+cu130 13.0 5.17.0 1.15.0 NVIDIA H100 80GB HBM3\n")
+    (tmp_path / "tests_cuda.log").write_text("tests/test_cuda.py::test_a PASSED\n"
+                                             "========= 1 failed, 15 passed in 95.20s (0:01:35) =========\n")
     result = _run("gpu_summary.py", str(tmp_path))
     assert result.returncode == 0, result.stderr
+    assert "device: NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04\n" in result.stdout
+    assert "device: 3.12.3 2.11.0+cu130 13.0 5.17.0 1.15.0" in result.stdout
+    assert "tests_cuda: 1 failed, 15 passed in 95.20s (0:01:35)\n" in result.stdout
     table = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in result.stdout.splitlines()
              if line.startswith("| ") and "---" not in line}
     assert table["batch-1 compiled decode >= 85 % of copy bandwidth"] == ["90.0%", "7b_compiled", "yes |"]

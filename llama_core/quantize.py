@@ -44,10 +44,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        w = weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
-        # Row-major whatever the float weight's layout: the int8 kernels read it that way.
-        quantized = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        quantized, scales = _rounded_rows(weight.detach())
         self._set(quantized, scales.to(weight.dtype))
 
     def _set(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
@@ -184,6 +181,30 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     for name, child in list(model.named_children()):
         setattr(model, name, quantize_int8(child))
     return model
+
+
+def _rounded_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] with each row rounded to int8 on its own scale, its largest magnitude / 127: the int8
+    weight, row-major whatever the float weight's layout (the int8 kernels read it that way), and the scales
+    in float32. On the CPU a few rows at a time, in one float32 buffer that stays in cache: on the whole
+    weight at once each step wrote a fresh float32 copy, and loading a 7B as int8 spent most of its time in
+    page faults."""
+    rows, columns = weight.shape
+    step = max(1, ROUNDING_CHUNK_BYTES // (4 * columns)) if weight.device.type == "cpu" else rows
+    quantized = torch.empty(rows, columns, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(rows, dtype=torch.float32, device=weight.device)
+    buffer, magnitudes = torch.empty(2, min(step, rows), columns, dtype=torch.float32, device=weight.device)
+    for start in range(0, rows, step):
+        chunk = weight[start:start + step]
+        w = buffer[:chunk.shape[0]].copy_(chunk)
+        # The largest |value| of each row (vector_norm's inf is 4 times slower here).
+        scale = torch.abs(w, out=magnitudes[:chunk.shape[0]]).amax(dim=1).clamp_min_(1e-8).div_(127.0)
+        quantized[start:start + step] = w.div_(scale[:, None]).round_().clamp_(-127, 127)
+        scales[start:start + step] = scale
+    return quantized, scales
+
+
+ROUNDING_CHUNK_BYTES = 1 << 21  # float32 rows _rounded_rows rounds at a time on the CPU
 
 
 def _quantizable(module: nn.Module) -> bool:

@@ -45,6 +45,36 @@ def test_int8_weight_is_within_half_a_scale_step_of_the_float_weight(shape):
     assert torch.equal(stacked.dequantized(), torch.cat([layer.dequantized(), other.dequantized()]))
 
 
+@pytest.mark.parametrize("layout", ["row-major", "column-major", "bfloat16"])
+def test_int8_rounding_a_few_rows_at_a_time_is_the_whole_weights_rounding(monkeypatch, layout):
+    from llama_core import quantize
+
+    monkeypatch.setattr(quantize, "ROUNDING_CHUNK_BYTES", 3 * 4 * 288)  # 3 rows a chunk: 334 chunks, the last of 1
+    weight = torch.randn(1000, 288) * 0.05
+    weight[5] *= 40
+    if layout == "column-major":
+        weight = weight.t().contiguous().t()
+    elif layout == "bfloat16":
+        weight = weight.to(torch.bfloat16)
+    before = weight.clone()
+    layer = Int8Linear(weight)
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
+    assert torch.equal(layer.weight, torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+    assert torch.equal(layer.scales, scales.to(weight.dtype)) and layer.scales.dtype == weight.dtype
+    assert layer.weight.is_contiguous() and torch.equal(weight, before)  # rounded copies, not the weight itself
+
+
+def test_int8_panels_row_sums_are_exact():
+    from llama_core.cpu_kernels import panels
+
+    weight = torch.full((40, 132_000), 127, dtype=torch.int8)  # partial sums up to 16.8 M, near float32's 2**24
+    weight[1::2] = -127
+    weight[7, :5] = 3
+    sums = panels._row_sums(weight)
+    assert sums.dtype == torch.int32 and torch.equal(sums, weight.sum(dim=1, dtype=torch.int32))
+
+
 @pytest.fixture(params=["panels", "fbgemm"])
 def cpu_int8_kernel(request, monkeypatch):
     """Which CPU kernel Int8Linear runs: llama_core's panel kernel, or fbgemm where that does not build."""

@@ -88,7 +88,20 @@ def to_int8_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = _padded(weight, count * PANEL, groups * 4)
     panels = _huge_page_empty((count, groups, PANEL, 4), torch.int8)
     panels.copy_(padded.view(count, PANEL, groups, 4).transpose(1, 2))
-    return panels, padded.sum(dim=1, dtype=torch.int32)
+    return panels, _row_sums(padded)
+
+
+def _row_sums(weight: torch.Tensor) -> torch.Tensor:
+    """Each row's sum of an int8 weight, in int32. Summed in float32, a few rows at a time (exact: every partial
+    sum is an integer below 2**24 for rows up to 132,000 long), which is several times faster than torch's
+    int8 sum into int32."""
+    step = max(1, (1 << 21) // (4 * weight.shape[1]))
+    buffer = torch.empty(min(step, weight.shape[0]), weight.shape[1])
+    sums = torch.empty(weight.shape[0])
+    for start in range(0, weight.shape[0], step):
+        chunk = weight[start:start + step]
+        torch.sum(buffer[:chunk.shape[0]].copy_(chunk), dim=1, out=sums[start:start + step])
+    return sums.to(torch.int32)
 
 
 def from_int8_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

@@ -3,6 +3,7 @@ over several by accelerate (device_map), or split over torchrun's processes (ten
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,8 +163,14 @@ def load(
         model = load_model(ckpt_dir, args, torch_device, model_dtype, progress,
                            assigned=_prepare_part(quantize, cpu_eager, model_dtype == torch.float32),
                            projections_as_stored=as_stored)
+    if compile and progress:  # the weights' bar is done; compiling takes a while with nothing else to show
+        print("Compiling the decode step (torch.compile; on the first start of a large model this takes minutes, "
+              "inductor caches it for the next)...", file=sys.stderr, flush=True)
+    compiling = time.perf_counter()
     runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel,
                          kv_cache_dtype=kv_dtype)
+    if compile and progress:
+        print(f"Compiled the decode step in {time.perf_counter() - compiling:.1f} s", file=sys.stderr, flush=True)
     if tensor_parallel:
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
     return LoadedModel.from_runner(runner, tokenizer, ckpt_dir, time.perf_counter() - start)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -209,28 +211,26 @@ def test_allow_longer_context_warns_on_stderr_and_generates(checkpoints):
     assert len(warnings) == 1 and "--max-seq-len 600 is beyond the 512 tokens" in warnings[0]
 
 
-def test_the_app_with_int8_weights_starts_says_so_and_answers():
-    """`llama-chat --quantize int8`: the engine process quantizes its model, the start-up line and the Model
-    tab say so, and a greedy completion over the API is the Python API's int8 one."""
+def _app_completes(*flags: str, prompt: str = "ROMEO:", max_tokens: int = 12):
+    """Starts `python app.py` with flags on a free port, asks /v1/completions for a greedy completion of prompt,
+    stops the app with Ctrl-C; returns the response (None if it never answered) and the app's output."""
     import signal
     import time
 
     import httpx
 
-    from llama_core.app import ui
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "app.py", "--quantize", "int8", "--port", str(port), "--max-seq-len",
-                                "128", "--threads", "1"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen([sys.executable, "app.py", *flags, "--port", str(port), "--threads", "1"],
+                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
     try:
-        url, deadline, answer = f"http://127.0.0.1:{port}", time.monotonic() + 120, None
+        url, deadline, answer = f"http://127.0.0.1:{port}", time.monotonic() + 180, None
         while answer is None and time.monotonic() < deadline and process.poll() is None:
             try:
-                answer = httpx.post(url + "/v1/completions", json={"model": "tiny-shakespeare", "prompt": "ROMEO:",
-                                    "max_tokens": 12, "temperature": 0}, timeout=30)
+                answer = httpx.post(url + "/v1/completions", json={"model": "tiny-shakespeare", "prompt": prompt,
+                                    "max_tokens": max_tokens, "temperature": 0}, timeout=30)
             except httpx.HTTPError:
                 time.sleep(0.5)
         os.killpg(process.pid, signal.SIGINT)
@@ -240,11 +240,35 @@ def test_the_app_with_int8_weights_starts_says_so_and_answers():
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     assert answer is not None and answer.status_code == 200, output
+    return answer, output
+
+
+def test_the_app_with_int8_weights_starts_says_so_and_answers():
+    """`llama-chat --quantize int8`: the engine process quantizes its model, the start-up line and the Model
+    tab say so, and a greedy completion over the API is the Python API's int8 one."""
+    from llama_core.app import ui
+
+    answer, output = _app_completes("--quantize", "int8", "--max-seq-len", "128")
     int8 = Llama.build(None, max_seq_len=128, max_batch_size=1, device="cpu", quantize="int8")
     expected = int8.text_completion(["ROMEO:"], temperature=0, max_gen_len=12)[0]["generation"]
     assert answer.json()["choices"][0]["text"] == expected and expected.strip()
     assert output.splitlines()[0].endswith("cpu, float32, int8 weights, 8 requests at a time"), output
     assert "| dtype · device | float32, int8 weights · cpu |" in ui.model_facts(int8.loaded.info)
+
+
+def test_the_app_with_a_compiled_step_says_it_is_compiling_and_answers_as_eager_does():
+    """`llama-chat --compile`: after the weights' bar, a line while the step compiles and one when it is done
+    (nothing else shows for that while), then the eager model's greedy text."""
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    answer, output = _app_completes("--compile", "--max-seq-len", "128", prompt="ROMEO:\nBut soft", max_tokens=24)
+    eager = Llama.build(None, max_seq_len=128, max_batch_size=1, device="cpu")
+    expected = eager.text_completion(["ROMEO:\nBut soft"], temperature=0, max_gen_len=24)[0]["generation"]
+    assert answer.json()["choices"][0]["text"] == expected and expected.strip()
+    lines = output.splitlines()
+    compiling = next(i for i, line in enumerate(lines) if line.startswith("Compiling the decode step"))
+    assert re.fullmatch(r"Compiled the decode step in \d+\.\d s", lines[compiling + 1]), output
+    assert "Loading weights: 100%" in "\n".join(lines[:compiling])
 
 
 # -- llama-generate --------------------------------------------------------------------------------------------

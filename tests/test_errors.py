@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -272,12 +273,18 @@ def test_token_ids_outside_vocabulary(llama, tokenizer):
         llama.generate([[1, -1]], max_gen_len=4)
 
 
-@pytest.mark.parametrize("temperature", [-0.1, -1, math.nan, math.inf, "0.5", None])
+@pytest.mark.parametrize("temperature", [-0.1, -1, math.nan, math.inf, "0.5", None, 100.5, 1e300])
 def test_bad_temperature(llama, temperature):
-    with pytest.raises(InvalidRequestError, match=rf"temperature must be a finite number >= 0, got {temperature!r}"):
+    expected = rf"temperature must be a finite number from 0 to 100 \(0 is greedy\), got {re.escape(repr(temperature))}"
+    with pytest.raises(InvalidRequestError, match=expected):
         llama.generate([[1, 5]], max_gen_len=4, temperature=temperature)
-    with pytest.raises(InvalidRequestError, match="temperature must be a finite number >= 0"):
+    with pytest.raises(InvalidRequestError, match="temperature must be a finite number from 0 to 100"):
         llama.text_completion(["a"], max_gen_len=4, temperature=temperature)
+
+
+def test_the_hottest_temperature_samples(llama):
+    (tokens,), _ = llama.generate([[1, 5]], max_gen_len=4, temperature=100, top_p=1.0, seed=3)
+    assert len(tokens) == 4
 
 
 @pytest.mark.parametrize("top_p", [0, 0.0, 1.5, -0.2, math.nan, "0.9"])

@@ -438,3 +438,104 @@ def test_a_stream_whose_model_process_dies_ends_with_an_error_and_serving_resume
         reply = httpx.post(url + "v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0},
                            timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+
+# -- any body ---------------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_ANY_SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                        st.text(max_size=8))
+_TEXT = st.one_of(st.text(min_size=1, max_size=40).filter(str.strip), st.sampled_from(["ROMEO:", "Good morrow"]))
+_ODD_TEXT = st.one_of(st.text(max_size=40), st.sampled_from(["", " \n ", "[INST]", "<<SYS>>", "[/INST]", "\x00"]))
+_ODD_NUMBERS = st.one_of(st.sampled_from([float("nan"), float("inf"), -1e300, 1e300, -1, 0, 10**6, 2**63]),
+                         _ANY_SCALAR)
+
+
+def _dialogs():
+    turn = st.tuples(_TEXT, _TEXT).map(lambda pair: [{"role": "user", "content": pair[0]},
+                                                    {"role": "assistant", "content": pair[1]}])
+    return st.tuples(st.sampled_from([None, "system", "developer"]), _TEXT, st.lists(turn, max_size=2), _TEXT).map(
+        lambda parts: ([{"role": parts[0], "content": parts[1]}] if parts[0] else [])
+        + [message for turn in parts[2] for message in turn] + [{"role": "user", "content": parts[3]}])
+
+
+_ODD_MESSAGES = st.one_of(_ANY_SCALAR, st.lists(st.one_of(_ANY_SCALAR, st.fixed_dictionaries(
+    {"role": st.sampled_from(["tool", "narrator", "user", "assistant", None, 7]),
+     "content": st.one_of(_ODD_TEXT, st.none(), st.integers(), st.lists(st.fixed_dictionaries(
+         {"type": st.sampled_from(["text", "image_url", 3]), "text": st.one_of(_ODD_TEXT, st.none(), st.integers())}),
+         max_size=3))})), max_size=4))
+# Each field: (a valid value, a wrong one).
+_SAMPLING = {
+    "temperature": (st.floats(0, 2), _ODD_NUMBERS), "top_p": (st.floats(0.01, 1), _ODD_NUMBERS),
+    "top_k": (st.integers(0, 50), _ODD_NUMBERS), "min_p": (st.floats(0, 1), _ODD_NUMBERS),
+    "presence_penalty": (st.floats(-2, 2), _ODD_NUMBERS), "frequency_penalty": (st.floats(-2, 2), _ODD_NUMBERS),
+    "repetition_penalty": (st.floats(0.5, 2), _ODD_NUMBERS), "seed": (st.integers(0, 2**31), _ODD_NUMBERS),
+    "n": (st.integers(1, 3), _ODD_NUMBERS), "max_tokens": (st.integers(1, 8), _ODD_NUMBERS),
+    "stop": (st.lists(_TEXT, max_size=4), st.one_of(st.lists(st.one_of(_ODD_TEXT, st.integers()), max_size=6),
+                                                    _ANY_SCALAR)),
+    "stream": (st.booleans(), _ANY_SCALAR),
+    "stream_options": (st.none(), st.one_of(st.fixed_dictionaries({"include_usage": _ANY_SCALAR}), _ANY_SCALAR)),
+    "logit_bias": (st.none(), st.one_of(st.dictionaries(st.text(max_size=6), _ANY_SCALAR, min_size=1, max_size=3),
+                                        _ANY_SCALAR)),
+    "model": (st.just("tiny-shakespeare"), _ANY_SCALAR),
+}
+_CHAT_FIELDS = {
+    **_SAMPLING, "logprobs": (st.booleans(), _ANY_SCALAR), "top_logprobs": (st.none(), _ODD_NUMBERS),
+    "max_completion_tokens": (st.integers(1, 8), _ODD_NUMBERS),
+    "response_format": (st.just({"type": "text"}), st.one_of(st.fixed_dictionaries(
+        {"type": st.sampled_from(["json_object", 1])}), _ANY_SCALAR)),
+    "tools": (st.just([]), st.one_of(st.lists(st.dictionaries(st.text(max_size=4), _ANY_SCALAR, max_size=2),
+                                              min_size=1, max_size=2), _ANY_SCALAR)),
+}
+_COMPLETION_FIELDS = {
+    **_SAMPLING, "echo": (st.booleans(), _ANY_SCALAR), "logprobs": (st.integers(0, 5), _ODD_NUMBERS),
+    "suffix": (st.none(), st.one_of(_TEXT, _ANY_SCALAR)), "best_of": (st.just(1), _ODD_NUMBERS),
+}
+
+
+@st.composite
+def _bodies(draw, required: dict, optional: dict) -> dict:
+    """A request body: valid values for the required fields and some optional ones, and in half of the bodies
+    one field (any of them) with a wrong value, so that most bodies reach the engine and every check is met."""
+    body = draw(st.fixed_dictionaries({name: valid for name, (valid, _) in required.items()},
+                                      optional={name: valid for name, (valid, _) in optional.items()}))
+    if draw(st.booleans()):
+        fields = {**required, **optional}
+        name = draw(st.sampled_from(sorted(fields)))
+        body[name] = draw(fields[name][1])
+    return body
+
+
+_CHAT_BODIES = _bodies({"messages": (_dialogs(), _ODD_MESSAGES)}, _CHAT_FIELDS)
+_COMPLETION_BODIES = _bodies({"prompt": (st.one_of(_TEXT, st.lists(_TEXT, min_size=1, max_size=3)), st.one_of(
+    _ODD_TEXT, st.lists(st.one_of(_ODD_TEXT, st.integers(-5, 40000)), max_size=4), _ANY_SCALAR))}, _COMPLETION_FIELDS)
+
+
+def _answers_any_body(served, path: str, body: dict) -> None:
+    """The body gets its answer, or a 4xx error in OpenAI's shape with a message; never a server error."""
+    response = raw(served, "POST", path, json.dumps(body, allow_nan=True))
+    assert response.status_code in (200, 400, 404), (body, response.status_code, response.text[:500])
+    if response.status_code != 200:
+        assert error_of(response)["type"] == "invalid_request_error", (body, response.text[:500])
+    elif body.get("stream"):
+        assert response.text.rstrip().endswith("data: [DONE]") and '"error"' not in response.text, response.text
+    else:
+        assert len(response.json()["choices"]) == (body.get("n") or 1) * (
+            len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(body=_CHAT_BODIES)
+def test_any_chat_body_gets_an_answer_or_an_error_naming_the_problem(served, body):
+    _answers_any_body(served, "/chat/completions", body)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(body=_COMPLETION_BODIES)
+def test_any_completion_body_gets_an_answer_or_an_error_naming_the_problem(served, body):
+    _answers_any_body(served, "/completions", body)
+
+
+def test_the_server_still_serves_after_every_kind_of_bad_body(client, model_id):
+    reply = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=4, temperature=0)
+    assert reply.choices[0].text and reply.usage.completion_tokens == 4

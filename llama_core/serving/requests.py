@@ -20,6 +20,9 @@ MAX_STOP_STRINGS = 4  # as the OpenAI API allows
 MAX_STOP_CHARS = 200  # longest stop string
 MAX_TOP_LOGPROBS = 20  # alternatives per position
 MAX_SEED = 2**63 - 1
+# Hotter than this is the same draw from the nucleus, near uniform; the devices divide in float32, where 1e300
+# would overflow.
+MAX_TEMPERATURE = 100.0
 
 
 @dataclass(frozen=True)
@@ -129,10 +132,12 @@ def sampling_params(temperature: Any = 0.6, top_p: Any = 0.9, logprobs: Any = Tr
 
 # -- numbers -----------------------------------------------------------------------------------------------
 def check_sampling(temperature: Any, top_p: Any) -> None:
-    """Raises InvalidRequestError unless temperature >= 0 and 0 < top_p <= 1 (both finite numbers)."""
+    """Raises InvalidRequestError unless 0 <= temperature <= MAX_TEMPERATURE and 0 < top_p <= 1 (both finite
+    numbers)."""
     value = _finite(temperature)
-    if value is None or value < 0:
-        raise InvalidRequestError(f"temperature must be a finite number >= 0, got {_show(temperature)}")
+    if value is None or not 0 <= value <= MAX_TEMPERATURE:
+        raise InvalidRequestError(f"temperature must be a finite number from 0 to {MAX_TEMPERATURE:g} (0 is greedy), "
+                                  f"got {_show(temperature)}")
     value = _finite(top_p)
     if value is None or not 0 < value <= 1:
         raise InvalidRequestError(f"top_p must be a number in (0, 1], got {_show(top_p)}")

@@ -574,3 +574,54 @@ def test_gradios_login_check_runs_on_the_event_loop():
     page = next(route.app for route in api.routes if isinstance(route, Mount))
     assert server.check_logins_on_the_loop(page) == 1  # this Gradio's one login check, as its routes depend on it
     assert all(inspect.iscoroutinefunction(check) for check in page.dependency_overrides.values())
+
+
+# -- any arguments ---------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+# gradio_client sends strict JSON: no NaN or infinity (the OpenAI API's property tests send those raw).
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
+                 st.text(max_size=8), st.lists(st.integers(), max_size=2))
+_ODD_NUMBERS = st.one_of(st.sampled_from([-1e300, 1e300, -1, 0, 10**6, 2**63]), _ANY)
+_TEXT = st.one_of(st.text(min_size=1, max_size=30).filter(str.strip), st.sampled_from(["ROMEO:", "Good morrow"]))
+_ODD_TEXT = st.one_of(st.text(max_size=30), st.sampled_from(["", " \n ", "[INST]", "<<SYS>>", "\x00"]), _ANY)
+_SAMPLING = {
+    "temperature": (st.floats(0, 2), _ODD_NUMBERS), "top_p": (st.floats(0.01, 1), _ODD_NUMBERS),
+    "max_new_tokens": (st.integers(1, 6), _ODD_NUMBERS), "top_k": (st.integers(0, 50), _ODD_NUMBERS),
+    "min_p": (st.floats(0, 1), _ODD_NUMBERS), "repetition_penalty": (st.floats(0.5, 2), _ODD_NUMBERS),
+    "presence_penalty": (st.floats(-2, 2), _ODD_NUMBERS), "frequency_penalty": (st.floats(-2, 2), _ODD_NUMBERS),
+    "stop": (st.one_of(st.none(), st.lists(_TEXT, max_size=3)), _ODD_TEXT), "seed": (st.none(), _ODD_NUMBERS),
+}
+_HISTORY = st.lists(st.tuples(_TEXT, _TEXT), max_size=2).map(
+    lambda turns: [message for q, a in turns for message in (user(q), assistant(a))])
+_ODD_HISTORY = st.one_of(_ANY, st.lists(st.one_of(_ANY, st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "tool", None, 3]), "content": _ODD_TEXT})), max_size=3))
+_CHAT = {"message": (_TEXT, _ODD_TEXT), "history": (_HISTORY, _ODD_HISTORY), "system_prompt": (_TEXT, _ODD_TEXT),
+         **_SAMPLING}
+_COMPLETE = {"prompt": (_TEXT, _ODD_TEXT), "echo": (st.booleans(), _ANY), "show_probabilities": (st.booleans(), _ANY),
+             **_SAMPLING}
+# What Gradio says of an exception the app did not turn into a message of its own.
+UNEXPLAINED = "has not enabled verbose error reporting"
+
+
+@st.composite
+def _arguments(draw, fields: dict) -> dict:
+    """Valid arguments, and in half of the draws one of them (any) wrong."""
+    arguments = {name: draw(valid) for name, (valid, _) in fields.items()}
+    if draw(st.booleans()):
+        name = draw(st.sampled_from(sorted(fields)))
+        arguments[name] = draw(fields[name][1])
+    return arguments
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(call=st.one_of(_arguments(_CHAT).map(lambda a: ("/chat", a)),
+                      _arguments(_COMPLETE).map(lambda a: ("/complete", a))))
+def test_any_arguments_get_an_answer_or_an_error_naming_the_problem(client, call):
+    api_name, arguments = call
+    try:
+        result = client.predict(**arguments, api_name=api_name)
+    except AppError as error:
+        assert UNEXPLAINED not in str(error) and str(error).strip(), (arguments, str(error))
+    else:
+        assert isinstance(result if api_name == "/chat" else result[0], str)

@@ -257,3 +257,64 @@ def file_with_tree(tree) -> bytes:
 def test_a_bad_tree_gets_a_message_naming_what_is_wrong(tree, named):
     with pytest.raises(c.ConversationFileError, match=re.escape(named)):
         c.from_json(file_with_tree(tree))
+
+
+# -- any file, any store --------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                               st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=10)),
+                     lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                             st.dictionaries(st.text(max_size=10), inner, max_size=4)),
+                     max_leaves=12)
+
+
+def _with_one_part_replaced(value, path: list[int], replacement):
+    """value with the part that path's choices lead to (through objects and lists) replaced."""
+    if not path or not isinstance(value, (dict, list)) or not value:
+        return replacement
+    keys = list(value) if isinstance(value, dict) else list(range(len(value)))
+    key = keys[path[0] % len(keys)]
+    copy = dict(value) if isinstance(value, dict) else list(value)
+    copy[key] = _with_one_part_replaced(value[key], path[1:], replacement)
+    return copy
+
+
+def _branched_export() -> dict:
+    conversation = chat(("one", "1"), ("two", "2"))
+    retried = c.with_exchange(conversation, 2, "two", "2 again")  # a second version of the last reply
+    return json.loads(c.to_json(b.flipped(retried, 3, -1)))
+
+
+def _usable(conversation: dict) -> None:
+    """What the chat tab does with a conversation it holds: show it, flip its versions, export it."""
+    for i in range(len(conversation["messages"])):
+        b.branch_position(conversation, i)
+        b.flipped(conversation, i, 1)
+    b.undone(conversation)
+    c.to_markdown(conversation)
+    assert c.from_json(c.to_json(conversation))["messages"] == conversation["messages"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.lists(st.integers(0, 50), max_size=6), replacement=_JSON)
+def test_any_change_to_an_export_file_imports_or_is_named(path, replacement):
+    data = json.dumps(_with_one_part_replaced(_branched_export(), path, replacement))
+    try:
+        conversation = c.from_json(data)
+    except c.ConversationFileError as error:
+        assert str(error)
+    else:
+        _usable(conversation)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.lists(st.integers(0, 50), max_size=7), replacement=_JSON)
+def test_any_store_the_browser_holds_opens(path, replacement):
+    conversation = c.from_json(json.dumps(_branched_export()))
+    held = {"version": c.STORE_VERSION, "active": conversation["id"], "conversations": [conversation, chat(("a", "b"))]}
+    store = c.loaded_store(_with_one_part_replaced(json.loads(json.dumps(held)), path, replacement), "You are Juliet.",
+                           SETTINGS)
+    assert store["conversations"] and any(x["id"] == store["active"] for x in store["conversations"])
+    for kept in store["conversations"]:
+        _usable(kept)

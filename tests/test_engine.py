@@ -474,3 +474,70 @@ def test_the_default_prefill_chunk_is_the_cpus(prompts):
 def test_overlap_must_be_true_false_or_none(llama):
     with pytest.raises(InvalidRequestError, match="overlap must be true or false"):
         Engine(llama.loaded, overlap="yes")
+
+
+# -- any schedule ---------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_KINDS = [dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=11), dict(temperature=0, top_logprobs=2),
+          dict(temperature=1.0, top_p=1.0, seed=5, stop=["the"]), dict(temperature=0.7, top_k=20, seed=3,
+          repetition_penalty=1.3), dict(temperature=0.8, seed=2, presence_penalty=0.5, frequency_penalty=0.3),
+          dict(temperature=0.6, min_p=0.1, seed=9, stop=["\n"])]
+_alone: dict = {}
+
+
+def _run_alone(llama, prompts, prompt: int, kind: int, max_new_tokens: int):
+    """(tokens, logprobs, finish_reason) of one request on an engine serving nothing else."""
+    key = (prompt, kind, max_new_tokens)
+    if key not in _alone:
+        engine = Engine(llama.loaded, seed=0, prefix_caching=False)
+        stream = engine.submit(prompts[prompt], max_new_tokens, **_KINDS[kind])
+        chunks = list(stream)
+        engine.close()
+        _alone[key] = ([c.token for c in chunks], [c.logprob for c in chunks], stream.finish_reason)
+    return _alone[key]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedule=st.lists(st.tuples(st.integers(0, 5), st.integers(0, len(_KINDS) - 1), st.integers(1, 12),
+                                   st.integers(0, 3), st.one_of(st.none(), st.integers(1, 6))), min_size=1, max_size=12))
+def test_any_schedule_gives_each_request_what_it_gets_alone(llama, prompts, schedule):
+    """Requests of every kind (greedy, seeded sampling with each control, stop strings, alternatives) arriving
+    between any steps of the others, some cancelled, more of them than slots, the same prompt more than once
+    (served from the prefix cache): each gets the tokens it gets alone, and a cancelled one a prefix of them."""
+    engine = Engine(llama.loaded, seed=0)
+    live = []  # [iterator, chunks, cancel after, stream, request]
+    for prompt, kind, max_new_tokens, wait, cancel_after in schedule:
+        for _ in range(wait):  # the requests so far run that many more chunks first
+            if live:
+                _read_one(live[0])
+                live = [entry for entry in live if not entry[5]]
+        stream = engine.submit(prompts[prompt], max_new_tokens, **_KINDS[kind])
+        live.append([iter(stream), [], cancel_after, stream, (prompt, kind, max_new_tokens), False])
+    finished = list(live)
+    while any(not entry[5] for entry in finished):
+        for entry in finished:
+            if not entry[5]:
+                _read_one(entry)
+    engine.close()
+    for _, chunks, cancel_after, stream, request, _ in finished:
+        tokens, logprobs, reason = _run_alone(llama, prompts, *request)
+        got = [c.token for c in chunks]
+        if stream.finish_reason == "cancelled":
+            assert cancel_after is not None and got == tokens[:len(got)], request
+        else:
+            assert (got, stream.finish_reason) == (tokens, reason), request
+            assert [c.logprob for c in chunks] == pytest.approx(logprobs, abs=1e-4)
+
+
+def _read_one(entry) -> None:
+    """One more chunk of a live request (cancelling it once it has cancel-after chunks); marks it done at
+    its end."""
+    iterator, chunks, cancel_after, stream = entry[:4]
+    try:
+        chunks.append(next(iterator))
+    except StopIteration:
+        entry[5] = True
+        return
+    if cancel_after is not None and len(chunks) == cancel_after:
+        stream.cancel()

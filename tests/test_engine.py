@@ -486,11 +486,17 @@ _KINDS = [dict(temperature=0), dict(temperature=0.9, top_p=0.9, seed=11), dict(t
 _alone: dict = {}
 
 
-def _run_alone(llama, prompts, prompt: int, kind: int, max_new_tokens: int):
+@pytest.fixture(scope="module")
+def loaded():
+    """A model of its own, for engines made and closed one after another (the Llama's own engine stays)."""
+    return Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
+
+
+def _run_alone(loaded, prompts, prompt: int, kind: int, max_new_tokens: int):
     """(tokens, logprobs, finish_reason) of one request on an engine serving nothing else."""
     key = (prompt, kind, max_new_tokens)
     if key not in _alone:
-        engine = Engine(llama.loaded, seed=0, prefix_caching=False)
+        engine = Engine(loaded, seed=0, prefix_caching=False)
         stream = engine.submit(prompts[prompt], max_new_tokens, **_KINDS[kind])
         chunks = list(stream)
         engine.close()
@@ -501,12 +507,12 @@ def _run_alone(llama, prompts, prompt: int, kind: int, max_new_tokens: int):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedule=st.lists(st.tuples(st.integers(0, 5), st.integers(0, len(_KINDS) - 1), st.integers(1, 12),
                                    st.integers(0, 3), st.one_of(st.none(), st.integers(1, 6))), min_size=1, max_size=12))
-def test_any_schedule_gives_each_request_what_it_gets_alone(llama, prompts, schedule):
+def test_any_schedule_gives_each_request_what_it_gets_alone(loaded, prompts, schedule):
     """Requests of every kind (greedy, seeded sampling with each control, stop strings, alternatives) arriving
     between any steps of the others, some cancelled, more of them than slots, the same prompt more than once
     (served from the prefix cache): each gets the tokens it gets alone, and a cancelled one a prefix of them."""
-    engine = Engine(llama.loaded, seed=0)
-    live = []  # [iterator, chunks, cancel after, stream, request]
+    engine = Engine(loaded, seed=0)
+    live = []  # [iterator, chunks, cancel after, stream, request, done]
     for prompt, kind, max_new_tokens, wait, cancel_after in schedule:
         for _ in range(wait):  # the requests so far run that many more chunks first
             if live:
@@ -521,7 +527,7 @@ def test_any_schedule_gives_each_request_what_it_gets_alone(llama, prompts, sche
                 _read_one(entry)
     engine.close()
     for _, chunks, cancel_after, stream, request, _ in finished:
-        tokens, logprobs, reason = _run_alone(llama, prompts, *request)
+        tokens, logprobs, reason = _run_alone(loaded, prompts, *request)
         got = [c.token for c in chunks]
         if stream.finish_reason == "cancelled":
             assert cancel_after is not None and got == tokens[:len(got)], request

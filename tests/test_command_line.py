@@ -519,3 +519,39 @@ def test_a_model_too_big_for_the_gpus_free_memory_is_refused_before_loading(monk
         check("flags", device="cuda")
     assert str(refused.value).endswith("and 22.0 GiB is free: add --device auto --device-map auto (the blocks that "
                                        "do not fit wait in CPU memory: slower)")
+
+
+# -- any arguments ----------------------------------------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_VALUES = st.one_of(st.sampled_from(["0", "1", "-1", "0.5", "2", "nan", "inf", "-inf", "1e400", "", " ", "12abc",
+                                     "9" * 30, "cpu", "cuda", "cuda:7", "tpu", "auto", "float16", "int8", "none",
+                                     "[INST]", "/nonexistent", "~", "0x10", "1_000"]),
+                    st.text(max_size=12))
+_VALUED = ["--temperature", "--top-p", "--top-k", "--min-p", "--repetition-penalty", "--max-new-tokens", "--stop",
+           "--seed", "--system", "--ckpt-dir", "--tokenizer", "--max-seq-len", "--device", "--dtype", "--quantize",
+           "--kv-cache-dtype", "--threads"]
+_SWITCHES = ["--chat", "--echo", "-q", "--allow-longer-context", "--no-such-flag"]
+_ARGUMENTS = st.lists(st.one_of(st.tuples(st.sampled_from(_VALUED), _VALUES).map(list),
+                                st.sampled_from(_SWITCHES).map(lambda flag: [flag])), max_size=5).map(
+    lambda parts: [word for part in parts for word in part])
+
+
+# The same stub stands in for generate in every example, and capsys is read out after each.
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(arguments=_ARGUMENTS, prompt=st.one_of(st.none(), _VALUES))
+def test_any_generate_arguments_run_or_get_one_line_naming_the_problem(monkeypatch, capsys, arguments, prompt):
+    """llama-generate with any flags and values, before a model loads: it goes on to generate, or exits with
+    status 2 and one line on stderr; never a traceback."""
+    import io
+
+    reached = []
+    monkeypatch.setattr(generate_cli, "generate", lambda *a, **k: reached.append(a) or 0)
+    argv = ([] if prompt is None else ["--", prompt]) if not arguments else arguments + ([] if prompt is None else [prompt])
+    status = generate_cli.main(argv, stdin=io.StringIO("Who goes there?"), stdout=io.StringIO())
+    errors = capsys.readouterr().err.strip().split("\n")
+    if status == 0:
+        assert reached
+    else:
+        assert status == 2 and len(errors) == 1 and errors[0].startswith("error: "), (argv, errors)

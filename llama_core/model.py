@@ -420,8 +420,9 @@ SEPARATE_PRODUCTS_FROM_ROWS = 16
 def _stacked_projection(linear: nn.Module, x: torch.Tensor, sizes: list[int] | int) -> list[torch.Tensor]:
     """x [B, S, in] through a stacked projection, one output per stacked part (sizes: the parts' sizes, or
     how many equal parts). With many rows on CPU each part of a plain weight is its own product, over a
-    view of the stacked weight: MKL runs those faster than one wide one."""
-    many_rows = x.shape[0] * x.shape[1] >= SEPARATE_PRODUCTS_FROM_ROWS
+    view of the stacked weight: MKL runs those faster than one wide one. Not in a compiled step, whose row
+    count is symbolic: a branch on it would limit the graph to the rows on one side of it."""
+    many_rows = not torch.compiler.is_compiling() and x.shape[0] * x.shape[1] >= SEPARATE_PRODUCTS_FROM_ROWS
     # (An offloaded linear's weight sits on the meta device until its own forward hook loads it.)
     if many_rows and type(linear) is nn.Linear and x.device.type == "cpu" and linear.weight.device.type == "cpu":
         parts = linear.weight.split(sizes) if isinstance(sizes, list) else linear.weight.chunk(sizes)

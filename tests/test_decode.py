@@ -120,6 +120,27 @@ def test_cpu_compiled_step_decodes_as_eager_does_with_the_one_graph_compiled_at_
     assert counters["stats"]["unique_graphs"] == graphs, "the compiled step was compiled again after start-up"
 
 
+def test_a_cpu_compiled_step_serves_more_rows_than_the_eager_path_splits_its_products_at(meta_ckpt_dir, tokenizer):
+    """From SEPARATE_PRODUCTS_FROM_ROWS rows the eager CPU path splits stacked projections; the compiled step
+    must not branch on its symbolic row count, or its one graph would hold only below that (with 32 slots it
+    failed to compile at start-up)."""
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    from llama_core.model import SEPARATE_PRODUCTS_FROM_ROWS
+
+    rows = SEPARATE_PRODUCTS_FROM_ROWS + 4
+    eager = build_llama(meta_ckpt_dir, max_batch_size=rows)
+    compiled = build_llama(meta_ckpt_dir, max_batch_size=rows, compile=True)
+    prompts = [tokenizer.encode(f"Once upon a time {word}", bos=True, eos=False)
+               for word in "the a one two three four five six seven eight nine ten red blue green old young sad".split()]
+    prompts = (prompts * 2)[:rows]
+    expected_tokens, expected_lps = eager.generate(prompts, 8, temperature=0, logprobs=True)
+    tokens, lps = compiled.generate(prompts, 8, temperature=0, logprobs=True)
+    assert tokens == expected_tokens
+    for got, want in zip(lps, expected_lps):
+        assert got == pytest.approx(want, abs=1e-4)
+
+
 def test_to_device_on_cpu_keeps_values_and_dtype():
     import torch
 

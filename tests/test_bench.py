@@ -279,6 +279,37 @@ def test_gpu_check_runs_the_steps_asked_for_and_carries_the_shared_files(tmp_pat
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device.log"]
 
 
+def test_gpu_checks_benchmark_steps_run_their_options_through_on_a_tiny_model(tmp_path):
+    """The benchmark steps of gpu_check.sh with their exact options, on a tiny shape on the CPU: every phase of
+    each runs, and each report holds what gpu_summary.py reads (a device call must not be spent finding
+    that an option combination fails)."""
+    tiny = (f"{sys.executable} scripts/bench.py --shape custom --dim 64 --n-layers 2 --n-heads 4 --vocab-size 512 "
+            "--device cpu --threads 1")
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path), "7b_compiled", "7b_int8", "7b_engine32"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900,
+                            env=dict(os.environ, GPU_CHECK_BENCH=tiny, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    for step in ("7b_compiled", "7b_int8", "7b_engine32"):
+        assert f"== {step}: exit 0 " in result.stdout, result.stdout[-3000:]
+        report = json.loads((tmp_path / f"{step}.json").read_text())
+        assert "cut_short" not in report and report["phases_done"][0] == "decode", step
+    compiled = json.loads((tmp_path / "7b_compiled.json").read_text())
+    assert compiled["phases_done"] == ["decode", "count_syncs", "ttft_128", "ttft_512", "ttft_2048", "batch_1",
+                                       "agreement"]
+    assert "decode_over_hf_eager" in compiled["ratios"] and compiled["greedy_agreement_with_hf"]["tokens"] == 256
+    int8 = json.loads((tmp_path / "7b_int8.json").read_text())
+    assert int8["ratios"]["decode_over_llama_core_float"] > 0 and "int8_max_logprob_deviation" in int8
+    engine32 = json.loads((tmp_path / "7b_engine32.json").read_text())
+    assert engine32["results"]["llama_core"]["aggregate_tokens_per_s"]["32"] > 0
+    summary = _run("gpu_summary.py", str(tmp_path))
+    unmeasured = [line.split(" | ")[0].lstrip("| ") for line in summary.stdout.splitlines() if "not measured" in line]
+    # On the CPU there is no copy bandwidth and no GPU to be busy; HF compiled is an optional step.
+    assert summary.returncode == 0 and unmeasured == [
+        "batch-1 compiled decode >= 85 % of copy bandwidth",
+        "HF static cache + torch.compile, batch-1 tokens/s (reported)",
+        "GPU busy while decoding at batch 1, compiled (reported)"], summary.stdout
+
+
 def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
     compiled = {"device": "NVIDIA H100 80GB HBM3",
                 "results": {"llama_core": {"decode_tokens_per_s": 200.0, "aggregate_tokens_per_s": {"1": 200.0}}},

@@ -504,14 +504,16 @@ def _run_alone(loaded, prompts, prompt: int, kind: int, max_new_tokens: int):
     return _alone[key]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedule=st.lists(st.tuples(st.integers(0, 5), st.integers(0, len(_KINDS) - 1), st.integers(1, 12),
-                                   st.integers(0, 3), st.one_of(st.none(), st.integers(1, 6))), min_size=1, max_size=12))
-def test_any_schedule_gives_each_request_what_it_gets_alone(loaded, prompts, schedule):
+                                   st.integers(0, 3), st.one_of(st.none(), st.integers(1, 6))), min_size=1, max_size=12),
+       overlap=st.booleans())
+def test_any_schedule_gives_each_request_what_it_gets_alone(loaded, prompts, schedule, overlap):
     """Requests of every kind (greedy, seeded sampling with each control, stop strings, alternatives) arriving
     between any steps of the others, some cancelled, more of them than slots, the same prompt more than once
-    (served from the prefix cache): each gets the tokens it gets alone, and a cancelled one a prefix of them."""
-    engine = Engine(loaded, seed=0)
+    (served from the prefix cache), with a decode step kept in flight or not (overlap: CUDA's default): each
+    gets the tokens it gets alone, and a cancelled one a prefix of them."""
+    engine = Engine(loaded, seed=0, overlap=overlap)
     live = []  # [iterator, chunks, cancel after, stream, request, done]
     for prompt, kind, max_new_tokens, wait, cancel_after in schedule:
         for _ in range(wait):  # the requests so far run that many more chunks first

@@ -122,8 +122,8 @@ class Llama:
             CheckpointNotFoundError: a directory or file is missing.
             CheckpointError: a file is unreadable or the parts don't fit together.
             InvalidRequestError: a bad max_seq_len, max_batch_size, device, dtype, quantize or kv_cache_dtype;
-                or, on the CPU, a model whose weights and KV cache would not fit in the memory free now (the
-                message names the arguments that would).
+                or, on one device (the CPU or a GPU), a model whose weights and KV cache would not fit in the
+                memory free there now (the message names the arguments that would).
         """
         loaded = load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, device, dtype, device_map,
                       max_memory, tensor_parallel, compile, quantize=quantize, kv_cache_dtype=kv_cache_dtype)

@@ -360,7 +360,7 @@ class Progress:
     the figures it took, and stops the run at a phase's end once --deadline seconds have passed."""
 
     def __init__(self, report: dict, path: Optional[Path], seconds: Optional[float], started: float) -> None:
-        self.report, self.path, self.seconds = report, path, seconds
+        self.report, self.path = report, path
         self.deadline = None if seconds is None else started + seconds
 
     def save(self) -> None:

@@ -1,5 +1,5 @@
 """Loading Llama-2 weights from Meta's layout (params.json + consolidated.NN.pth) or Hugging Face's
-(config.json + *.safetensors), into a model built on the meta device. Tensors are read one at a time
+(config.json + *.safetensors, or the older pytorch_model*.bin), into a model built on the meta device. Tensors are read one at a time
 (mmap'd files; Meta's model-parallel shards concatenated tensor by tensor) and each part of the model is
 assigned as soon as its weights are in, so loading holds little beyond the model itself."""
 
@@ -198,7 +198,7 @@ def iter_rank_tensors(ckpt_dir: Path, args: ModelArgs, rank: int = 0, world_size
     A Meta checkpoint with world_size shards gives rank r its heads from consolidated.r.pth alone
     (the files are mmap'd; only the pages used are read); other shard counts are resliced. The
     replicated tok_embeddings and output are joined from every shard. Hugging Face safetensors are
-    read slice by slice.
+    read slice by slice, and its .bin files mmap'd.
     """
     if checkpoint_layout(ckpt_dir) == "meta":
         yield from _meta_tensors(ckpt_dir, rank, world_size)
@@ -250,24 +250,11 @@ def _rank_part(name: str, parts: list[torch.Tensor], along: int, rank: int, worl
 
 
 def _hf_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
-
     files = hf_weight_files(ckpt_dir)
-    try:
-        keys = set()
-        for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                keys.update(f.keys())
-    except (SafetensorError, OSError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
+    keys = {key for path in files for key in _hf_file_keys(path)}
     tied = "lm_head.weight" not in keys and hf_ties_embeddings(ckpt_dir)
     for path in files:
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                loaded = [(key, _hf_rank_slice(f, key, rank, world_size)) for key in f.keys()]
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
-        for key, tensor in loaded:
+        for key, tensor in _hf_file_tensors(path, rank, world_size):
             # HF permutes within each head, so a rank's slice is unpermuted over its own heads.
             item = hf_to_meta(ckpt_dir, key, tensor, args.n_heads // world_size, args.n_kv_heads // world_size)
             if item is None:
@@ -278,17 +265,55 @@ def _hf_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int) -> 
                 yield "output.weight", tensor
 
 
-def _hf_rank_slice(f, key: str, rank: int, world_size: int) -> torch.Tensor:
+def _hf_file_keys(path: Path) -> list[str]:
+    if path.suffix == ".bin":
+        return list(load_torch_file(path))  # mmap'd: this reads the file's index, not its weights
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
+
+
+def _hf_file_tensors(path: Path, rank: int, world_size: int) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, rank's part) for each tensor of one weight file: safetensors read slice by slice, or a PyTorch
+    .bin file (pytorch_model*.bin) mmap'd, so that only the pages of the rank's parts are read."""
+    if path.suffix == ".bin":
+        return [(key, _rank_slice(tensor, _hf_split_dim(key, world_size), rank, world_size, key))
+                for key, tensor in load_torch_file(path).items()]
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return [(key, _hf_rank_slice(f, key, rank, world_size)) for key in f.keys()]
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot read weight shard {path}: {exc}") from exc
+
+
+def _hf_split_dim(key: str, world_size: int) -> Optional[int]:
+    """The dimension a rank takes its part of this HF tensor along; None: the whole tensor."""
     name = hf_to_meta_name(key) or ""
     split = TP_SPLIT_DIM.get(name.split(".")[-2]) if name else None
-    if split is None or world_size == 1:
-        return f.get_tensor(key)
-    view = f.get_slice(key)
-    size = view.get_shape()[split]
+    return None if world_size == 1 else split
+
+
+def _rank_slice(tensor, split: Optional[int], rank: int, world_size: int, key: str):
+    """Rank's part of tensor (a torch tensor, or a safetensors slice) along split; the whole where None."""
+    if split is None:
+        return tensor
+    shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+    size = shape[split]
     if size % world_size:
         raise CheckpointError(f"tensor {key}: size {size} along dim {split} does not split over {world_size} ranks")
     start, stop = rank * size // world_size, (rank + 1) * size // world_size
-    return view[start:stop] if split == 0 else view[:, start:stop]
+    return tensor[start:stop] if split == 0 else tensor[:, start:stop]
+
+
+def _hf_rank_slice(f, key: str, rank: int, world_size: int) -> torch.Tensor:
+    split = _hf_split_dim(key, world_size)
+    return f.get_tensor(key) if split is None else _rank_slice(f.get_slice(key), split, rank, world_size, key)
 
 
 def check_state_dict(state_dict: dict[str, torch.Tensor], model: Transformer, ckpt_dir: Path) -> None:
@@ -308,12 +333,28 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], model: Transformer, ck
 
 
 def load_torch_file(path: Path) -> dict[str, torch.Tensor]:
+    """A PyTorch weight file's state dict, mmap'd (only the pages used are read), or read whole where the file
+    is in torch.save's legacy format, which cannot be mmap'd; tensors only (weights_only), so no code in the
+    file runs.
+
+    Raises:
+        CheckpointError: a file that cannot be read, or that holds no state dict.
+    """
     try:
-        state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            state_dict = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError as exc:
+            if "_use_new_zipfile_serialization" not in str(exc):
+                raise
+            state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, pickle errors, EOFError... for broken files
         raise CheckpointError(f"cannot read weight shard {path} (truncated or not a PyTorch file?): {exc}") from exc
     if not isinstance(state_dict, dict):
         raise CheckpointError(f"weight shard {path} holds a {type(state_dict).__name__}, expected a state dict")
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"weight shard {path} holds {name!r}, a {type(value).__name__}, where a tensor "
+                                  "was expected")
     return state_dict
 
 

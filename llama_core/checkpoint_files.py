@@ -80,23 +80,30 @@ def meta_shard_paths(ckpt_dir: Path) -> list[Path]:
     return paths
 
 
+HF_WEIGHTS = (("model.safetensors.index.json", "model.safetensors"),
+              ("pytorch_model.bin.index.json", "pytorch_model.bin"))  # safetensors first, where a folder has both
+
+
 def hf_weight_files(ckpt_dir: Path) -> list[Path]:
-    """model.safetensors, or the shards model.safetensors.index.json lists."""
-    index = ckpt_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"cannot read shard index {index}: {exc}") from exc
-        files = [ckpt_dir / name for name in sorted(set(weight_map.values()))]
-        for path in files:
-            if not path.is_file():
-                raise CheckpointNotFoundError(f"weight shard {path} listed in {index} not found")
-        return files
-    single = ckpt_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise CheckpointNotFoundError(f"no model.safetensors or model.safetensors.index.json in {ckpt_dir}")
+    """model.safetensors, or the shards model.safetensors.index.json lists; else the same in PyTorch's format
+    (pytorch_model.bin, or pytorch_model-0000X-of-0000Y.bin listed by pytorch_model.bin.index.json), as older
+    Hugging Face checkpoints and many Llama-2 fine-tunes are stored."""
+    for index_name, single_name in HF_WEIGHTS:
+        index = ckpt_dir / index_name
+        if index.is_file():
+            try:
+                files = [ckpt_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"cannot read shard index {index}: {exc}") from exc
+            for path in files:
+                if not path.is_file():
+                    raise CheckpointNotFoundError(f"weight shard {path} listed in {index} not found")
+            return files
+        single = ckpt_dir / single_name
+        if single.is_file():
+            return [single]
+    raise CheckpointNotFoundError(f"no model.safetensors, model.safetensors.index.json, pytorch_model.bin or "
+                                  f"pytorch_model.bin.index.json in {ckpt_dir}")
 
 
 def find_tokenizer(ckpt_dir: Path, tokenizer_path: Optional[str | Path] = None) -> Path:

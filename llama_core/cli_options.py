@@ -158,8 +158,8 @@ def check_checkpoint(ckpt_dir: Optional[Path]) -> Path:
     try:
         weight_files(ckpt_dir)
     except (CheckpointNotFoundError, CheckpointError) as exc:
-        raise OptionError(f"--ckpt-dir {ckpt_dir} has no weights: {exc}; put the weight files (consolidated.NN.pth "
-                          "or *.safetensors) beside its config, or pass the folder that has them") from exc
+        raise OptionError(f"--ckpt-dir {ckpt_dir} has no weights: {exc}; put the weight files (consolidated.NN.pth, "
+                          "*.safetensors or pytorch_model*.bin) beside its config, or pass the folder that has them") from exc
     return ckpt_dir
 
 

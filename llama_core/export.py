@@ -4,9 +4,10 @@
                  [--max-position-embeddings 4096] [--force]
     python -m llama_core.export --to hf OUT_DIR
 
-The input is either layout (Meta's params.json + consolidated.NN.pth, or Hugging Face's own); the embedded
-model when --ckpt-dir is left out. OUT_DIR receives config.json, model.safetensors (HF's tensor names, q and
-k in HF's rotary layout), generation_config.json and a copy of tokenizer.model.
+The input is either layout (Meta's params.json + consolidated.NN.pth, or Hugging Face's own, in safetensors or
+the older pytorch_model*.bin); the embedded model when --ckpt-dir is left out. OUT_DIR receives config.json,
+model.safetensors (HF's tensor names, q and k in HF's rotary layout), generation_config.json and a copy of
+tokenizer.model.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Shared fixtures: a small SentencePiece tokenizer, a random tiny GQA Llama saved in three checkpoint
-layouts (Meta single file, Meta two model-parallel shards, Hugging Face sharded safetensors), the
+"""Shared fixtures: a small SentencePiece tokenizer, a random tiny GQA Llama saved in four checkpoint
+layouts (Meta single file, Meta two model-parallel shards, Hugging Face sharded safetensors, and the same
+in the older sharded pytorch_model.bin files), the
 Hugging Face LlamaForCausalLM holding the same weights as reference, and paths into ../shared.
 
 Everything here is built from scratch in temporary directories; only fixtures named shared_* need
@@ -9,6 +10,7 @@ them skip where it is absent.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -47,7 +49,7 @@ TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, norm_ep
 TINY_VOCAB = 384  # 256 byte pieces + 3 specials + the corpus's 78 characters, leaving ~47 merges
 WEIGHT_STD = 0.2  # large enough that logits are peaky and greedy decoding has no near-ties
 MAX_SEQ_LEN = 128
-LAYOUTS = ("meta", "meta_sharded", "hf")
+LAYOUTS = ("meta", "meta_sharded", "hf", "hf_bin")
 
 
 @pytest.fixture(scope="session")
@@ -257,9 +259,41 @@ def hf_ckpt_dir(tmp_path_factory, hf_model, tokenizer_path) -> Path:
     return path
 
 
+def write_hf_bin_checkpoint(path: Path, hf_state: dict[str, torch.Tensor], like: Path, shards: int = 2,
+                            inv_freq: bool = True) -> Path:
+    """A Hugging Face checkpoint in PyTorch's format, as transformers 4 saved Llama-2 (`pytorch_model-0000N-of-
+    0000M.bin` with `pytorch_model.bin.index.json`, or one `pytorch_model.bin`), with the config and tokenizer of
+    the checkpoint `like`; inv_freq: each layer's rotary inv_freq buffer saved too, as in Meta's Llama-2-hf."""
+    path.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.model"):
+        (path / name).write_bytes((like / name).read_bytes())
+    state = dict(hf_state)
+    if inv_freq:
+        layers = {key.split(".")[2] for key in state if key.startswith("model.layers.")}
+        for layer in layers:
+            state[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    names = list(state)  # the model's order, as transformers wrote its shards: a block's tensors together
+    if shards == 1:
+        torch.save(state, path / "pytorch_model.bin")
+        return path
+    weight_map = {}
+    for shard in range(shards):
+        file = f"pytorch_model-{shard + 1:05d}-of-{shards:05d}.bin"
+        part = names[shard * len(names) // shards:(shard + 1) * len(names) // shards]
+        torch.save({key: state[key].clone() for key in part}, path / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
 @pytest.fixture(scope="session")
-def ckpt_dirs(meta_ckpt_dir, meta_sharded_ckpt_dir, hf_ckpt_dir) -> dict[str, Path]:
-    return {"meta": meta_ckpt_dir, "meta_sharded": meta_sharded_ckpt_dir, "hf": hf_ckpt_dir}
+def hf_bin_ckpt_dir(tmp_path_factory, hf_model, hf_ckpt_dir) -> Path:
+    return write_hf_bin_checkpoint(tmp_path_factory.mktemp("ckpt") / "hf_bin", hf_model.state_dict(), hf_ckpt_dir)
+
+
+@pytest.fixture(scope="session")
+def ckpt_dirs(meta_ckpt_dir, meta_sharded_ckpt_dir, hf_ckpt_dir, hf_bin_ckpt_dir) -> dict[str, Path]:
+    return {"meta": meta_ckpt_dir, "meta_sharded": meta_sharded_ckpt_dir, "hf": hf_ckpt_dir, "hf_bin": hf_bin_ckpt_dir}
 
 
 def build_llama(ckpt_dir: Path, **kwargs) -> Llama:
@@ -315,11 +349,14 @@ def hf_greedy(hf, tokens: list[int], n: int, eos_id: int = 2) -> tuple[list[int]
     seen: an argmax loop over HF's own forward with its KV cache. Memoised per (model, prompt, n)."""
     key = (id(hf), tuple(tokens), n, eos_id)
     if key not in _greedy_memo:
-        out, min_gap, past = [], float("inf"), None
+        from transformers import DynamicCache
+
+        # The cache is filled in place; transformers renamed its argument from past_key_values to cache (5.24).
+        name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+        out, min_gap, cache = [], float("inf"), {name: DynamicCache()}
         step_input = torch.tensor([tokens])
         for _ in range(n):
-            result = hf(step_input, past_key_values=past, use_cache=True)
-            past, logits = result.past_key_values, result.logits[0, -1].float()
+            logits = hf(step_input, use_cache=True, **cache).logits[0, -1].float()
             top2 = logits.topk(2).values
             min_gap = min(min_gap, float(top2[0] - top2[1]))
             nxt = int(logits.argmax())

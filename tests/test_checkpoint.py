@@ -12,12 +12,13 @@ from safetensors.torch import save_file
 from conftest import (
     LAYOUTS,
     build_llama,
+    hf_logits,
     load_weights,
     meta_to_hf_state_dict,
     split_meta_shards,
     write_meta_checkpoint,
 )
-from llama_core import checkpoint
+from llama_core import checkpoint, cpu_kernels
 from llama_core.checkpoint import load_model, model_part, permute_rotary, unpermute_rotary
 from llama_core.checkpoint_files import checkpoint_layout, read_model_args, stored_dtype
 from llama_core.config import ModelArgs
@@ -242,3 +243,58 @@ def test_auto_dtype_on_a_gpu_is_the_16_bit_dtype_the_checkpoint_is_stored_in(mon
     assert resolve_dtype("bfloat16", cuda, "float16") == torch.bfloat16  # what the user asks for
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
     assert resolve_dtype("auto", cuda, "bfloat16") == torch.float16
+
+
+# -- Hugging Face checkpoints in PyTorch's format (pytorch_model*.bin) ----------------------------------------
+def test_transformers_reading_the_same_bin_files_gives_our_logits(hf_bin_ckpt_dir, tokenizer):
+    from transformers import LlamaForCausalLM
+
+    reference = LlamaForCausalLM.from_pretrained(hf_bin_ckpt_dir, dtype=torch.float32, attn_implementation="eager")
+    prompt = tokenizer.encode("The KV cache holds the keys and values of every position so far.", bos=True, eos=False)
+    ours = build_llama(hf_bin_ckpt_dir)
+    with torch.inference_mode():
+        got = ours.model(torch.tensor([prompt]), kv_len=len(prompt))[0]
+    torch.testing.assert_close(torch.log_softmax(got, -1), torch.log_softmax(hf_logits(reference, prompt), -1),
+                               atol=1e-4, rtol=0)
+
+
+def test_one_float16_pytorch_bin_in_torch_legacy_format_loads(tmp_path, hf_model, hf_bin_ckpt_dir, tiny_state_dict,
+                                                               tiny_args):
+    # One file, no index, no inv_freq; torch.save's pre-1.6 format, which cannot be mmap'd; float16 as on the Hub.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in ("config.json", "tokenizer.model"):
+        shutil.copy(hf_bin_ckpt_dir / name, ckpt / name)
+    torch.save({key: tensor.half() for key, tensor in hf_model.state_dict().items()}, ckpt / "pytorch_model.bin",
+               _use_new_zipfile_serialization=False)
+    assert_weights_equal(load_weights(ckpt, tiny_args.vocab_size),
+                         {name: tensor.half().float() for name, tensor in tiny_state_dict.items()}, "legacy float16 .bin")
+    # On the CPU the projections stay in the float16 they are stored in (the kernels' 16-bit panels), as from safetensors.
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
+    info = build_llama(ckpt, dtype="auto").loaded.info
+    assert info.dtype == "float32"
+    assert info.projections_stored_in == ("float16" if cpu_kernels.available() else None)
+
+
+def test_safetensors_are_read_where_a_folder_also_has_bin_files(tmp_path, hf_ckpt_dir, tiny_state_dict, tiny_args):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(hf_ckpt_dir, ckpt)
+    torch.save({"model.embed_tokens.weight": torch.zeros(3)}, ckpt / "pytorch_model.bin")  # never read
+    assert_weights_equal(load_weights(ckpt, tiny_args.vocab_size), tiny_state_dict, "safetensors beside a .bin")
+
+
+class _RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return (open, (str(_RunsCodeWhenUnpickled.marker), "w"))
+
+
+def test_a_bin_file_that_would_run_code_is_refused_and_runs_none(tmp_path, hf_bin_ckpt_dir):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(hf_bin_ckpt_dir, ckpt)
+    _RunsCodeWhenUnpickled.marker = tmp_path / "ran"
+    shard = sorted(ckpt.glob("pytorch_model-*.bin"))[0]
+    torch.save({**torch.load(shard, weights_only=True), "model.norm.weight": _RunsCodeWhenUnpickled()}, shard)
+    with pytest.raises(CheckpointError, match=rf"cannot read weight shard .*{shard.name}"):
+        build_llama(ckpt)
+    assert not _RunsCodeWhenUnpickled.marker.exists()

@@ -111,7 +111,43 @@ def test_hf_without_weights(tmp_path, hf_ckpt_dir):
     ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
     for path in ckpt.glob("model*"):
         path.unlink()
-    with pytest.raises(CheckpointNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(CheckpointNotFoundError, match="no model.safetensors, model.safetensors.index.json, "
+                       "pytorch_model.bin or pytorch_model.bin.index.json in "):
+        build_llama(ckpt)
+
+
+def test_truncated_pytorch_bin_shard(tmp_path, hf_bin_ckpt_dir):
+    ckpt = copy_ckpt(hf_bin_ckpt_dir, tmp_path / "ckpt")
+    shard = sorted(ckpt.glob("pytorch_model-*.bin"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"cannot read weight shard .*{shard.name} \(truncated"):
+        build_llama(ckpt)
+
+
+def test_pytorch_bin_index_names_a_missing_shard(tmp_path, hf_bin_ckpt_dir):
+    ckpt = copy_ckpt(hf_bin_ckpt_dir, tmp_path / "ckpt")
+    shard = sorted(ckpt.glob("pytorch_model-*.bin"))[0]
+    shard.unlink()
+    with pytest.raises(CheckpointNotFoundError, match=rf"weight shard .*{shard.name} listed in .*pytorch_model"
+                       r"\.bin\.index\.json not found"):
+        build_llama(ckpt)
+
+
+@pytest.mark.parametrize("index", ["[1, 2]", '{"weight_map": ["a.bin"]}', '{"weight_map": {"x": 5}}', "{"])
+def test_an_unreadable_shard_index_is_refused_naming_it(tmp_path, hf_bin_ckpt_dir, index):
+    ckpt = copy_ckpt(hf_bin_ckpt_dir, tmp_path / "ckpt")
+    (ckpt / "pytorch_model.bin.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match=r"cannot read shard index .*pytorch_model\.bin\.index\.json"):
+        build_llama(ckpt)
+
+
+def test_a_pytorch_bin_holding_something_besides_tensors_is_refused_naming_it(tmp_path, hf_bin_ckpt_dir):
+    ckpt = copy_ckpt(hf_bin_ckpt_dir, tmp_path / "ckpt")
+    shard = sorted(ckpt.glob("pytorch_model-*.bin"))[0]
+    state = torch.load(shard, weights_only=True)
+    torch.save({**state, "step": 1000}, shard)
+    with pytest.raises(CheckpointError, match=rf"weight shard .*{shard.name} holds 'step', a int, where a tensor"):
         build_llama(ckpt)
 
 

@@ -1,7 +1,8 @@
 """Export to Hugging Face's layout (llama_core.export, `llama-export --to hf`): transformers' LlamaForCausalLM
 reads the exported folder and computes our model's logits; our loader reads it back to identical logits; bad
 arguments get a one-line error and exit status 2. Sources: the embedded model (Meta layout, bfloat16), the
-tiny random GQA model of conftest in two Meta shards and in Hugging Face's sharded layout, and ../shared's
+tiny random GQA model of conftest in two Meta shards and in Hugging Face's sharded layout (safetensors, and
+the older pytorch_model*.bin, which the export turns into safetensors), and ../shared's
 stories260K (a trained GQA model whose params.json does not state its context)."""
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from llama_core.config import ModelArgs
 from llama_core.export import ASSUMED_CONTEXT, export_hf, main
 from llama_core.model import Transformer
 
-SOURCES = ["embedded", "meta_sharded", "hf", pytest.param("stories260K", marks=needs_stories)]
+SOURCES = ["embedded", "meta_sharded", "hf", "hf_bin", pytest.param("stories260K", marks=needs_stories)]
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east"
 
 
 @pytest.fixture(scope="module")
 def source_dirs(ckpt_dirs):
     return {"embedded": DEFAULT_CKPT_DIR, "meta_sharded": ckpt_dirs["meta_sharded"], "hf": ckpt_dirs["hf"],
-            "stories260K": STORIES_DIR}
+            "hf_bin": ckpt_dirs["hf_bin"], "stories260K": STORIES_DIR}
 
 
 @pytest.fixture(scope="module", params=SOURCES)

@@ -58,7 +58,7 @@ def assert_close_logprobs(actual: list[list[float]], expected: list[list[float]]
 
 
 # -- tensor parallelism -------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["meta_sharded", "meta", "hf"])
+@pytest.mark.parametrize("layout", ["meta_sharded", "meta", "hf", "hf_bin"])
 def test_two_ranks_generate_the_single_process_tokens_and_logprobs(layout, ckpt_dirs, prompts, single_device, tmp_path):
     out = tmp_path / "result.json"
     proc = run_torchrun(ckpt_dirs[layout], prompts, out)
@@ -96,12 +96,14 @@ def test_each_rank_reads_its_own_meta_shard_and_reslicing_gives_the_same_parts(c
         from_shards = dict(iter_rank_tensors(ckpt_dirs["meta_sharded"], tiny_args, rank, 2))
         from_single = dict(iter_rank_tensors(ckpt_dirs["meta"], tiny_args, rank, 2))
         from_hf = dict(iter_rank_tensors(ckpt_dirs["hf"], tiny_args, rank, 2))
+        from_hf_bin = dict(iter_rank_tensors(ckpt_dirs["hf_bin"], tiny_args, rank, 2))
         own_shard = load_torch_file(shard_files[rank])
-        assert set(from_shards) == set(from_single) == set(from_hf) == set(full)
+        assert set(from_shards) == set(from_single) == set(from_hf) == set(from_hf_bin) == set(full)
         for name, tensor in full.items():
             split = TP_SPLIT_DIM.get(name.split(".")[-2]) if tensor.dim() > 1 else None
             expected = tensor if split is None else tensor.chunk(2, dim=split)[rank]
-            for source, parts in (("2 shards", from_shards), ("1 shard", from_single), ("hf", from_hf)):
+            for source, parts in (("2 shards", from_shards), ("1 shard", from_single), ("hf", from_hf),
+                                  ("hf .bin", from_hf_bin)):
                 assert torch.equal(parts[name], expected), f"rank {rank} {name} from {source}"
             if split is not None:  # Meta's model-parallel split is this one: shard r is rank r's part
                 assert torch.equal(own_shard[name], expected), name

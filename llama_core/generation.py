@@ -113,6 +113,7 @@ class Llama:
                 llama_core.distributed.parallel). Not with compile.
             quantize: "int8" stores every projection's weight as int8 with one scale per output channel,
                 once loaded (on CPU faster than float32, with 8-bit activations; see llama_core.quantize);
+                "int4" as 4-bit groups of 32 with a scale each, the output layer as int8 (llama_core.int4);
                 None keeps the dtype's weights. Not with device_map or tensor_parallel.
             kv_cache_dtype: "auto" keeps keys and values in the model's dtype; "float16" or "bfloat16" in a
                 float32 model halves the KV cache's memory (on the CPU, a long context also decodes faster),

@@ -18,6 +18,7 @@ from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
 from .memory_plan import cpu_shortfall, shortfall
+from .int4 import quantize_int4
 from .quantize import QUANTIZATIONS, quantization_of, quantize_int8
 from .resources import DEFAULT_CKPT_DIR
 from .runner import ModelRunner, cpu_serving_layout, panel_storage_of
@@ -37,7 +38,7 @@ class ModelInfo:
     dtype: str
     device: str
     load_seconds: float
-    quantization: Optional[str] = None  # "int8": the projections' weights are int8 (see llama_core.quantize)
+    quantization: Optional[str] = None  # "int8" or "int4": the projections' weights (llama_core.quantize, .int4)
     # "bfloat16" / "float16": a float32 CPU model's projections kept in the 16 bits they were stored in
     projections_stored_in: Optional[str] = None
     weights_bytes: int = 0  # what the weights take on their devices (this rank's, under tensor parallelism)
@@ -100,7 +101,8 @@ def load(
 ) -> LoadedModel:
     """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`, and
     progress shows a bar on stderr while the weights load (on rank 0 only under tensor parallelism).
-    quantize="int8" stores the projections' weights as int8 once loaded (see llama_core.quantize).
+    quantize="int8" stores the projections' weights as int8 once loaded (see llama_core.quantize); "int4" as
+    4-bit groups, the output layer's as int8 (llama_core.int4).
     kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
     fixes_as: how a model that would not fit in its device's free memory is told what would: as these
     keyword arguments ("arguments"), or as the command lines' flags ("flags").
@@ -209,14 +211,16 @@ def _prepare_part(quantize: Optional[str], cpu_eager: bool, float32_model: bool)
     def prepare(part: torch.nn.Module) -> torch.nn.Module:
         if quantize == "int8":
             part = quantize_int8(part)
+        elif quantize == "int4":
+            part = quantize_int4(part)
         return cpu_serving_layout(part, float32_model) if cpu_eager else part
 
     return prepare
 
 
 def check_quantize(quantize: Optional[str], device_map=None, tensor_parallel: bool = False) -> None:
-    """Raises InvalidRequestError for a quantize value other than None or "int8", or int8 where layers are
-    placed by accelerate or split over processes (not supported)."""
+    """Raises InvalidRequestError for a quantize value other than None, "int8" or "int4", or either where layers
+    are placed by accelerate or split over processes (not supported)."""
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise InvalidRequestError(f"quantize must be None or one of {', '.join(map(repr, QUANTIZATIONS))}, got {quantize!r}")
     if quantize is not None and (device_map is not None or tensor_parallel):

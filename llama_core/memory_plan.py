@@ -36,8 +36,8 @@ def stored_bytes_per_weight(ckpt_dir: Path, args: ModelArgs) -> float:
 
 def plan_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[str], kv_cache_dtype: str,
                 max_batch_size: int, positions: int, on_cpu: bool = True) -> MemoryPlan:
-    """A model's floor: the embedding in dtype; the projections in int8 when quantized, else on the CPU in the
-    16 bits they are stored in when dtype is float32 (the CPU kernels keep them so), else in dtype; the KV
+    """A model's floor: the embedding in dtype; the projections in int8 or int4 when quantized, else on the CPU
+    in the 16 bits they are stored in when dtype is float32 (the CPU kernels keep them so), else in dtype; the KV
     cache in kv_cache_dtype ("auto": dtype) for max_batch_size slots of `positions`. Small things (norms,
     scales, panel padding, activations, the interpreter) come on top."""
     model_bytes = DTYPE_NAMES[dtype].itemsize
@@ -45,13 +45,16 @@ def plan_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[
     projections = args.parameter_count - embedding - args.dim * (2 * args.n_layers + 1)
     if quantize == "int8":
         per_projection_weight = 1
+    elif quantize == "int4":  # 4 bits and a float32 scale per 32 weights; the output layer in int8
+        output = args.vocab_size * args.dim
+        per_projection_weight = ((projections - output) * (0.5 + 4 / 32) + output) / max(projections, 1)
     elif on_cpu and dtype == "float32" and stored_bytes_per_weight(ckpt_dir, args) < 3:
         per_projection_weight = 2
     else:
         per_projection_weight = model_bytes
     kv_bytes = DTYPE_NAMES[dtype if kv_cache_dtype == "auto" else kv_cache_dtype].itemsize
     per_position = args.n_layers * 2 * (args.n_kv_heads or args.n_heads) * args.head_dim * kv_bytes
-    return MemoryPlan(embedding * model_bytes + projections * per_projection_weight,
+    return MemoryPlan(embedding * model_bytes + int(projections * per_projection_weight),
                       per_position * max_batch_size * positions, per_position)
 
 
@@ -104,8 +107,8 @@ def shortfall(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[st
               max_batch_size: int, max_seq_len: int, compile: bool, available: int, where: str,
               on_cpu: bool = True, device: str = "auto") -> Optional[Shortfall]:
     """None where the model fits in `available` bytes on `where`; else what it lacks and what would fit: a
-    float16 KV cache (where it is float32), fewer slots, a shorter context, int8 weights (with a float16 cache
-    where needed), or on a GPU the blocks that do not fit kept in CPU memory (device_map="auto"; `device` is
+    float16 KV cache (where it is float32), fewer slots, a shorter context, int8 or else int4 weights (with a
+    float16 cache where needed), or on a GPU the blocks that do not fit kept in CPU memory (device_map="auto"; `device` is
     the device asked for, which a device map needs to be "auto"), each alone enough."""
     positions = max_seq_len + (1 if compile else 0)  # a compiled step's spare position
     need = plan_memory(args, ckpt_dir, dtype, quantize, kv_cache_dtype, max_batch_size, positions, on_cpu)
@@ -123,13 +126,13 @@ def shortfall(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[st
         context = room // (need.kv_bytes_per_position * max_batch_size)
         if context >= 64:
             fixes.append(({"max_seq_len": context - (1 if compile else 0)}, ""))
-    if quantize is None:
-        for values in ({"quantize": "int8"}, {"quantize": "int8", "kv_cache_dtype": "float16"}):
-            int8 = plan_memory(args, ckpt_dir, dtype, "int8", str(values.get("kv_cache_dtype", kv_cache_dtype)),
-                               max_batch_size, positions, on_cpu)
-            if int8.total_bytes <= available:
-                fixes.append((values, f"weights {gib(int8.weights_bytes)}, KV cache {gib(int8.kv_cache_bytes)}"))
-                break
+    narrower = {None: ("int8", "int4"), "int8": ("int4",)}.get(quantize, ())
+    for values in [{"quantize": q, **cache} for q in narrower for cache in ({}, {"kv_cache_dtype": "float16"})]:
+        quantized = plan_memory(args, ckpt_dir, dtype, values["quantize"],
+                                str(values.get("kv_cache_dtype", kv_cache_dtype)), max_batch_size, positions, on_cpu)
+        if quantized.total_bytes <= available:
+            fixes.append((values, f"weights {gib(quantized.weights_bytes)}, KV cache {gib(quantized.kv_cache_bytes)}"))
+            break
     if not on_cpu and not compile:  # accelerate's hooks cannot be traced into a compiled step
         values: dict[str, object] = {"device_map": "auto"} if device == "auto" else {"device": "auto", "device_map": "auto"}
         fixes.append((values, "the blocks that do not fit wait in CPU memory: slower"))

@@ -18,6 +18,7 @@ from .config import ModelArgs
 from .cpu_kernels import PanelLinear, layer_ops
 from .devices import execution_device
 from .kv_cache import KVCache
+from .int4 import Int4Linear
 from .quantize import Int8Linear
 
 
@@ -432,9 +433,11 @@ def _stacked_projection(linear: nn.Module, x: torch.Tensor, sizes: list[int] | i
 
 
 def _stacked_linear(*linears: nn.Module) -> nn.Module:
-    """One module computing cat([l(x) for l in linears], -1); int8-quantized linears stay quantized."""
+    """One module computing cat([l(x) for l in linears], -1); int8 and int4 linears stay quantized."""
     if all(isinstance(l, Int8Linear) for l in linears):
         return Int8Linear.stacked(linears)
+    if all(type(l) is Int4Linear for l in linears):
+        return Int4Linear.stacked(linears)
     weight = torch.cat([l.weight for l in linears], dim=0)
     stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     stacked.weight = nn.Parameter(weight, requires_grad=False)

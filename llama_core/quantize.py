@@ -36,7 +36,7 @@ from torch import nn
 from . import cpu_kernels
 from .packed_linear import PackedLinear
 
-QUANTIZATIONS = ("int8",)  # what Llama.build(quantize=...) takes besides None
+QUANTIZATIONS = ("int8", "int4")  # what Llama.build(quantize=...) takes besides None (int4: llama_core.int4)
 
 
 class Int8Linear(nn.Module):
@@ -212,8 +212,14 @@ def _quantizable(module: nn.Module) -> bool:
 
 
 def quantization_of(model: nn.Module) -> Optional[str]:
-    """"int8" when model holds int8-quantized layers, else None."""
-    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else None
+    """"int4" when model holds int4 layers (its output layer is then int8), "int8" when it holds int8 ones only,
+    else None."""
+    from .int4 import Int4Linear
+
+    kinds = {type(m) for m in model.modules()}
+    if any(issubclass(kind, Int4Linear) for kind in kinds):
+        return "int4"
+    return "int8" if any(issubclass(kind, Int8Linear) for kind in kinds) else None
 
 
 def _fbgemm_pack(weight: torch.Tensor, scales: torch.Tensor):

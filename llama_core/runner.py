@@ -29,6 +29,7 @@ from .errors import InvalidRequestError
 from .model import Span, Transformer, TransformerBlock
 from .cpu_kernels import PanelLinear, available as cpu_kernels_available
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
+from .int4 import Int4Linear, keep_int4_in_panels
 from .quantize import Int8Linear, keep_int8_in_panels
 
 CacheRows = torch.Tensor | slice
@@ -80,9 +81,9 @@ class ModelRunner:
 
     @property
     def parameter_count(self) -> int:
-        # Packed and int8 projections hold their weights as buffers in a layout of their own.
+        # Packed, int8 and int4 projections hold their weights as buffers in a layout of their own.
         held_apart = sum(m.in_features * m.out_features for m in self.model.modules()
-                         if isinstance(m, (PackedLinear, PanelLinear, Int8Linear)))
+                         if isinstance(m, (PackedLinear, PanelLinear, Int8Linear, Int4Linear)))
         return held_apart + sum(p.numel() for p in self.model.parameters())
 
     def memory_bytes(self) -> tuple[int, int]:
@@ -316,6 +317,7 @@ def cpu_serving_layout(part: nn.Module, float32_model: bool = True) -> nn.Module
     holder = nn.ModuleDict({"part": part})  # so that a part which is itself a projection can be replaced
     pack_linears(holder, float32_model=float32_model)
     keep_int8_in_panels(holder)
+    keep_int4_in_panels(holder)
     return holder["part"]
 
 

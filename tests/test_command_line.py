@@ -114,7 +114,7 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
                                                             "--allow-longer-context"]),
     "max-memory without device-map": (["--max-memory", "0=1GiB"], ["--max-memory goes with --device-map"]),
     "dtype unknown": (["--dtype", "float8"], ["argument --dtype", "float8"]),
-    "quantization unknown": (["--quantize", "bogus"], ["argument --quantize", "'bogus'", "'none', 'int8'"]),
+    "quantization unknown": (["--quantize", "bogus"], ["argument --quantize", "'bogus'", "'none', 'int8', 'int4'"]),
     "int8 with a device map": (["--quantize", "int8", "--device-map", "auto"],
                                ["--quantize int8 and --device-map auto exclude each other"]),
     "share open to anyone": (["--share"], ["--share makes a public link", "--auth USER:PASSWORD", "--api-key KEY",
@@ -368,7 +368,7 @@ BAD_GENERATE_ARGUMENTS = {
     "chat tags": (["--chat", "[INST] obey [/INST]"], ["reserved tags", "[INST]"]),
     "context beyond training": (["x", "--max-seq-len", "1024"], ["--max-seq-len 1024", "--allow-longer-context"]),
     "checkpoint is a file": (["x", "--ckpt-dir", str(DEFAULT_CKPT_DIR / "params.json")], ["is a file"]),
-    "quantization unknown": (["x", "--quantize", "int4"], ["argument --quantize", "'int4'", "'none', 'int8'"]),
+    "quantization unknown": (["x", "--quantize", "int2"], ["argument --quantize", "'int2'", "'none', 'int8', 'int4'"]),
     "more context than memory": (["x", "--max-seq-len", "400000000", "--allow-longer-context"], [
         "needs at least", "1 requests x 400,000,000 tokens in float32", "pass --max-seq-len "]),
     "kv cache dtype unknown": (["x", "--kv-cache-dtype", "int8"], ["argument --kv-cache-dtype", "'int8'", "'float16'"]),
@@ -409,7 +409,7 @@ def test_importing_llama_core_and_its_command_lines_imports_neither_torch_nor_gr
 def test_the_memory_plan_is_a_floor_of_what_the_model_then_holds():
     from llama_core.memory_plan import plan_memory
 
-    for kv_cache_dtype, quantize in (("auto", None), ("float16", None), ("auto", "int8")):
+    for kv_cache_dtype, quantize in (("auto", None), ("float16", None), ("auto", "int8"), ("auto", "int4")):
         llama = Llama.build(None, max_seq_len=256, max_batch_size=3, device="cpu", kv_cache_dtype=kv_cache_dtype,
                             quantize=quantize)
         info = llama.loaded.info
@@ -514,10 +514,17 @@ def test_a_model_too_big_for_the_gpus_free_memory_is_refused_before_loading(monk
         check("flags", compile=True)  # no device map: it cannot go with a compiled step
     assert str(refused.value).endswith("is free: pass --max-batch-size 1, or pass --max-seq-len 286, or add "
                                        "--quantize int8 (weights 12.3 GiB, KV cache 12.5 GiB)")
-    free["bytes"] = 22 * 2**30  # not even the weights, nor int8's with 8 slots of cache
+    free["bytes"] = 22 * 2**30  # not even the weights, nor int8's with 8 slots of cache: int4's
     with pytest.raises(InvalidRequestError) as refused:
         check("flags", device="cuda")
-    assert str(refused.value).endswith("and 22.0 GiB is free: add --device auto --device-map auto (the blocks that "
+    assert str(refused.value).endswith("and 22.0 GiB is free: add --quantize int4 (weights 7.8 GiB, KV cache 12.5 GiB), "
+                                       "or add --device auto --device-map auto (the blocks that do not fit wait in CPU "
+                                       "memory: slower)")
+    check(quantize="int4")
+    free["bytes"] = 19 * 2**30  # int4 with a float16 cache: the cache is float16 already, so only the device map
+    with pytest.raises(InvalidRequestError) as refused:
+        check("flags", device="cuda")
+    assert str(refused.value).endswith("and 19.0 GiB is free: add --device auto --device-map auto (the blocks that "
                                        "do not fit wait in CPU memory: slower)")
 
 

@@ -126,6 +126,8 @@ def _declare(library: ctypes.CDLL) -> None:
         getattr(library, name).restype = None
     library.panel_linear_i8.argtypes = [pointer, pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.panel_linear_i8.restype = ctypes.c_int
+    library.panel_linear_i4.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+    library.panel_linear_i4.restype = ctypes.c_int
     library.panel_width.restype = ctypes.c_int
     library.rms_norm.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_float, ctypes.c_int]
     library.rms_norm.restype = None

@@ -291,5 +291,135 @@ int panel_linear_i8(const float *x, const int8_t *w, const float *scales, const 
   return 0;
 }
 
+/* int4 (llama_core.int4): W's rows in groups of GROUP inputs, each group of a row stored as 4-bit values
+ * q in 0..15 standing for (q - 8) * its float scale. A panel is [K / GROUP][GROUP / 4][16][4] bytes: for
+ * inputs k .. k + 3 of a group, lane j's 4 bytes hold row j's values in their low nibbles and row 16 + j's in
+ * their high ones. x is rounded to int8 on a scale per row and group (its largest magnitude / 127), as for
+ * int8; a lane sums q * x four at a time in int32 (VNNI: q unsigned, x signed), and the 8 * sum(x) this adds
+ * is taken off per group before the group's sum is scaled into the float result. */
+#define GROUP 32
+
+static void quantize_groups(const float *x, int64_t M, int64_t K, int64_t groups, int8_t *xq, float *x_scales,
+                            int32_t *x_sums) {
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      const float *part = x + m * K + g * GROUP;
+      int64_t count = K - g * GROUP < GROUP ? K - g * GROUP : GROUP;
+      float largest = 0;
+      for (int64_t k = 0; k < count; k++) largest = fmaxf(largest, fabsf(part[k]));
+      float scale = largest > 0 ? largest / 127.0f : 1.0f, inverse = 1.0f / scale;
+      int32_t sum = 0;
+      int8_t *out = xq + (m * groups + g) * GROUP;
+      for (int64_t k = 0; k < GROUP; k++) {
+        out[k] = k < count ? (int8_t)nearbyintf(part[k] * inverse) : 0;
+        sum += out[k];
+      }
+      x_scales[m * groups + g] = scale;
+      x_sums[m * groups + g] = sum;
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_i4(
+    const int8_t *xq, const float *x_scales, const int32_t *x_sums, const uint8_t *w, const float *scales, float *y,
+    int64_t groups, int64_t N, int64_t n0, int64_t width, int rows) {
+  float out[TILE_ROWS][PANEL];
+#if defined(__AVX512VNNI__)
+  __m512 low[TILE_ROWS], high[TILE_ROWS];
+  for (int m = 0; m < rows; m++) low[m] = high[m] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t *wg = w + g * (GROUP / 2) * PANEL;
+    __m512i w_low[GROUP / 4], w_high[GROUP / 4];
+    for (int q = 0; q < GROUP / 4; q++) {
+      __m512i v = _mm512_loadu_si512(wg + q * 64);
+      w_low[q] = _mm512_and_si512(v, nibble);
+      w_high[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    }
+    __m512 s_low = _mm512_loadu_ps(scales + g * PANEL), s_high = _mm512_loadu_ps(scales + g * PANEL + 16);
+    for (int m = 0; m < rows; m++) {
+      const int8_t *xg = xq + (m * groups + g) * GROUP;
+      __m512i i_low = _mm512_setzero_si512(), i_high = _mm512_setzero_si512();
+      for (int q = 0; q < GROUP / 4; q++) {
+        int32_t four;
+        memcpy(&four, xg + q * 4, 4);
+        __m512i xs = _mm512_set1_epi32(four);
+        i_low = _mm512_dpbusd_epi32(i_low, w_low[q], xs);
+        i_high = _mm512_dpbusd_epi32(i_high, w_high[q], xs);
+      }
+      __m512i offset = _mm512_set1_epi32(8 * x_sums[m * groups + g]);
+      __m512 x_scale = _mm512_set1_ps(x_scales[m * groups + g]);
+      low[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i_low, offset)), _mm512_mul_ps(s_low, x_scale), low[m]);
+      high[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i_high, offset)), _mm512_mul_ps(s_high, x_scale),
+                                high[m]);
+    }
+  }
+  for (int m = 0; m < rows; m++) {
+    _mm512_storeu_ps(out[m], low[m]);
+    _mm512_storeu_ps(out[m] + 16, high[m]);
+  }
+#else
+  for (int m = 0; m < rows; m++) {
+    for (int j = 0; j < PANEL; j++) out[m][j] = 0;
+    for (int64_t g = 0; g < groups; g++) {
+      const int8_t *xg = xq + (m * groups + g) * GROUP;
+      const uint8_t *wg = w + g * (GROUP / 2) * PANEL;
+      for (int j = 0; j < PANEL; j++) {
+        int32_t sum = 0;
+        for (int q = 0; q < GROUP / 4; q++)
+          for (int b = 0; b < 4; b++) {
+            uint8_t byte = wg[(q * 16 + j % 16) * 4 + b];
+            sum += (int32_t)(j < 16 ? byte & 0x0F : byte >> 4) * xg[q * 4 + b];
+          }
+        sum -= 8 * x_sums[m * groups + g];
+        out[m][j] += (float)sum * (scales[g * PANEL + j] * x_scales[m * groups + g]);
+      }
+    }
+  }
+#endif
+  for (int m = 0; m < rows; m++)
+    for (int64_t j = 0; j < width; j++) y[m * N + n0 + j] = out[m][j];
+}
+
+int panel_linear_i4(const float *x, const uint8_t *w, const float *scales, float *y, int64_t M, int64_t N, int64_t K,
+                    int threads) {
+  int64_t groups = (K + GROUP - 1) / GROUP, panels = (N + PANEL - 1) / PANEL;
+  int8_t *xq = malloc((size_t)(M * groups * GROUP));
+  float *x_scales = malloc((size_t)(M * groups) * sizeof(float));
+  int32_t *x_sums = malloc((size_t)(M * groups) * sizeof(int32_t));
+  if (xq == NULL || x_scales == NULL || x_sums == NULL) {
+    free(xq);
+    free(x_scales);
+    free(x_sums);
+    return -1;
+  }
+  quantize_groups(x, M, K, groups, xq, x_scales, x_sums);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t p = 0; p < panels; p++) {
+    const uint8_t *panel = w + p * groups * (GROUP / 2) * PANEL;
+    const float *panel_scales = scales + p * groups * PANEL;
+    int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL, m0 = 0;
+    for (; m0 + TILE_ROWS <= M; m0 += TILE_ROWS)
+      tile_i4(xq + m0 * groups * GROUP, x_scales + m0 * groups, x_sums + m0 * groups, panel, panel_scales, y + m0 * N,
+              groups, N, n0, width, TILE_ROWS);
+#define TILE_I4(rows) tile_i4(xq + m0 * groups * GROUP, x_scales + m0 * groups, x_sums + m0 * groups, panel, \
+                              panel_scales, y + m0 * N, groups, N, n0, width, rows)
+    switch (M - m0) {  /* a constant row count each, so that the tile's loops over rows unroll */
+      case 1: TILE_I4(1); break;
+      case 2: TILE_I4(2); break;
+      case 3: TILE_I4(3); break;
+      case 4: TILE_I4(4); break;
+      case 5: TILE_I4(5); break;
+      case 6: TILE_I4(6); break;
+      case 7: TILE_I4(7); break;
+      default: break;
+    }
+#undef TILE_I4
+  }
+  free(xq);
+  free(x_scales);
+  free(x_sums);
+  return 0;
+}
+
 /* The layout's constants, for the Python side to check against its own. */
 int panel_width(void) { return PANEL; }

@@ -50,7 +50,7 @@ def open_engine(
         progress: show a bar on stderr while the weights load.
         prefix_caching: reuse the KV cache of earlier requests' prompt prefixes (see Engine).
         max_waiting: requests that may wait for a slot; beyond them, new ones are refused as busy at once.
-        quantize: "int8" for int8 weights, None for the dtype's; in the engine process, that process quantizes.
+        quantize: "int8" or "int4" for such weights, None for the dtype's; in the engine process, that process quantizes.
         kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
         fixes_as: a model that would not fit in its device's free memory is refused naming what would, as
             keyword arguments ("arguments") or as the command lines' flags ("flags").

@@ -1,7 +1,7 @@
 """int4 weights (`quantize="int4"`): each projection's weight in groups of 32 inputs per output row, each group
 stored as 4-bit levels with one float scale (llama.cpp's q4_0 rounding: the group's value of largest
-magnitude is level -8 exactly). 5 bits a weight with the scales: a Llama-2 7B's projections take 4.0 GiB
-instead of 12.6 in 16 bits. The output layer, which the logits hang on directly, is kept in int8
+magnitude is level -8 exactly). 5 bits a weight with the scales: a Llama-2 7B's block projections take 3.8 GiB
+instead of 12.1 in 16 bits. The output layer, which the logits hang on directly, is kept in int8
 (llama_core.quantize), as llama.cpp keeps it wider than its 4-bit blocks.
 
 On the CPU (float32) the product runs in llama_core's own kernel (linear.c's panel_linear_i4): the activations
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .cpu_kernels.panels import PANEL, _huge_page_empty
+from .cpu_kernels.panels import PANEL, _huge_page_empty, kernel_for, panel_product
 from .quantize import ROUNDING_CHUNK_BYTES, Int8Linear, _quantizable
 
 GROUP = 32  # inputs sharing a scale; linear.c's GROUP
@@ -42,7 +42,8 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = buffer[:chunk.shape[0]]
         w[:, :columns] = chunk
         grouped = w.view(-1, groups, GROUP)
-        extreme = grouped.gather(2, grouped.abs().argmax(dim=2, keepdim=True))  # signed, as q4_0 takes it
+        largest, smallest = grouped.amax(dim=2, keepdim=True), grouped.amin(dim=2, keepdim=True)
+        extreme = torch.where(largest >= -smallest, largest, smallest)  # signed, as q4_0 takes it
         scale = extreme / -ZERO_LEVEL
         inverse = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
         levels[start:start + step] = (grouped * inverse).round_().add_(ZERO_LEVEL).clamp_(0, 15).view(-1, groups * GROUP)
@@ -78,21 +79,30 @@ def group_rounding(x: torch.Tensor) -> torch.Tensor:
     return ((padded * (1.0 / scale)).round() * scale).view(*x.shape[:-1], groups * GROUP)[..., :columns]
 
 
-def to_int4_panels(levels: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Levels [out, K] and scales [out, K / GROUP] as linear.c's int4 panels [ceil(out / PANEL), K / GROUP,
-    GROUP / 4, 16, 4] bytes (lane j's bytes: row j's levels low, row 16 + j's high) and scales [ceil(out /
-    PANEL), K / GROUP, PANEL]; rows past out are zero."""
-    rows, columns = levels.shape
-    count, groups = -(-rows // PANEL), columns // GROUP
-    padded = levels.new_full((count * PANEL, columns), ZERO_LEVEL)
-    padded[:rows] = levels
-    # (panel, half, lane, group, quad, byte) -> (panel, group, quad, lane, byte, half)
-    halves = padded.view(count, 2, 16, groups, GROUP // 4, 4).permute(0, 3, 4, 2, 5, 1)
+def to_int4_panels(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed levels [out, K / 2] (pack_levels) and scales [out, K / GROUP] as linear.c's int4 panels
+    [ceil(out / PANEL), K / GROUP, GROUP / 4, 16, 4] bytes (lane j's bytes: row j's levels low, row 16 + j's
+    high) and scales [ceil(out / PANEL), K / GROUP, PANEL]; rows past out are zero. A few panels at a time, so
+    that no temporary is as large as the weight."""
+    rows, groups = scales.shape
+    count = -(-rows // PANEL)
     panels = _huge_page_empty((count, groups, GROUP // 4, 16, 4), torch.uint8)
-    torch.bitwise_or(halves[..., 0], halves[..., 1] << 4, out=panels)
-    panel_scales = scales.new_zeros(count * PANEL, groups)
-    panel_scales[:rows] = scales
-    return panels, panel_scales.view(count, PANEL, groups).transpose(1, 2).contiguous()
+    step = max(1, PANELS_AT_A_TIME_BYTES // (PANEL * groups * GROUP))
+    for first in range(0, count, step):
+        last = min(first + step, count)
+        levels = unpack_levels(packed[first * PANEL:last * PANEL])
+        if levels.shape[0] < (last - first) * PANEL:  # the last panel's rows past out stand for zero
+            padding = levels.new_full(((last - first) * PANEL - levels.shape[0], levels.shape[1]), ZERO_LEVEL)
+            levels = torch.cat([levels, padding])
+        # (panel, half, lane, group, quad, byte) -> (panel, group, quad, lane, byte, half)
+        halves = levels.view(last - first, 2, 16, groups, GROUP // 4, 4).permute(0, 3, 4, 2, 5, 1)
+        torch.bitwise_or(halves[..., 0], halves[..., 1] << 4, out=panels[first:last])
+    padded_scales = scales.new_zeros(count * PANEL, groups)
+    padded_scales[:rows] = scales
+    return panels, padded_scales.view(count, PANEL, groups).transpose(1, 2).contiguous()
+
+
+PANELS_AT_A_TIME_BYTES = 1 << 21  # levels to_int4_panels lays out at a time
 
 
 def from_int4_panels(panels: torch.Tensor, panel_scales: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,23 +114,6 @@ def from_int4_panels(panels: torch.Tensor, panel_scales: torch.Tensor, rows: int
     return levels[:rows].clone(), scales[:rows].clone()
 
 
-def int4_panel_product(x: torch.Tensor, panels: torch.Tensor, panel_scales: torch.Tensor, out_features: int,
-                       in_features: int) -> torch.Tensor:
-    """x [..., in] (float32, CPU) @ W.T for W in int4 panels (to_int4_panels). Raises RuntimeError where the
-    kernels are not built."""
-    library = cpu_kernels.load()
-    if library is None:
-        raise RuntimeError("llama_core's CPU kernels are not built here (see llama_core.cpu_kernels.build)")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    out = torch.empty(*x.shape[:-1], out_features)
-    rows = x.numel() // in_features
-    if library.panel_linear_i4(x.data_ptr(), panels.data_ptr(), panel_scales.data_ptr(), out.data_ptr(), rows,
-                               out_features, in_features, torch.get_num_threads()):
-        raise MemoryError(f"no memory for {rows} rows of int8 activations")
-    return out
-
-
 class Int4Linear(nn.Module):
     """y = x @ W.T for W [out, in] held as 4-bit levels in groups of GROUP inputs with a float32 scale each
     (`quantize_groups`): `packed` [out, K / 2] bytes, two levels each, and `scales` [out, K / GROUP], K being in
@@ -128,8 +121,16 @@ class Int4Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        levels, scales = quantize_groups(weight.detach())
-        self._set(pack_levels(levels), scales, weight.shape[1])
+        weight = weight.detach()
+        rows, columns = weight.shape
+        groups = -(-columns // GROUP)
+        packed = torch.empty(rows, groups * GROUP // 2, dtype=torch.uint8, device=weight.device)
+        scales = torch.empty(rows, groups, dtype=torch.float32, device=weight.device)
+        step = max(1, ROUNDING_CHUNK_BYTES // (4 * groups * GROUP)) if weight.device.type == "cpu" else rows
+        for start in range(0, rows, step):  # no temporary as large as the weight: see quantize_groups
+            levels, scales[start:start + step] = quantize_groups(weight[start:start + step])
+            packed[start:start + step] = pack_levels(levels)
+        self._set(packed, scales, columns)
 
     def _set(self, packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> None:
         self.register_buffer("packed", packed)
@@ -155,26 +156,19 @@ class Int4Linear(nn.Module):
         return dequantize(levels, scales, self.in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.float32 and self._cpu_kernel() == "panels":
+        if x.device.type == "cpu" and x.dtype == torch.float32 and kernel_for(self) == "panels":
             if torch.compiler.is_compiling():  # the kernel's rounding, the sums in float
                 return F.linear(group_rounding(x), self.dequantized(x.dtype))
-            return int4_panel_product(x, *self._panels_for_cpu(), self.out_features, self.in_features)
+            panels, panel_scales = self._panels_for_cpu()
+            return panel_product(x, panels, self.out_features, self.in_features, panel_scales)
         return F.linear(x, self.dequantized(x.dtype))
-
-    def _cpu_kernel(self) -> str:
-        """"panels" where llama_core's CPU kernels are built (and not turned off) when this layer first runs on
-        the CPU, else "torch"; kept, so that a layer never changes kernel between calls."""
-        kernel = self.__dict__.get("_kernel")
-        if kernel is None:
-            kernel = self._kernel = "panels" if cpu_kernels.available() else "torch"
-        return kernel
 
     def _panels_for_cpu(self) -> tuple[torch.Tensor, torch.Tensor]:
         """linear.c's panels and their scales, made on first use (see Int4PanelLinear for a layer holding only
         those)."""
         key = self.packed.data_ptr()
         if getattr(self, "_panels_key", None) != key:
-            self._panels, self._panels_key = to_int4_panels(*self.levels_and_scales()), key
+            self._panels, self._panels_key = to_int4_panels(self.packed, self.scales), key
         return self._panels
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:

@@ -18,8 +18,8 @@ from .config import ModelArgs
 from .cpu_kernels import PanelLinear, layer_ops
 from .devices import execution_device
 from .kv_cache import KVCache
-from .int4 import Int4Linear
-from .quantize import Int8Linear
+from .int4 import Int4Linear, Int4PanelLinear
+from .quantize import Int8Linear, Int8PanelLinear
 
 
 # Prompts up to this many tokens attend in llama_core.cpu_kernels (one token at a time, O(length) each);
@@ -236,13 +236,14 @@ class TransformerBlock(nn.Module):
 
     @property
     def in_one_call(self) -> bool:
-        """Whether llama_core.cpu_kernels can run this block in one call: fused float32 projections in panels,
-        all of one panel dtype."""
+        """Whether llama_core.cpu_kernels can run this block in one call: fused projections all in panels of one
+        kind (float32 ones of one panel dtype, int8 ones, or int4 ones)."""
         attention, feed_forward = self.attention, self.feed_forward
         projections = [getattr(module, name, None) for module, name in
                        ((attention, "wqkv"), (attention, "wo"), (feed_forward, "w13"), (feed_forward, "w2"))]
-        return (all(isinstance(p, PanelLinear) for p in projections)
-                and len({p.panels.dtype for p in projections}) == 1)
+        if all(isinstance(p, PanelLinear) for p in projections):
+            return len({p.panels.dtype for p in projections}) == 1
+        return any(all(type(p) is kind for p in projections) for kind in (Int8PanelLinear, Int4PanelLinear))
 
 
 class Transformer(nn.Module):

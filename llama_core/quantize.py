@@ -75,7 +75,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype == torch.float32:
-            if self._cpu_kernel() == "panels":
+            if cpu_kernels.kernel_for(self) == "panels":
                 if torch.compiler.is_compiling():  # the kernel's rounding, the sums in float
                     return F.linear(_panel_rounding(x), self.weight.to(x.dtype)) * self.scales
                 panels, scales, weight_sums = self._panels_for_cpu()
@@ -96,14 +96,6 @@ class Int8Linear(nn.Module):
         if getattr(self, "_packed_key", None) != key:
             self._packed, self._packed_key = _fbgemm_pack(self.weight, self.scales), key
         return self._packed
-
-    def _cpu_kernel(self) -> str:
-        """"panels" where llama_core's CPU kernels are built (and not turned off) when this layer first runs on
-        the CPU, else "torch"; kept, so that a layer never changes kernel between calls."""
-        kernel = self.__dict__.get("_kernel")
-        if kernel is None:
-            kernel = self._kernel = "panels" if cpu_kernels.available() else "torch"
-        return kernel
 
     def _panels_for_cpu(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For cpu_kernels, made on first use: the weight in int8 panels, its scales (float32) and its rows'

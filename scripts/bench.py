@@ -39,6 +39,7 @@ from llama_core.cpu_kernels import PanelLinear, to_panels  # noqa: E402
 from llama_core.errors import LlamaError  # noqa: E402
 from llama_core.generation import Llama  # noqa: E402
 from llama_core.model import Transformer  # noqa: E402
+from llama_core.int4 import quantize_int4  # noqa: E402
 from llama_core.quantize import quantize_int8  # noqa: E402
 
 LLAMA2_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "llama2" / "tokenizer.model"
@@ -78,8 +79,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-depths", default="", help="also batch-1 decode speed with this many tokens already "
                    "in the context, e.g. 1024,3072: a long chat's next reply (llama-bench -d)")
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs per figure")
-    p.add_argument("--quantize", choices=["none", "int8"], default="none")
-    p.add_argument("--with-float", action="store_true", help="with --quantize int8: also measure the float model, "
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none")
+    p.add_argument("--with-float", action="store_true", help="with --quantize: also measure the float model, "
                    "side by side in the same run (llama_core_float)")
     p.add_argument("--with-compiled", action="store_true", help="also llama_core with its compiled decode step "
                    "(llama_core_compiled), side by side in the same run")
@@ -276,7 +277,7 @@ def export_for_llama_cpp(model: Transformer, a, folder: Path) -> Path:
 
 def measure_llama_cpp(hf_dir: Path, a, report: dict) -> None:
     """The same weights in llama.cpp, f32, the 16-bit type they are stored in (--stored), and q8_0 with
-    --quantize int8; figures as measure() gives."""
+    --quantize int8 or q4_0 with int4; figures as measure() gives."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from llama_cpp_peer import LlamaCpp
 
@@ -285,7 +286,7 @@ def measure_llama_cpp(hf_dir: Path, a, report: dict) -> None:
     lengths = [int(x) for x in a.prompt_lengths.split(",")]
     batches = [int(x) for x in a.batch_sizes.split(",")]
     stored = {"bfloat16": ["bf16"], "float16": ["f16"]}.get(a.stored, [])
-    for outtype in ["f32"] + stored + (["q8_0"] if a.quantize == "int8" else []):
+    for outtype in ["f32"] + stored + {"int8": ["q8_0"], "int4": ["q4_0"]}.get(a.quantize, []):
         print(f"llama.cpp {outtype} ...", flush=True)
         gguf = peer.convert(hf_dir, hf_dir.parent / f"model-{outtype}.gguf", outtype)
         batched = peer.batched(gguf, threads, batches, BATCHED_PROMPT, BATCHED_NEW)
@@ -419,6 +420,7 @@ def main() -> None:
         "shape": a.shape, "args": args.to_dict(), "device": _device_name(device), "dtype": str(dtype).split(".")[-1],
         "threads": torch.get_num_threads(), "torch": torch.__version__, "parameters": sum(p.numel() for p in model.parameters()),
         "weight_bytes": weight_bytes, "weight_bytes_read": {}, "stored": a.stored, "decode_tokens": a.decode_tokens,
+        "quantize": a.quantize,
         "phases_done": [], "results": {},
     }
     print(f"{a.shape}: {report['parameters'] / 1e6:.1f}M parameters, {dtype}, {report['device']}, {report['threads']} threads", flush=True)
@@ -434,11 +436,12 @@ def main() -> None:
         hf_dir = export_for_llama_cpp(model, a, Path(workdir.name))
     hf = None if a.skip_hf else hf_model(model)
     reference = None
-    if a.quantize == "int8":
+    if a.quantize != "none":
         reference = model
-        model = quantize_int8(random_model(args, device, dtype, a.stored))
-        report["int8_max_logprob_deviation"] = max_logprob_deviation(reference, model, args.vocab_size, device)
-        report["weight_bytes_int8"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        quantized = {"int8": quantize_int8, "int4": quantize_int4}[a.quantize]
+        model = quantized(random_model(args, device, dtype, a.stored))
+        report[f"{a.quantize}_max_logprob_deviation"] = max_logprob_deviation(reference, model, args.vocab_size, device)
+        report[f"weight_bytes_{a.quantize}"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     compiled_model = copy.deepcopy(model) if a.with_compiled else None  # before Llama fuses and packs model
     torch_kernels_model = copy.deepcopy(model) if a.with_torch_kernels else None
     float32_panels_model = copy.deepcopy(model) if a.with_float32_panels else None
@@ -483,8 +486,9 @@ def main() -> None:
     del reference
     if hf is not None:
         impls["hf_eager"] = lambda p, n: _hf_generate(hf, p, n)
-    if a.quantize == "int8":  # every llama_core implementation but the float one reads the int8 weights
-        report["weight_bytes_read"] = {name: report["weight_bytes_int8"] for name in engines if name != "llama_core_float"}
+    if a.quantize != "none":  # every llama_core implementation but the float one reads the quantized weights
+        report["weight_bytes_read"] = {name: report[f"weight_bytes_{a.quantize}"] for name in engines
+                                       if name != "llama_core_float"}
 
     def phase_done(phase: str) -> None:
         progress.done(phase)
@@ -683,7 +687,8 @@ def print_table(report: dict) -> None:
         print("\nllama_core / llama_core with torch's kernels: " + ", ".join(ratios))
     if "llama_core_float" in results:
         ours, ref = results["llama_core"], results["llama_core_float"]
-        print(f"\nint8 decode speed-up vs float (batch 1): {ours['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x")
+        print(f"\n{report['quantize']} decode speed-up vs float (batch 1): "
+              f"{ours['decode_tokens_per_s'] / ref['decode_tokens_per_s']:.2f}x")
     print(f"peak memory of the run: {report['peak_memory_bytes'] / 2**20:.0f} MiB")
     if "per_decoded_token" in report:
         print("per decoded token: " + ", ".join(f"{name} {count:.2f}" for name, count in report["per_decoded_token"].items()
@@ -699,8 +704,9 @@ def print_table(report: dict) -> None:
     for name, value in report["ratios"].items():
         if name.startswith("ttft_") and value:
             print(f"time to first token, {name[len('ttft_'):-len('_over_ours')]} / llama_core: " + ", ".join(f"{n} tokens {r:.2f}x" for n, r in value.items()))
-    if "int8_max_logprob_deviation" in report:
-        print(f"int8 max |logprob - float logprob| over 64 positions: {report['int8_max_logprob_deviation']:.4f}")
+    for kind in ("int8", "int4"):
+        if f"{kind}_max_logprob_deviation" in report:
+            print(f"{kind} max |logprob - float logprob| over 64 positions: {report[f'{kind}_max_logprob_deviation']:.4f}")
     if "copy_bandwidth_bytes_per_s" in report:
         print(f"device copy bandwidth: {report['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
 

@@ -10,7 +10,7 @@ Without --ckpt-dir it writes a random checkpoint of the 7B's width (dim 4096, hi
 with --n-layers blocks in bfloat16, as Meta and Hugging Face publish Llama-2, in each layout asked for:
 "meta" (one consolidated.00.pth), "meta2" (two model-parallel shards, as 13B comes) and "hf"
 (model.safetensors). Each load runs in a fresh process (`llama_core.loader.load`, max_seq_len 64, one
-slot, so the KV cache is negligible); a load is a dtype, with "+int8" for `quantize="int8"`.
+slot, so the KV cache is negligible); a load is a dtype, with "+int8" or "+int4" for `quantize=`.
 
 Anonymous memory is what a load really needs; file-backed pages are the checkpoint's own, which the
 kernel drops under pressure. "peak anon / weights" is the figure to keep near 1; "anon served" is the
@@ -41,7 +41,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", type=Path, help="load this checkpoint instead of writing random ones")
     p.add_argument("--layouts", default="meta,meta2,hf", help=f"random checkpoints to write: any of {', '.join(LAYOUTS)}")
     p.add_argument("--loads", default="float32,float32+int8,bfloat16",
-                   help="comma-separated loads: a dtype, with +int8 for int8 weights")
+                   help="comma-separated loads: a dtype, with +int8 or +int4 for such weights")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=4096)
@@ -54,8 +54,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     for load in a.loads.split(","):
         dtype, _, quantize = load.partition("+")
-        if dtype not in ("float32", "bfloat16", "float16") or quantize not in ("", "int8"):
-            p.error(f"--loads: {load!r} is not a dtype (float32, bfloat16, float16) with an optional +int8")
+        if dtype not in ("float32", "bfloat16", "float16") or quantize not in ("", "int8", "int4"):
+            p.error(f"--loads: {load!r} is not a dtype (float32, bfloat16, float16) with an optional +int8 or +int4")
     for layout in a.layouts.split(","):
         if layout not in LAYOUTS:
             p.error(f"--layouts: {layout!r} is not one of {', '.join(LAYOUTS)}")

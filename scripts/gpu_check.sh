@@ -18,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 ALL_STEPS=(device 7b_compiled tests_cuda 7b_int8 7b_engine32)
-OPTIONAL_STEPS=(tests 7b_hf_compiled load_7b)  # run only when named
+OPTIONAL_STEPS=(tests 7b_hf_compiled load_7b 7b_int4)  # run only when named
 # GPU_CHECK_BENCH replaces the benchmark's command and shape: the test suite runs the steps' exact options on a
 # tiny shape on the CPU with it, so that they are known to work before a device runs them.
 read -r -a bench <<< "${GPU_CHECK_BENCH:-python3 scripts/bench.py --shape 7b --device cuda}"
@@ -85,6 +85,9 @@ torch.version.cuda, transformers.__version__, accelerate.__version__, torch.cuda
     # int8 weight-only beside bf16, both compiled at batch 1 (target: >= 1.7x), and int8's largest logprob
     # deviation. The bf16 step is 7b_compiled's graph, which inductor's cache then has.
     7b_int8) run_bench 7b_int8 180 --compile --quantize int8 --with-float --skip-hf --prompt-lengths 128 \
+               --batch-sizes 1 --decode-tokens 128 --repeats 3 ;;
+    # Optional. int4 beside bf16 the same way (reported: its speed-up and largest logprob deviation).
+    7b_int4) run_bench 7b_int4 180 --compile --quantize int4 --with-float --skip-hf --prompt-lengths 128 \
                --batch-sizes 1 --decode-tokens 128 --repeats 3 ;;
     # The engine with 32 sequences under the compiled step (target: >= 12x 7b_compiled's batch-1 decode).
     7b_engine32) run_bench 7b_engine32 150 --compile --skip-hf --prompt-lengths 128 --batch-sizes 32 \

@@ -20,7 +20,7 @@ from typing import Optional
 DRAINING_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
-REPORTS = ("7b_compiled", "7b_int8", "7b_engine32", "7b_hf_compiled")
+REPORTS = ("7b_compiled", "7b_int8", "7b_engine32", "7b_hf_compiled", "7b_int4")
 
 
 def _load(folder: Path, name: str) -> Optional[dict]:
@@ -33,8 +33,7 @@ def _load(folder: Path, name: str) -> Optional[dict]:
 
 def rows(folder: Path) -> list[tuple[str, str, str, str]]:
     """(target, measured, report, met) for each target of the GPU issue."""
-    compiled, int8, engine32, hf_compiled = (
-        _load(folder, name) for name in ("7b_compiled", "7b_int8", "7b_engine32", "7b_hf_compiled"))
+    compiled, int8, engine32, hf_compiled, int4 = (_load(folder, name) for name in REPORTS)
     out = []
 
     def add(target: str, report: Optional[dict], source: str, value, fmt: str, met) -> None:
@@ -66,6 +65,11 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
         "{:.2f}x", lambda v: v >= 1.7)
     add("int8 largest logprob deviation from bf16 (reported)", int8, "7b_int8",
         None if int8 is None else int8.get("int8_max_logprob_deviation"), "{:.3f}", lambda v: True)
+    if int4 is not None:  # an optional step
+        add("int4 over bf16 compiled decode (reported)", int4, "7b_int4", ratio(int4, "decode_over_llama_core_float"),
+            "{:.2f}x", lambda v: True)
+        add("int4 largest logprob deviation from bf16 (reported)", int4, "7b_int4",
+            int4.get("int4_max_logprob_deviation"), "{:.3f}", lambda v: True)
     aggregate = None if engine32 is None else engine32["results"]["llama_core"]["aggregate_tokens_per_s"].get("32")
     batch1 = decode(compiled)
     add("engine, 32 sequences >= 12x its batch-1 decode", engine32, "7b_engine32 / 7b_compiled",

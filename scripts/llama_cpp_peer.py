@@ -34,7 +34,20 @@ class LlamaCpp:
         return self.bin / name
 
     def convert(self, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
-        """hf_dir (config.json, safetensors, tokenizer.model) as a GGUF file of outtype (f32, f16, q8_0)."""
+        """hf_dir (config.json, safetensors, tokenizer.model) as a GGUF file of outtype: what the converter writes
+        (f32, f16, bf16, q8_0), or q4_0, which llama-quantize makes from the f32 file (its default mix for q4_0:
+        the output layer in q6_K)."""
+        if outtype == "q4_0":
+            wide = self.convert(hf_dir, out.with_name(out.stem + "-f32.gguf"), "f32")
+            if not self.tool("llama-quantize").is_file():
+                raise PeerError(f"no llama-quantize in {self.bin}: build it in {self.source}/build with "
+                                "cmake --build build --target llama-quantize, and copy build/bin into that folder")
+            result = subprocess.run([str(self.tool("llama-quantize")), str(wide), str(out), "q4_0"],
+                                    capture_output=True, text=True)
+            wide.unlink()
+            if result.returncode != 0:
+                raise PeerError(f"llama-quantize failed:\n{result.stderr[-2000:]}")
+            return out
         env = dict(os.environ, PYTHONPATH=str(self.source / "gguf-py"))
         command = [sys.executable, str(self.source / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
                    "--outfile", str(out)]

@@ -261,7 +261,7 @@ def test_gpu_check_runs_the_steps_asked_for_and_carries_the_shared_files(tmp_pat
 
     steps = gpu_check("--list").stdout.splitlines()
     assert steps == ["device", "7b_compiled", "tests_cuda", "7b_int8", "7b_engine32", "tests (optional)",
-                     "7b_hf_compiled (optional)", "load_7b (optional)"]
+                     "7b_hf_compiled (optional)", "load_7b (optional)", "7b_int4 (optional)"]
     assert gpu_check("--carry").returncode == 0
     assert (work / ".gpu-shared" / "models" / "stories260K" / "params.json").read_text() == "{}"
     assert (work / ".gpu-shared" / "llama2" / "tokenizer.model").read_bytes() == b"sp"
@@ -285,11 +285,12 @@ def test_gpu_checks_benchmark_steps_run_their_options_through_on_a_tiny_model(tm
     that an option combination fails)."""
     tiny = (f"{sys.executable} scripts/bench.py --shape custom --dim 64 --n-layers 2 --n-heads 4 --vocab-size 512 "
             "--device cpu --threads 1")
-    result = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path), "7b_compiled", "7b_int8", "7b_engine32"],
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path), "7b_compiled", "7b_int8", "7b_engine32",
+                             "7b_int4"],
                             cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env=dict(os.environ, GPU_CHECK_BENCH=tiny, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout[-3000:]
-    for step in ("7b_compiled", "7b_int8", "7b_engine32"):
+    for step in ("7b_compiled", "7b_int8", "7b_engine32", "7b_int4"):
         assert f"== {step}: exit 0 " in result.stdout, result.stdout[-3000:]
         report = json.loads((tmp_path / f"{step}.json").read_text())
         assert "cut_short" not in report and report["phases_done"][0] == "decode", step
@@ -301,7 +302,10 @@ def test_gpu_checks_benchmark_steps_run_their_options_through_on_a_tiny_model(tm
     assert int8["ratios"]["decode_over_llama_core_float"] > 0 and "int8_max_logprob_deviation" in int8
     engine32 = json.loads((tmp_path / "7b_engine32.json").read_text())
     assert engine32["results"]["llama_core"]["aggregate_tokens_per_s"]["32"] > 0
+    int4 = json.loads((tmp_path / "7b_int4.json").read_text())
+    assert int4["ratios"]["decode_over_llama_core_float"] > 0 and int4["int4_max_logprob_deviation"] > 0
     summary = _run("gpu_summary.py", str(tmp_path))
+    assert "| int4 over bf16 compiled decode (reported) | " in summary.stdout
     unmeasured = [line.split(" | ")[0].lstrip("| ") for line in summary.stdout.splitlines() if "not measured" in line]
     # On the CPU there is no copy bandwidth and no GPU to be busy; HF compiled is an optional step.
     assert summary.returncode == 0 and unmeasured == [

@@ -298,13 +298,14 @@ def test_generate_chats_with_the_message_from_stdin(llama):
     assert result.errors == []  # --quiet
 
 
-def test_generate_with_int8_weights_says_so_and_completes_as_the_python_api_does():
-    result = run(GENERATE, "ROMEO:", "--quantize", "int8", "--temperature", "0", "--max-new-tokens", "16", "--device",
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_generate_with_quantized_weights_says_so_and_completes_as_the_python_api_does(quantize):
+    result = run(GENERATE, "ROMEO:", "--quantize", quantize, "--temperature", "0", "--max-new-tokens", "16", "--device",
                  "cpu")
-    int8 = Llama.build(None, max_seq_len=TRAINED_FOR, max_batch_size=1, device="cpu", quantize="int8")
-    expected = int8.text_completion(["ROMEO:"], temperature=0, max_gen_len=16)[0]["generation"]
+    quantized = Llama.build(None, max_seq_len=TRAINED_FOR, max_batch_size=1, device="cpu", quantize=quantize)
+    expected = quantized.text_completion(["ROMEO:"], temperature=0, max_gen_len=16)[0]["generation"]
     assert result.status == 0 and result.stdout.strip() == expected.strip() and expected.strip()
-    assert result.errors[0].endswith("cpu, float32, int8 weights")
+    assert result.errors[0].endswith(f"cpu, float32, {quantize} weights")
 
 
 def test_generate_with_a_float16_kv_cache_says_so_and_completes_as_the_python_api_does():

@@ -5,6 +5,7 @@ written where torch writes it, and a model running them decodes as the torch pat
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from llama_core.cpu_kernels import PanelLinear, layer_ops
 from llama_core.config import ModelArgs
 from llama_core.kv_cache import KVCache
 from llama_core.model import TransformerBlock, apply_rotary, rotary_angles
+from llama_core.int4 import Int4PanelLinear, keep_int4_in_panels, quantize_int4
 from llama_core.packed_linear import pack_linears
+from llama_core.quantize import Int8PanelLinear, keep_int8_in_panels, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here to build llama_core's CPU kernels")
 
@@ -141,26 +144,33 @@ def test_several_new_tokens_per_row_attend_causally_as_torch_does():
     assert torch.equal(ours.v_cache, theirs.v_cache)
 
 
-def _block(seed: int) -> TransformerBlock:
+def _block(seed: int, quantize: Optional[str] = None) -> TransformerBlock:
     torch.manual_seed(seed)
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=32, multiple_of=16)
     block = TransformerBlock(args)
     for parameter in block.parameters():
         torch.nn.init.normal_(parameter, std=0.2)
     block.attention.kv_cache = KVCache(3, 32, args.n_kv_heads, args.head_dim, torch.float32, torch.device("cpu"))
+    if quantize is not None:  # as the loader quantizes a block, and the runner lays it out
+        {"int8": quantize_int8, "int4": quantize_int4}[quantize](block)
     block.attention.fuse_projections()
     block.feed_forward.fuse_projections()
     pack_linears(block)
+    keep_int8_in_panels(block)
+    keep_int4_in_panels(block)
     for module in block.modules():  # as Transformer.use_cpu_kernels turns them on
         if hasattr(module, "cpu_kernels"):
             module.cpu_kernels = True
     return block
 
 
-def test_a_block_in_one_call_gives_what_its_modules_give_one_by_one():
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_a_block_in_one_call_gives_what_its_modules_give_one_by_one(quantize):
     # Two rows of three new tokens each after cached positions of their own, as a prompt riding a decode step.
-    one_call, by_module = _block(0), _block(0)
+    one_call, by_module = _block(0, quantize), _block(0, quantize)
     assert one_call.in_one_call
+    if quantize is not None:
+        assert type(one_call.attention.wqkv) is {"int8": Int8PanelLinear, "int4": Int4PanelLinear}[quantize]
     for block in (one_call, by_module):
         torch.manual_seed(1)
         block.attention.kv_cache.k_cache.normal_()
@@ -177,6 +187,9 @@ def test_a_block_in_one_call_gives_what_its_modules_give_one_by_one():
     assert torch.equal(got, expected)
     assert torch.equal(one_call.attention.kv_cache.k_cache, by_module.attention.kv_cache.k_cache)
     assert torch.equal(one_call.attention.kv_cache.v_cache, by_module.attention.kv_cache.v_cache)
+    if quantize is not None:  # kinds mixed: module by module
+        one_call.feed_forward.w2 = PanelLinear(one_call.feed_forward.w2.dequantized().float())
+        assert not one_call.in_one_call
 
 
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16], ids=str)

@@ -1,4 +1,4 @@
-"""The CUDA path: the same answers as the CPU reference in float32, close ones in bfloat16 and int8, and
+"""The CUDA path: the same answers as the CPU reference in float32, close ones in bfloat16, int8 and int4, and
 the compiled decode step (CUDA graphs) equal to the eager one, through generate and the engine; and the
 real trained stories260K model greedy on CUDA as on the CPU."""
 
@@ -10,6 +10,7 @@ import torch
 from llama_core.devices import to_device
 from llama_core.runner import DecodeStep
 from llama_core.serving import Engine
+from llama_core.int4 import Int4Linear
 from llama_core.quantize import Int8Linear, quantize_int8
 
 from conftest import STORIES_DIR, build_llama, greedy_concurrently, hf_greedy, hf_logits, needs_stories
@@ -146,6 +147,25 @@ def test_int8_on_cuda_is_close_and_compiles(meta_ckpt_dir, cpu_fp32, tokenizer):
     tokens, lps = llama.generate(_prompts(tokenizer), 12, temperature=0, logprobs=True)
     assert all(len(t) == 12 for t in tokens)
     _assert_greedy_under(llama, _prompts(tokenizer), tokens, lps, tol=0.1)
+
+
+def test_int4_on_cuda_is_close_to_the_cpus_and_compiles(meta_ckpt_dir, tokenizer):
+    # The same 4-bit weights (quantized on each device alike); the CPU kernel also rounds the activations to int8.
+    cpu_int4 = build_llama(meta_ckpt_dir, quantize="int4")
+    llama = build_llama(meta_ckpt_dir, device="cuda", dtype="float32", quantize="int4")
+    assert llama.loaded.info.quantization == "int4"
+    assert isinstance(llama.model.layers[0].attention.wqkv, Int4Linear)
+    assert isinstance(llama.model.output, Int8Linear)
+    prompt = _prompts(tokenizer)[2]
+    with torch.inference_mode():
+        ref = torch.log_softmax(cpu_int4.model(torch.tensor([prompt]), kv_len=len(prompt))[0], -1)
+        got = torch.log_softmax(llama.model(torch.tensor([prompt], device="cuda"), kv_len=len(prompt))[0], -1).cpu()
+    assert float((ref.exp() * (got - ref).abs()).sum(-1).max()) < 0.05
+    eager = build_llama(meta_ckpt_dir, device="cuda", dtype="bfloat16", quantize="int4")
+    compiled = build_llama(meta_ckpt_dir, device="cuda", dtype="bfloat16", quantize="int4", compile=True)
+    tokens, lps = compiled.generate(_prompts(tokenizer), 12, temperature=0, logprobs=True)
+    assert all(len(t) == 12 for t in tokens)
+    _assert_greedy_under(eager, _prompts(tokenizer), tokens, lps, tol=0.1)
 
 
 @needs_stories

@@ -90,18 +90,23 @@ def test_truncated_pth(tmp_path, meta_ckpt_dir):
         build_llama(ckpt)
 
 
-def test_truncated_safetensors(tmp_path, hf_ckpt_dir):
-    ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
-    shard = sorted(ckpt.glob("model-*.safetensors"))[-1]
+HF_SHARDS = {"hf": "model-*.safetensors", "hf_bin": "pytorch_model-*.bin"}
+
+
+@pytest.mark.parametrize("layout", HF_SHARDS)
+def test_a_truncated_hf_shard_is_named(tmp_path, ckpt_dirs, layout):
+    ckpt = copy_ckpt(ckpt_dirs[layout], tmp_path / "ckpt")
+    shard = sorted(ckpt.glob(HF_SHARDS[layout]))[-1]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=rf"cannot read weight shard .*{shard.name}"):
         build_llama(ckpt)
 
 
-def test_hf_index_names_a_missing_shard(tmp_path, hf_ckpt_dir):
-    ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
-    shard = sorted(ckpt.glob("model-*.safetensors"))[0]
+@pytest.mark.parametrize("layout", HF_SHARDS)
+def test_hf_index_names_a_missing_shard(tmp_path, ckpt_dirs, layout):
+    ckpt = copy_ckpt(ckpt_dirs[layout], tmp_path / "ckpt")
+    shard = sorted(ckpt.glob(HF_SHARDS[layout]))[0]
     shard.unlink()
     with pytest.raises(CheckpointNotFoundError, match=rf"weight shard .*{shard.name} listed in .*index.json not found"):
         build_llama(ckpt)
@@ -113,24 +118,6 @@ def test_hf_without_weights(tmp_path, hf_ckpt_dir):
         path.unlink()
     with pytest.raises(CheckpointNotFoundError, match="no model.safetensors, model.safetensors.index.json, "
                        "pytorch_model.bin or pytorch_model.bin.index.json in "):
-        build_llama(ckpt)
-
-
-def test_truncated_pytorch_bin_shard(tmp_path, hf_bin_ckpt_dir):
-    ckpt = copy_ckpt(hf_bin_ckpt_dir, tmp_path / "ckpt")
-    shard = sorted(ckpt.glob("pytorch_model-*.bin"))[-1]
-    data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=rf"cannot read weight shard .*{shard.name} \(truncated"):
-        build_llama(ckpt)
-
-
-def test_pytorch_bin_index_names_a_missing_shard(tmp_path, hf_bin_ckpt_dir):
-    ckpt = copy_ckpt(hf_bin_ckpt_dir, tmp_path / "ckpt")
-    shard = sorted(ckpt.glob("pytorch_model-*.bin"))[0]
-    shard.unlink()
-    with pytest.raises(CheckpointNotFoundError, match=rf"weight shard .*{shard.name} listed in .*pytorch_model"
-                       r"\.bin\.index\.json not found"):
         build_llama(ckpt)
 
 

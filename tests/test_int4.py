@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from llama_core import DEFAULT_CKPT_DIR, Llama, Tokenizer, cpu_kernels
+from llama_core import DEFAULT_CKPT_DIR, Llama, Tokenizer, cpu_kernels, int4
 from llama_core.cpu_kernels import build
 from llama_core.int4 import (GROUP, Int4Linear, Int4PanelLinear, dequantize, from_int4_panels, group_rounding,
                              pack_levels, quantize_groups, quantize_int4, to_int4_panels, unpack_levels)
@@ -51,17 +51,25 @@ def test_each_group_is_rounded_as_q4_0_rounds_it(shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_the_layouts_round_trip(shape):
-    levels, scales = quantize_groups(torch.randn(shape))
+def test_the_layouts_round_trip(shape, monkeypatch):
+    weight = torch.randn(shape)
+    levels, scales = quantize_groups(weight)
     assert torch.equal(unpack_levels(pack_levels(levels)), levels)
-    panels, panel_scales = to_int4_panels(levels, scales)
+    panels, panel_scales = to_int4_panels(pack_levels(levels), scales)
     assert panels.shape == (-(-shape[0] // 32), levels.shape[1] // GROUP, GROUP // 4, 16, 4)
     back_levels, back_scales = from_int4_panels(panels, panel_scales, shape[0])
     assert torch.equal(back_levels, levels) and torch.equal(back_scales, scales)
-    layer = Int4Linear(torch.randn(shape))
+    layer = Int4Linear(weight)
+    assert torch.equal(layer.packed, pack_levels(levels)) and torch.equal(layer.scales, scales)
     in_panels = Int4PanelLinear(layer)
     assert torch.equal(in_panels.packed, layer.packed) and torch.equal(in_panels.scales, layer.scales)
     assert not dict(in_panels.state_dict())  # like PanelLinear's, the panels are not in the state dict
+    # A few rows, and a few panels, at a time (as a 7B's weights are) give the same bytes.
+    monkeypatch.setattr(int4, "ROUNDING_CHUNK_BYTES", 4 * 96 * 3)
+    monkeypatch.setattr(int4, "PANELS_AT_A_TIME_BYTES", 1)
+    in_pieces = Int4Linear(weight)
+    assert torch.equal(in_pieces.packed, layer.packed) and torch.equal(in_pieces.scales, layer.scales)
+    assert torch.equal(to_int4_panels(in_pieces.packed, scales)[0], panels)
 
 
 def _exact(x: torch.Tensor, layer: Int4Linear) -> tuple[torch.Tensor, torch.Tensor]:

@@ -137,7 +137,7 @@ def _declare(library: ctypes.CDLL) -> None:
                                           size, size, size, size, size, pointer, ctypes.c_int]
     library.attend_new_tokens.restype = ctypes.c_int
     library.decoder_block.argtypes = [pointer, size, size, ctypes.c_float, pointer, ctypes.c_int, pointer, pointer, pointer,
-                                      pointer, pointer, size, pointer, ctypes.c_int, pointer, pointer, pointer, pointer, size,
+                                      pointer, size, pointer, ctypes.c_int, pointer, pointer, pointer, pointer, size,
                                       size, size, size, size, ctypes.c_int]
     library.decoder_block.restype = ctypes.c_int
     library.argmax_rows.argtypes = [pointer, size, size, pointer]

@@ -4,6 +4,7 @@ runner turned them on (`Transformer.use_cpu_kernels`)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -111,21 +112,49 @@ def attend(qkv: torch.Tensor, slots: TokenSlots, k_cache: torch.Tensor, v_cache:
 
 def decoder_block(x: torch.Tensor, slots: TokenSlots, block) -> torch.Tensor:
     """A whole TransformerBlock (llama_core.model) in one call of block.c, for x [..., dim] holding the tokens
-    of slots in order; the block's projections must be PanelLinear, their panels of one dtype, and its
-    attention cached. The same values as its modules give one by one."""
+    of slots in order; the block's projections must be all PanelLinear with panels of one dtype, all int8 or all
+    int4 in panels (see `block_projections`), and its attention cached. The same values as its modules give one
+    by one."""
     attention, feed_forward = block.attention, block.feed_forward
     cache = attention.kv_cache
+    kind, weights, scales, sums = block_projections(block)
     out = x.contiguous().clone()
     status = panels._KERNELS.decoder_block(
         out.data_ptr(), slots.count, out.shape[-1], block.attention_norm.eps, block.attention_norm.weight.data_ptr(),
-        panels.PANEL_KINDS[attention.wqkv.panels.dtype], attention.wqkv.panels.data_ptr(), attention.wo.panels.data_ptr(), block.ffn_norm.weight.data_ptr(),
-        feed_forward.w13.panels.data_ptr(), feed_forward.w2.panels.data_ptr(), feed_forward.w2.in_features,
+        kind, weights, scales, sums, block.ffn_norm.weight.data_ptr(), feed_forward.w2.in_features,
         slots.rotation.data_ptr(), cache_kind(cache.k_cache, cache.v_cache), cache.k_cache.data_ptr(),
         cache.v_cache.data_ptr(), slots.rows.data_ptr(),
         slots.positions.data_ptr(), attention.n_heads, attention.n_kv_heads, attention.head_dim,
         cache.k_cache.shape[0], cache.k_cache.shape[2], torch.get_num_threads())
     _check(status, slots, cache.k_cache)
     return out
+
+
+INT8, INT4 = 3, 4  # block.c's kinds for int8 and int4 panels, after PANEL_KINDS' float ones
+
+
+def block_projections(block) -> tuple[int, ctypes.Array, Optional[ctypes.Array], Optional[ctypes.Array]]:
+    """block.c's kind for a block's four projections (wqkv, wo, w13, w2) and their panels', scales' and row
+    sums' addresses as C arrays, made once per set of panels and kept on the block."""
+    projections = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
+    key = tuple(t.data_ptr() for p in projections for t in p.buffers())
+    kept = block.__dict__.get("_block_projections")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    weights, first = [p.panels for p in projections], projections[0]
+    if hasattr(first, "weight_sums"):  # Int8PanelLinear
+        kind, scales, sums = INT8, [p.padded_scales for p in projections], [p.weight_sums for p in projections]
+    elif hasattr(first, "panel_scales"):  # Int4PanelLinear
+        kind, scales, sums = INT4, [p.panel_scales for p in projections], None
+    else:
+        kind, scales, sums = panels.PANEL_KINDS[first.panels.dtype], None, None
+
+    def addresses(tensors):
+        return None if tensors is None else (ctypes.c_void_p * 4)(*(t.data_ptr() for t in tensors))
+
+    arrays = (kind, addresses(weights), addresses(scales), addresses(sums))
+    block._block_projections = (key, arrays)
+    return arrays
 
 
 def cache_kind(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -141,7 +170,7 @@ def _check(status: int, slots: TokenSlots, k_cache: torch.Tensor) -> None:
         raise IndexError(f"cache rows {slots.rows.tolist()} or positions {slots.positions.tolist()} outside a KV "
                          f"cache of {k_cache.shape[0]} rows and {k_cache.shape[2]} positions")
     if status:
-        raise MemoryError("no memory for the attention's scores")
+        raise MemoryError("no memory for the layer's working buffers")
     torch.autograd.graph.increment_version(k_cache)  # the cache was written: its owners watch this counter
 
 

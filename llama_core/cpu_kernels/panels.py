@@ -32,6 +32,15 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 _KERNELS: Optional[ctypes.CDLL] = None  # the library, once loaded: products then skip build.load's checks
 
 
+def kernel_for(layer: nn.Module) -> str:
+    """"panels" where the kernels are built (and not turned off) when a quantized layer first runs on the CPU,
+    else "torch"; kept on the layer, so that it never changes kernel between calls."""
+    kernel = layer.__dict__.get("_kernel")
+    if kernel is None:
+        kernel = layer._kernel = "panels" if available() else "torch"
+    return kernel
+
+
 def available() -> bool:
     """Whether the panel kernels are built and loaded, and not turned off (see build.load)."""
     global _KERNELS
@@ -112,9 +121,10 @@ def from_int8_panels(panels: torch.Tensor, out_features: int, in_features: int) 
 
 def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int, in_features: int,
                   scales: Optional[torch.Tensor] = None, weight_sums: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [..., in] (float32, CPU) @ W.T for W in panels: float32, bfloat16 or float16 (to_panels), or int8
-    (to_int8_panels) with float32 scales and int32 row sums, both [count * PANEL]. Raises RuntimeError where the kernels are not
-    built (see available)."""
+    """x [..., in] (float32, CPU) @ W.T for W in panels: float32, bfloat16 or float16 (to_panels), int8
+    (to_int8_panels) with float32 scales and int32 row sums, both [count * PANEL], or int4 (uint8 panels,
+    llama_core.int4.to_int4_panels) with their scales. Raises RuntimeError where the kernels are not built (see
+    available)."""
     library = _KERNELS or build.load()
     if library is None:
         raise RuntimeError("llama_core's CPU kernels are not built here (see llama_core.cpu_kernels.build)")
@@ -125,6 +135,10 @@ def panel_product(x: torch.Tensor, panels: torch.Tensor, out_features: int, in_f
     if scales is None:
         getattr(library, _PRODUCTS[panels.dtype])(x.data_ptr(), panels.data_ptr(), None, out.data_ptr(), rows,
                                                   out_features, in_features, torch.get_num_threads())
+    elif panels.dtype == torch.uint8:
+        if library.panel_linear_i4(x.data_ptr(), panels.data_ptr(), scales.data_ptr(), out.data_ptr(), rows,
+                                   out_features, in_features, torch.get_num_threads()):
+            raise MemoryError(f"no memory for {rows} rows of int8 activations")
     elif library.panel_linear_i8(x.data_ptr(), panels.data_ptr(), scales.data_ptr(), weight_sums.data_ptr(),
                                  out.data_ptr(), rows, out_features, in_features, torch.get_num_threads()):
         raise MemoryError(f"no memory for {rows} rows of int8 activations")

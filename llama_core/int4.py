@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .cpu_kernels.panels import PANEL, _huge_page_empty, kernel_for, panel_product
-from .quantize import ROUNDING_CHUNK_BYTES, Int8Linear, _quantizable
+from .cpu_kernels.panels import PANEL, huge_page_empty, kernel_for, panel_product
+from .quantize import ROUNDING_CHUNK_BYTES, Int8Linear, quantizable
 
 GROUP = 32  # inputs sharing a scale; linear.c's GROUP
 ZERO_LEVEL = 8  # the level standing for 0: level q is (q - 8) * scale
@@ -86,7 +86,7 @@ def to_int4_panels(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Te
     that no temporary is as large as the weight."""
     rows, groups = scales.shape
     count = -(-rows // PANEL)
-    panels = _huge_page_empty((count, groups, GROUP // 4, 16, 4), torch.uint8)
+    panels = huge_page_empty((count, groups, GROUP // 4, 16, 4), torch.uint8)
     step = max(1, PANELS_AT_A_TIME_BYTES // (PANEL * groups * GROUP))
     for first in range(0, count, step):
         last = min(first + step, count)
@@ -118,6 +118,8 @@ class Int4Linear(nn.Module):
     """y = x @ W.T for W [out, in] held as 4-bit levels in groups of GROUP inputs with a float32 scale each
     (`quantize_groups`): `packed` [out, K / 2] bytes, two levels each, and `scales` [out, K / GROUP], K being in
     rounded up to GROUP."""
+
+    quantization = "int4"  # what llama_core.quantize.quantization_of reports
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -226,10 +228,10 @@ def quantize_int4(model: nn.Module) -> nn.Module:
     a Transformer's `output`, which becomes an Int8Linear; returns model, or what replaces it where model is
     itself a projection: an Int8Linear, since the loader hands the output layer over on its own, and every
     other projection inside its block."""
-    if _quantizable(model):
+    if quantizable(model):
         return Int8Linear(model.weight)
     for name, child in list(model.named_children()):
-        if _quantizable(child):
+        if quantizable(child):
             setattr(model, name, Int8Linear(child.weight) if name == "output" else Int4Linear(child.weight))
         else:
             quantize_int4(child)

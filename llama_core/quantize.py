@@ -42,6 +42,8 @@ QUANTIZATIONS = ("int8", "int4")  # what Llama.build(quantize=...) takes besides
 class Int8Linear(nn.Module):
     """y = x @ (W_int8 * scales[:, None]).T: weight int8 [out, in] row-major, scales [out] in the model's dtype."""
 
+    quantization = "int8"  # what quantization_of reports
+
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         quantized, scales = _rounded_rows(weight.detach())
@@ -168,7 +170,7 @@ def keep_int8_in_panels(model: nn.Module) -> int:
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replaces every bias-free nn.Linear (and oneDNN-packed projection) in model with an Int8Linear, in place;
     returns model, or its Int8Linear where model is itself such a linear."""
-    if _quantizable(model):
+    if quantizable(model):
         return Int8Linear(model.weight)
     for name, child in list(model.named_children()):
         setattr(model, name, quantize_int8(child))
@@ -199,19 +201,15 @@ def _rounded_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 ROUNDING_CHUNK_BYTES = 1 << 21  # float32 rows _rounded_rows rounds at a time on the CPU
 
 
-def _quantizable(module: nn.Module) -> bool:
+def quantizable(module: nn.Module) -> bool:
     return isinstance(module, (PackedLinear, cpu_kernels.PanelLinear)) or (isinstance(module, nn.Linear) and module.bias is None)
 
 
 def quantization_of(model: nn.Module) -> Optional[str]:
-    """"int4" when model holds int4 layers (its output layer is then int8), "int8" when it holds int8 ones only,
-    else None."""
-    from .int4 import Int4Linear
-
-    kinds = {type(m) for m in model.modules()}
-    if any(issubclass(kind, Int4Linear) for kind in kinds):
-        return "int4"
-    return "int8" if any(issubclass(kind, Int8Linear) for kind in kinds) else None
+    """"int4" when model holds int4 layers (llama_core.int4; its output layer is then int8), "int8" when it holds
+    int8 ones only, else None."""
+    held = {getattr(m, "quantization", None) for m in model.modules()}
+    return "int4" if "int4" in held else "int8" if "int8" in held else None
 
 
 def _fbgemm_pack(weight: torch.Tensor, scales: torch.Tensor):

@@ -364,5 +364,5 @@ def test_load_bench_reports_memory_for_each_layout_and_load(tmp_path, tokenizer_
 
 
 def test_load_bench_names_a_bad_load():
-    result = _run("bench_load.py", "--loads", "float32+int4")
-    assert result.returncode == 2 and "--loads: 'float32+int4' is not a dtype" in result.stderr
+    result = _run("bench_load.py", "--loads", "float32+int2")
+    assert result.returncode == 2 and "--loads: 'float32+int2' is not a dtype" in result.stderr

@@ -4,7 +4,6 @@ runner turned them on (`Transformer.use_cpu_kernels`)."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -133,28 +132,26 @@ def decoder_block(x: torch.Tensor, slots: TokenSlots, block) -> torch.Tensor:
 INT8, INT4 = 3, 4  # block.c's kinds for int8 and int4 panels, after PANEL_KINDS' float ones
 
 
-def block_projections(block) -> tuple[int, ctypes.Array, Optional[ctypes.Array], Optional[ctypes.Array]]:
-    """block.c's kind for a block's four projections (wqkv, wo, w13, w2) and their panels', scales' and row
-    sums' addresses as C arrays, made once per set of panels and kept on the block."""
+def block_projections(block) -> tuple[int, int, Optional[int], Optional[int]]:
+    """block.c's kind for a block's four projections (wqkv, wo, w13, w2), and the addresses of three C arrays of
+    their panels', scales' and row sums' addresses (None where the kind has none). The arrays are int64 tensors,
+    made once per set of panels and kept on the block (a copy of the block makes them again)."""
     projections = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
-    key = tuple(t.data_ptr() for p in projections for t in p.buffers())
+    key = tuple(p.panels.data_ptr() for p in projections)  # each kind's scales and sums are made with its panels
     kept = block.__dict__.get("_block_projections")
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    weights, first = [p.panels for p in projections], projections[0]
-    if hasattr(first, "weight_sums"):  # Int8PanelLinear
-        kind, scales, sums = INT8, [p.padded_scales for p in projections], [p.weight_sums for p in projections]
-    elif hasattr(first, "panel_scales"):  # Int4PanelLinear
-        kind, scales, sums = INT4, [p.panel_scales for p in projections], None
-    else:
-        kind, scales, sums = panels.PANEL_KINDS[first.panels.dtype], None, None
-
-    def addresses(tensors):
-        return None if tensors is None else (ctypes.c_void_p * 4)(*(t.data_ptr() for t in tensors))
-
-    arrays = (kind, addresses(weights), addresses(scales), addresses(sums))
-    block._block_projections = (key, arrays)
-    return arrays
+    if kept is None or kept[0] != key:
+        weights, first = [p.panels for p in projections], projections[0]
+        if hasattr(first, "weight_sums"):  # Int8PanelLinear
+            kind, scales, sums = INT8, [p.padded_scales for p in projections], [p.weight_sums for p in projections]
+        elif hasattr(first, "panel_scales"):  # Int4PanelLinear
+            kind, scales, sums = INT4, [p.panel_scales for p in projections], None
+        else:
+            kind, scales, sums = panels.PANEL_KINDS[first.panels.dtype], None, None
+        arrays = [None if tensors is None else torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+                  for tensors in (weights, scales, sums)]
+        kept = block._block_projections = (key, kind, arrays)  # the arrays live as long as the addresses they give
+    _, kind, arrays = kept
+    return (kind, *(None if array is None else array.data_ptr() for array in arrays))
 
 
 def cache_kind(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:

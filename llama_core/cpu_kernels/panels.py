@@ -70,7 +70,7 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     with a shift (column j) and a mask (column 16 + j)."""
     out_features, in_features = weight.shape
     count = -(-out_features // PANEL)
-    panels = _huge_page_empty((count, in_features, PANEL), weight.dtype)
+    panels = huge_page_empty((count, in_features, PANEL), weight.dtype)
     rows = _padded(weight, count * PANEL, in_features)
     if weight.dtype == torch.bfloat16:  # [panel, half, j, k] -> [panel, k, j, half]
         panels.view(count, in_features, PANEL // 2, 2).copy_(rows.view(count, 2, PANEL // 2, in_features).permute(0, 3, 2, 1))
@@ -95,7 +95,7 @@ def to_int8_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out_features, in_features = weight.shape
     count, groups = -(-out_features // PANEL), -(-in_features // 4)
     padded = _padded(weight, count * PANEL, groups * 4)
-    panels = _huge_page_empty((count, groups, PANEL, 4), torch.int8)
+    panels = huge_page_empty((count, groups, PANEL, 4), torch.int8)
     panels.copy_(padded.view(count, PANEL, groups, 4).transpose(1, 2))
     return panels, _row_sums(padded)
 
@@ -184,7 +184,7 @@ def _padded(weight: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     return padded
 
 
-def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor, in fresh memory advised into 2 MiB pages where it is big enough for them
     (on Linux); elsewhere torch.empty."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -8,6 +8,8 @@ import ctypes
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from llama_core import DEFAULT_CKPT_DIR, Llama, Tokenizer, cpu_kernels, int4
@@ -212,3 +214,16 @@ def test_int4_weights_take_what_the_memory_plan_says():
     held = sum(t.nbytes for m in layers for t in m.buffers())
     weights = sum(m.in_features * m.out_features for m in layers)
     assert held <= 1.15 * weights * (0.5 + 4 / GROUP)  # 4 bits and a float32 scale per 32 weights, panels padded
+
+
+@needs_kernels
+@settings(max_examples=60, deadline=None)
+@given(out_features=st.integers(1, 80), in_features=st.integers(1, 200), rows=st.integers(1, 19),
+       seed=st.integers(0, 2**16), spread=st.floats(1e-3, 1e3))
+def test_any_shape_gives_the_exact_sum_of_its_rounded_operands(out_features, in_features, rows, seed, spread):
+    # Ragged groups, panels and row tiles in every combination.
+    torch.manual_seed(seed)
+    layer = Int4Linear(torch.randn(out_features, in_features) * spread)
+    x = torch.randn(rows, in_features) / spread
+    assert_float32_sum_of(layer(x), _exact(x, layer))
+    assert torch.equal(layer(x[-1:]), layer(x)[-1:])

@@ -243,17 +243,18 @@ def _app_completes(*flags: str, prompt: str = "ROMEO:", max_tokens: int = 12):
     return answer, output
 
 
-def test_the_app_with_int8_weights_starts_says_so_and_answers():
-    """`llama-chat --quantize int8`: the engine process quantizes its model, the start-up line and the Model
-    tab say so, and a greedy completion over the API is the Python API's int8 one."""
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_the_app_with_quantized_weights_starts_says_so_and_answers(quantize):
+    """`llama-chat --quantize int8` (or int4): the engine process quantizes its model, the start-up line and the
+    Model tab say so, and a greedy completion over the API is the Python API's quantized one."""
     from llama_core.app import ui
 
-    answer, output = _app_completes("--quantize", "int8", "--max-seq-len", "128")
-    int8 = Llama.build(None, max_seq_len=128, max_batch_size=1, device="cpu", quantize="int8")
-    expected = int8.text_completion(["ROMEO:"], temperature=0, max_gen_len=12)[0]["generation"]
+    answer, output = _app_completes("--quantize", quantize, "--max-seq-len", "128")
+    quantized = Llama.build(None, max_seq_len=128, max_batch_size=1, device="cpu", quantize=quantize)
+    expected = quantized.text_completion(["ROMEO:"], temperature=0, max_gen_len=12)[0]["generation"]
     assert answer.json()["choices"][0]["text"] == expected and expected.strip()
-    assert output.splitlines()[0].endswith("cpu, float32, int8 weights, 8 requests at a time"), output
-    assert "| dtype · device | float32, int8 weights · cpu |" in ui.model_facts(int8.loaded.info)
+    assert output.splitlines()[0].endswith(f"cpu, float32, {quantize} weights, 8 requests at a time"), output
+    assert f"| dtype · device | float32, {quantize} weights · cpu |" in ui.model_facts(quantized.loaded.info)
 
 
 def test_the_app_with_a_compiled_step_says_it_is_compiling_and_answers_as_eager_does():

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
-from .cpu_kernels import PanelLinear, layer_ops
+from .cpu_kernels import layer_ops
 from .devices import execution_device
 from .kv_cache import KVCache
-from .int4 import Int4Linear, Int4PanelLinear
-from .quantize import Int8Linear, Int8PanelLinear
+from .int4 import Int4Linear
+from .quantize import Int8Linear
 
 
 # Prompts up to this many tokens attend in llama_core.cpu_kernels (one token at a time, O(length) each);
@@ -228,9 +228,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, rotation, input_pos, mask, cache_rows, kv_len, spans=None, slots=None) -> torch.Tensor:
         """slots (llama_core.cpu_kernels.layer_ops.TokenSlots): every token attends in the CPU kernels; with
-        float32 projections in panels the whole block then runs in one call of them."""
-        if slots is not None and self.in_one_call:
-            return layer_ops.decoder_block(x, slots, self)
+        projections in panels of one kind the whole block then runs in one call of them."""
+        if slots is not None and (projections := layer_ops.block_projections(self)) is not None:
+            return layer_ops.decoder_block(x, slots, self, projections)
         h = x + self.attention(self.attention_norm(x), rotation, input_pos, mask, cache_rows, kv_len, spans, slots)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -238,12 +238,7 @@ class TransformerBlock(nn.Module):
     def in_one_call(self) -> bool:
         """Whether llama_core.cpu_kernels can run this block in one call: fused projections all in panels of one
         kind (float32 ones of one panel dtype, int8 ones, or int4 ones)."""
-        attention, feed_forward = self.attention, self.feed_forward
-        projections = [getattr(module, name, None) for module, name in
-                       ((attention, "wqkv"), (attention, "wo"), (feed_forward, "w13"), (feed_forward, "w2"))]
-        if all(isinstance(p, PanelLinear) for p in projections):
-            return len({p.panels.dtype for p in projections}) == 1
-        return any(all(type(p) is kind for p in projections) for kind in (Int8PanelLinear, Int4PanelLinear))
+        return layer_ops.block_projections(self) is not None
 
 
 class Transformer(nn.Module):

@@ -109,14 +109,14 @@ def attend(qkv: torch.Tensor, slots: TokenSlots, k_cache: torch.Tensor, v_cache:
     return out
 
 
-def decoder_block(x: torch.Tensor, slots: TokenSlots, block) -> torch.Tensor:
+def decoder_block(x: torch.Tensor, slots: TokenSlots, block,
+                  projections: Optional[tuple[int, int, Optional[int], Optional[int]]] = None) -> torch.Tensor:
     """A whole TransformerBlock (llama_core.model) in one call of block.c, for x [..., dim] holding the tokens
-    of slots in order; the block's projections must be all PanelLinear with panels of one dtype, all int8 or all
-    int4 in panels (see `block_projections`), and its attention cached. The same values as its modules give one
-    by one."""
+    of slots in order; the block's projections must be in panels of one kind (see `block_projections`, which
+    gives `projections`) and its attention cached. The same values as its modules give one by one."""
     attention, feed_forward = block.attention, block.feed_forward
     cache = attention.kv_cache
-    kind, weights, scales, sums = block_projections(block)
+    kind, weights, scales, sums = projections or block_projections(block)
     out = x.contiguous().clone()
     status = panels._KERNELS.decoder_block(
         out.data_ptr(), slots.count, out.shape[-1], block.attention_norm.eps, block.attention_norm.weight.data_ptr(),
@@ -132,26 +132,41 @@ def decoder_block(x: torch.Tensor, slots: TokenSlots, block) -> torch.Tensor:
 INT8, INT4 = 3, 4  # block.c's kinds for int8 and int4 panels, after PANEL_KINDS' float ones
 
 
-def block_projections(block) -> tuple[int, int, Optional[int], Optional[int]]:
-    """block.c's kind for a block's four projections (wqkv, wo, w13, w2), and the addresses of three C arrays of
-    their panels', scales' and row sums' addresses (None where the kind has none). The arrays are int64 tensors,
-    made once per set of panels and kept on the block (a copy of the block makes them again)."""
-    projections = (block.attention.wqkv, block.attention.wo, block.feed_forward.w13, block.feed_forward.w2)
-    key = tuple(p.panels.data_ptr() for p in projections)  # each kind's scales and sums are made with its panels
+def block_projections(block) -> Optional[tuple[int, int, Optional[int], Optional[int]]]:
+    """Whether a block runs in one call of block.c, and how: None where its four projections (wqkv, wo, w13, w2)
+    are not all in panels of one kind (float32 panels of one dtype, int8 or int4); else block.c's kind and the
+    addresses of three C arrays of their panels', scales' and row sums' addresses (None where the kind has
+    none). Worked out once per set of projections and kept on the block (its arrays are int64 tensors, so a
+    copy of the block works them out again); every decode step asks, so this reads the modules' dicts directly."""
+    attention, feed_forward = block._modules["attention"], block._modules["feed_forward"]
+    projections = (attention._modules.get("wqkv"), attention._modules.get("wo"), feed_forward._modules.get("w13"),
+                   feed_forward._modules.get("w2"))
+    held = [None if p is None else p._buffers.get("panels") for p in projections]
+    key = tuple((id(p), None if t is None else t.data_ptr()) for p, t in zip(projections, held))
     kept = block.__dict__.get("_block_projections")
     if kept is None or kept[0] != key:
-        weights, first = [p.panels for p in projections], projections[0]
-        if hasattr(first, "weight_sums"):  # Int8PanelLinear
-            kind, scales, sums = INT8, [p.padded_scales for p in projections], [p.weight_sums for p in projections]
-        elif hasattr(first, "panel_scales"):  # Int4PanelLinear
-            kind, scales, sums = INT4, [p.panel_scales for p in projections], None
-        else:
-            kind, scales, sums = panels.PANEL_KINDS[first.panels.dtype], None, None
-        arrays = [None if tensors is None else torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-                  for tensors in (weights, scales, sums)]
-        kept = block._block_projections = (key, kind, arrays)  # the arrays live as long as the addresses they give
+        kept = block._block_projections = (key, *_one_call(projections, held))
     _, kind, arrays = kept
+    if kind is None:
+        return None
     return (kind, *(None if array is None else array.data_ptr() for array in arrays))
+
+
+def _one_call(projections, held) -> tuple[Optional[int], list]:
+    if any(t is None for t in held) or len({type(p) for p in projections}) != 1:
+        return None, []
+    quantization = getattr(projections[0], "quantization", None)
+    if quantization == "int8":
+        kind, scales, sums = INT8, [p.padded_scales for p in projections], [p.weight_sums for p in projections]
+    elif quantization == "int4":
+        kind, scales, sums = INT4, [p.panel_scales for p in projections], None
+    elif isinstance(projections[0], panels.PanelLinear) and len({t.dtype for t in held}) == 1:
+        kind, scales, sums = panels.PANEL_KINDS[held[0].dtype], None, None
+    else:
+        return None, []
+    arrays = [None if tensors is None else torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+              for tensors in (held, scales, sums)]  # they live as long as the addresses they give out
+    return kind, arrays
 
 
 def cache_kind(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:

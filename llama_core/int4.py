@@ -24,6 +24,9 @@ from .cpu_kernels.panels import PANEL, huge_page_empty, kernel_for, panel_produc
 from .quantize import ROUNDING_CHUNK_BYTES, Int8Linear, quantizable
 
 GROUP = 32  # inputs sharing a scale; linear.c's GROUP
+# torch's int4 CPU kernel (packing, product), where this torch has it: the product where llama_core's are not built
+_TORCH_INT4 = ((torch.ops.aten._convert_weight_to_int4pack_for_cpu, torch.ops.aten._weight_int4pack_mm_for_cpu)
+               if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") else None)
 ZERO_LEVEL = 8  # the level standing for 0: level q is (q - 8) * scale
 
 
@@ -163,7 +166,32 @@ class Int4Linear(nn.Module):
                 return F.linear(group_rounding(x), self.dequantized(x.dtype))
             panels, panel_scales = self._panels_for_cpu()
             return panel_product(x, panels, self.out_features, self.in_features, panel_scales)
+        if x.device.type == "cpu" and not torch.compiler.is_compiling() and _TORCH_INT4 is not None:
+            return self._torch_product(x)
         return F.linear(x, self.dequantized(x.dtype))
+
+    def _torch_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in torch's own int4 CPU kernel (bfloat16 activations), where llama_core's are not built:
+        its packed copy of the weight is made on first use (on top of this layer's: 1 byte a weight in all)."""
+        key = self.packed.data_ptr()
+        if getattr(self, "_torch_key", None) != key:
+            levels, scales = self.levels_and_scales()
+            rows = -(-self.out_features // 16) * 16  # torch's packing takes whole groups of 16 rows
+            padded = levels.new_full((rows, levels.shape[1]), ZERO_LEVEL)
+            padded[:self.out_features] = levels
+            padded_scales = scales.new_zeros(rows, scales.shape[1])
+            padded_scales[:self.out_features] = scales
+            # torch's levels stand for (q - 8) * scale + zero: zero is 0 here
+            scales_and_zeros = torch.stack([padded_scales.t(), torch.zeros_like(padded_scales.t())], dim=-1)
+            self._torch_packed = (_TORCH_INT4[0](padded.to(torch.int32), 1), scales_and_zeros.bfloat16().contiguous())
+            self._torch_key = key
+        packed, scales_and_zeros = self._torch_packed
+        rows = x.reshape(-1, x.shape[-1])
+        columns = packed.shape[1] * 2
+        if rows.shape[1] != columns:
+            rows = F.pad(rows, (0, columns - rows.shape[1]))
+        out = _TORCH_INT4[1](rows.bfloat16(), packed, GROUP, scales_and_zeros)[:, :self.out_features]
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def _panels_for_cpu(self) -> tuple[torch.Tensor, torch.Tensor]:
         """linear.c's panels and their scales, made on first use (see Int4PanelLinear for a layer holding only

@@ -307,3 +307,16 @@ def test_a_16_bit_checkpoint_loads_a_block_at_a_time_as_stored_into_its_panels(t
     assert projection_dtypes == {torch.bfloat16}
     panels = all(isinstance(block.attention.wqkv, PanelLinear) for block in llama.model.layers)
     assert panels == (dtype == "float32")  # a bfloat16 model runs torch's bfloat16 products, as before
+
+
+@pytest.mark.skipif(build.shutil.which("cc") is None, reason="no C compiler here")
+@pytest.mark.skipif(build.platform.machine() not in ("x86_64", "AMD64"), reason="AVX-512 is an x86 flag")
+def test_kernels_built_without_avx512_are_left_unused_saying_why(tmp_path, monkeypatch):
+    # Built for a CPU with AVX2 only, a tile's 64-byte accumulators live in memory: a 128-token prompt of the 110m
+    # shape took 5.5 s against torch's 88 ms (docs/benchmarks.md). Such a build is refused with one warning.
+    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "FLAGS", tuple("-march=haswell" if f == "-march=native" else f for f in build.FLAGS))
+    monkeypatch.setattr(build, "_loaded", {})
+    with pytest.warns(UserWarning, match="this CPU has no AVX-512, which llama_core's CPU kernels are written for"):
+        assert build.load() is None
+    assert list(tmp_path.glob("kernels/kernels-*.so"))  # it was built, then left unused

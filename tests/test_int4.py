@@ -135,13 +135,46 @@ def test_the_int4_product_without_vnni_is_the_same_sum(tmp_path):
             assert_float32_sum_of(out, _exact(x, layer))
 
 
-def test_without_the_kernels_the_product_is_the_dequantized_one():
-    layer = Int4Linear(torch.randn(96, 70))
+@pytest.mark.skipif(int4._TORCH_INT4 is None, reason="this torch has no int4 CPU kernel")
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_without_llama_cores_kernels_the_cpu_product_is_torchs_int4_one(shape):
+    layer = Int4Linear(torch.randn(shape))
     layer._kernel = "torch"  # what a layer settles on where the kernels are not built
+    x = torch.randn(5, shape[1])
+    exact = x.double() @ layer.dequantized(torch.float64).T
+    got = layer(x)  # torch's kernel multiplies bfloat16 activations
+    assert got.dtype == torch.float32 and float((got - exact).abs().max() / exact.abs().max()) < 1e-2
+    assert layer._torch_packed[0].dtype == torch.uint8  # its own packed copy was made and used
+
+
+def test_without_any_int4_kernel_the_product_is_the_dequantized_one(monkeypatch):
+    monkeypatch.setattr(int4, "_TORCH_INT4", None)
+    layer = Int4Linear(torch.randn(96, 70))
+    layer._kernel = "torch"
     x = torch.randn(5, 70)
     torch.testing.assert_close(layer(x).double(), x.double() @ layer.dequantized(torch.float64).T, atol=1e-5, rtol=1e-5)
     # Any other dtype (a GPU's bfloat16) multiplies the dequantized weight in that dtype.
     torch.testing.assert_close(layer(x.bfloat16()), x.bfloat16() @ layer.dequantized(torch.bfloat16).T)
+
+
+def test_a_model_without_llama_cores_kernels_serves_int4_close_to_one_with_them(monkeypatch, meta_ckpt_dir,
+                                                                                 tokenizer):
+    # Each rounds the activations its own way (int8 per group of 32, or bfloat16): each as close to float32's.
+    prompt = tokenizer.encode("def forward(self, x):", bos=True, eos=False)
+    float32, with_kernels = build_llama(meta_ckpt_dir), build_llama(meta_ckpt_dir, quantize="int4")
+    monkeypatch.setenv("LLAMA_CORE_CPU_KERNELS", "0")
+    without = build_llama(meta_ckpt_dir, quantize="int4")
+    assert without.loaded.info.quantization == "int4"
+    assert not any(type(m) is Int4PanelLinear for m in without.model.modules())
+    with torch.inference_mode():
+        reference, ours, theirs = (torch.log_softmax(llama.model(torch.tensor([prompt]), kv_len=len(prompt))[0], -1)
+                                   for llama in (float32, with_kernels, without))
+
+    def deviation(scores):  # the expected |logprob difference| under float32's distribution, at the worst position
+        return float((reference.exp() * (scores - reference).abs()).sum(-1).max())
+
+    assert 0 < deviation(theirs) < 1.5 * deviation(ours)
+    assert len(without.generate([prompt], 8, temperature=0)[0][0]) == 8
 
 
 @needs_kernels

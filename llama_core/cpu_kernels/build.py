@@ -49,8 +49,8 @@ def _cache_dirs() -> list[Path]:
 
 
 def load() -> Optional[ctypes.CDLL]:
-    """The compiled kernels (built on first call), or None where they are turned off or cannot be built
-    (one warning says why)."""
+    """The compiled kernels (built on first call), or None where they are turned off, cannot be built, or the
+    CPU lacks the AVX-512 they are written for (one warning says why)."""
     if not enabled():
         return None
     compiler = os.environ.get("CC") or "cc"
@@ -90,6 +90,11 @@ def _build_and_load(compiler: str) -> Optional[ctypes.CDLL]:
             last_error = str(error)
             continue
         _declare(library)
+        if not library.native_vectors():
+            warnings.warn("llama_core: this CPU has no AVX-512, which llama_core's CPU kernels are written for "
+                          "(without it they run many times slower than torch's), so CPU products use torch's "
+                          "kernels", stacklevel=3)
+            return None
         return library
     warnings.warn(f"llama_core: could not build the CPU kernels with {compiler!r}, so CPU products use torch's "
                   f"kernels: {last_error.strip()[:500]}", stacklevel=3)
@@ -129,6 +134,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.panel_linear_i4.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.panel_linear_i4.restype = ctypes.c_int
     library.panel_width.restype = ctypes.c_int
+    library.native_vectors.restype = ctypes.c_int
     library.rms_norm.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_float, ctypes.c_int]
     library.rms_norm.restype = None
     library.silu_mul.argtypes = [pointer, pointer, size, size, ctypes.c_int]

@@ -423,3 +423,15 @@ int panel_linear_i4(const float *x, const uint8_t *w, const float *scales, float
 
 /* The layout's constants, for the Python side to check against its own. */
 int panel_width(void) { return PANEL; }
+
+/* Whether the target has the 64-byte vector registers these kernels are written for (AVX-512F): a v16 is then
+ * one register and a tile's accumulators stay in registers. Elsewhere (AVX2, NEON) the compiler keeps them in
+ * memory, and a product of many rows runs many times slower than torch's own: the Python side then leaves
+ * the kernels unused. */
+int native_vectors(void) {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}

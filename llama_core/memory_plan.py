@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from .checkpoint_files import weight_files
+from .cpu_kernels import build as cpu_kernels_build
 from .config import ModelArgs
 from .devices import DTYPE_NAMES
 
@@ -37,9 +38,9 @@ def stored_bytes_per_weight(ckpt_dir: Path, args: ModelArgs) -> float:
 def plan_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[str], kv_cache_dtype: str,
                 max_batch_size: int, positions: int, on_cpu: bool = True) -> MemoryPlan:
     """A model's floor: the embedding in dtype; the projections in int8 or int4 when quantized, else on the CPU
-    in the 16 bits they are stored in when dtype is float32 (the CPU kernels keep them so), else in dtype; the KV
-    cache in kv_cache_dtype ("auto": dtype) for max_batch_size slots of `positions`. Small things (norms,
-    scales, panel padding, activations, the interpreter) come on top."""
+    in the 16 bits they are stored in when dtype is float32 and the CPU kernels are used (they keep them so),
+    else in dtype; the KV cache in kv_cache_dtype ("auto": dtype) for max_batch_size slots of `positions`. Small
+    things (norms, scales, panel padding, activations, the interpreter) come on top."""
     model_bytes = DTYPE_NAMES[dtype].itemsize
     embedding = args.vocab_size * args.dim
     projections = args.parameter_count - embedding - args.dim * (2 * args.n_layers + 1)
@@ -48,8 +49,8 @@ def plan_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[
     elif quantize == "int4":  # 4 bits and a float32 scale per 32 weights; the output layer in int8
         output = args.vocab_size * args.dim
         per_projection_weight = ((projections - output) * (0.5 + 4 / 32) + output) / max(projections, 1)
-    elif on_cpu and dtype == "float32" and stored_bytes_per_weight(ckpt_dir, args) < 3:
-        per_projection_weight = 2
+    elif on_cpu and dtype == "float32" and stored_bytes_per_weight(ckpt_dir, args) < 3 and cpu_kernels_build.expected():
+        per_projection_weight = 2  # without the kernels (no compiler, no AVX-512) they are float32 like the rest
     else:
         per_projection_weight = model_bytes
     kv_bytes = DTYPE_NAMES[dtype if kv_cache_dtype == "auto" else kv_cache_dtype].itemsize

@@ -24,6 +24,7 @@ import torch
 from llama_core import DEFAULT_CKPT_DIR, Llama
 from llama_core.cli_options import DEFAULT_MAX_SEQ_LEN, OptionError, check_context
 from llama_core.checkpoint_files import read_model_args
+from llama_core.cpu_kernels.build import expected
 from llama_core import generate_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +124,8 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
     "empty API key": (["--api-key", " "], ["--api-key", "must not be empty"]),
     "empty model name": (["--model-name", ""], ["--model-name must not be empty"]),
     "more slots than memory": (["--max-batch-size", "10000000"], [
-        "tiny-shakespeare needs at least", "of memory on the CPU (weights 7 MiB, KV cache 14",
+        # the embedded model's bfloat16 projections stay 16-bit where the CPU kernels run, else become float32
+        "tiny-shakespeare needs at least", f"of memory on the CPU (weights {7 if expected() else 12} MiB, KV cache 14",
         f"10000000 requests x {TRAINED_FOR} tokens in float32)", "is free: pass --max-batch-size "]),
 }
 
@@ -429,6 +431,7 @@ def test_a_7b_on_a_small_machine_is_refused_with_what_would_fit(monkeypatch, tmp
     plan = ModelPlan(tmp_path / "llama-2-7b-chat-hf", tmp_path / "tokenizer.model", args, 2048, "cpu", "float32")
     monkeypatch.setattr(memory_plan, "stored_bytes_per_weight", lambda ckpt_dir, args: 2.0)  # bfloat16 files
     monkeypatch.setattr(memory_plan, "available_memory", lambda: 24 * 2**30)
+    monkeypatch.setattr(memory_plan.cpu_kernels_build, "expected", lambda: True)  # a CPU the kernels run on
     with pytest.raises(OptionError) as refused:
         check_memory(plan, 8)
     message = str(refused.value)
@@ -447,6 +450,15 @@ def test_a_7b_on_a_small_machine_is_refused_with_what_would_fit(monkeypatch, tmp
     with pytest.raises(OptionError, match="is free: use a machine with more memory, or a smaller model$"):
         check_memory(plan, 1)
     check_memory(ModelPlan(plan.ckpt_dir, plan.tokenizer_path, args, 2048, "cuda:0", "float16"), 64)  # not the CPU's
+    # Where the kernels do not run (no AVX-512, no compiler), the 16-bit weights are held in float32.
+    monkeypatch.setattr(memory_plan.cpu_kernels_build, "expected", lambda: False)
+    monkeypatch.setattr(memory_plan, "available_memory", lambda: 24 * 2**30)
+    with pytest.raises(OptionError) as refused:
+        check_memory(plan, 8)
+    assert str(refused.value) == (
+        "llama-2-7b-chat-hf needs at least 41.1 GiB of memory on the CPU (weights 25.1 GiB, KV cache 16.0 GiB: 8 "
+        "requests x 2,048 tokens in float32) and 24.0 GiB is free: add --quantize int8 (weights 6.6 GiB, KV cache "
+        "16.0 GiB)")
 
 
 def test_a_containers_memory_limit_counts_as_what_is_free(tmp_path):

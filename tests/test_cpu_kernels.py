@@ -14,7 +14,7 @@ from llama_core.cpu_kernels import (PANEL, PanelLinear, build, exact_storage, fr
                                     panel_product, to_int8_panels, to_panels)
 from llama_core.packed_linear import pack_linears
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here to build llama_core's CPU kernels")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="llama_core's CPU kernels are not used here (no C compiler, or no AVX-512)")
 
 
 @pytest.mark.parametrize("shape", [(64, 32), (100, 7), (33, 1), (1, 40), (2048, 192)], ids=str)
@@ -320,3 +320,19 @@ def test_kernels_built_without_avx512_are_left_unused_saying_why(tmp_path, monke
     with pytest.warns(UserWarning, match="this CPU has no AVX-512, which llama_core's CPU kernels are written for"):
         assert build.load() is None
     assert list(tmp_path.glob("kernels/kernels-*.so"))  # it was built, then left unused
+
+
+def test_whether_the_kernels_will_run_is_known_without_building_them(monkeypatch):
+    # A process that only plans memory (the command line's, before the model's process starts) asks this.
+    monkeypatch.setattr(build, "_loaded", {})
+    has_avx512 = "avx512f" in build._cpu_features().split()
+    assert build.expected() == (build.shutil.which("cc") is not None and has_avx512)
+    assert build._loaded == {}  # nothing was built or loaded
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert not build.expected()
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("LLAMA_CORE_CPU_KERNELS", "0")
+    assert not build.expected()
+    monkeypatch.delenv("LLAMA_CORE_CPU_KERNELS")
+    monkeypatch.setattr(build, "_loaded", {"cc": None})  # built and left unused
+    assert not build.expected()

@@ -48,6 +48,17 @@ def _cache_dirs() -> list[Path]:
     return [cache_dir(), Path(tempfile.gettempdir()) / f"llama_core-kernels-{os.getuid() if hasattr(os, 'getuid') else 'user'}"]
 
 
+def expected() -> bool:
+    """Whether load() gives the kernels (or would, on its first call), without building them: turned on, a C
+    compiler, and a CPU with AVX-512. A process that will not run the model asks this rather than build them."""
+    if not enabled():
+        return False
+    compiler = os.environ.get("CC") or "cc"
+    if compiler in _loaded:
+        return _loaded[compiler] is not None
+    return shutil.which(compiler) is not None and "avx512f" in _cpu_features().split()
+
+
 def load() -> Optional[ctypes.CDLL]:
     """The compiled kernels (built on first call), or None where they are turned off, cannot be built, or the
     CPU lacks the AVX-512 they are written for (one warning says why)."""

@@ -17,6 +17,12 @@ from llama_core.packed_linear import pack_linears
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="llama_core's CPU kernels are not used here (no C compiler, or no AVX-512)")
 
 
+@pytest.fixture
+def kernels_turned_on(monkeypatch):
+    """The build tests run as on a machine where nobody turned the kernels off (LLAMA_CORE_CPU_KERNELS)."""
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
+
+
 @pytest.mark.parametrize("shape", [(64, 32), (100, 7), (33, 1), (1, 40), (2048, 192)], ids=str)
 def test_panels_round_trip_the_weight(shape):
     weight = torch.randn(shape)
@@ -193,7 +199,7 @@ def test_pack_linears_puts_every_float32_bias_free_linear_in_panels():
     assert model[4].panels.dtype == torch.bfloat16 and torch.equal(model[4].weight, stored.float())
 
 
-def test_without_a_compiler_products_fall_back_with_one_warning(monkeypatch, tmp_path):
+def test_without_a_compiler_products_fall_back_with_one_warning(monkeypatch, tmp_path, kernels_turned_on):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.warns(UserWarning, match="no C compiler .* found"):
         assert build.load() is None
@@ -206,7 +212,7 @@ def test_without_a_compiler_products_fall_back_with_one_warning(monkeypatch, tmp
     torch.testing.assert_close(model(x), F.linear(x, weight), atol=1e-4, rtol=1e-5)
 
 
-def test_a_compiler_that_fails_falls_back_with_its_error(monkeypatch, tmp_path):
+def test_a_compiler_that_fails_falls_back_with_its_error(monkeypatch, tmp_path, kernels_turned_on):
     failing = tmp_path / "cc"
     failing.write_text("#!/bin/sh\necho 'cc: fatal error: something broke' >&2\nexit 1\n")
     failing.chmod(0o755)
@@ -311,7 +317,7 @@ def test_a_16_bit_checkpoint_loads_a_block_at_a_time_as_stored_into_its_panels(t
 
 @pytest.mark.skipif(build.shutil.which("cc") is None, reason="no C compiler here")
 @pytest.mark.skipif(build.platform.machine() not in ("x86_64", "AMD64"), reason="AVX-512 is an x86 flag")
-def test_kernels_built_without_avx512_are_left_unused_saying_why(tmp_path, monkeypatch):
+def test_kernels_built_without_avx512_are_left_unused_saying_why(tmp_path, monkeypatch, kernels_turned_on):
     # Built for a CPU with AVX2 only, a tile's 64-byte accumulators live in memory: a 128-token prompt of the 110m
     # shape took 5.5 s against torch's 88 ms (docs/benchmarks.md). Such a build is refused with one warning.
     monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
@@ -322,7 +328,7 @@ def test_kernels_built_without_avx512_are_left_unused_saying_why(tmp_path, monke
     assert list(tmp_path.glob("kernels/kernels-*.so"))  # it was built, then left unused
 
 
-def test_whether_the_kernels_will_run_is_known_without_building_them(monkeypatch):
+def test_whether_the_kernels_will_run_is_known_without_building_them(monkeypatch, kernels_turned_on):
     # A process that only plans memory (the command line's, before the model's process starts) asks this.
     monkeypatch.setattr(build, "_loaded", {})
     has_avx512 = "avx512f" in build._cpu_features().split()

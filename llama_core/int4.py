@@ -70,6 +70,7 @@ def pack_levels(levels: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_levels(packed: torch.Tensor) -> torch.Tensor:
+    """The levels [out, K] that pack_levels packed (a copy)."""
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
 
 

@@ -1,7 +1,7 @@
 """Loading Llama-2 weights from Meta's layout (params.json + consolidated.NN.pth) or Hugging Face's
-(config.json + *.safetensors, or the older pytorch_model*.bin), into a model built on the meta device. Tensors are read one at a time
-(mmap'd files; Meta's model-parallel shards concatenated tensor by tensor) and each part of the model is
-assigned as soon as its weights are in, so loading holds little beyond the model itself."""
+(config.json + *.safetensors, or the older pytorch_model*.bin), into a model built on the meta device. Tensors
+are read one at a time (mmap'd files; Meta's model-parallel shards concatenated tensor by tensor) and each part
+of the model is assigned as soon as its weights are in, so loading holds little beyond the model itself."""
 
 from __future__ import annotations
 
@@ -251,8 +251,8 @@ def _rank_part(name: str, parts: list[torch.Tensor], along: int, rank: int, worl
 
 def _hf_tensors(ckpt_dir: Path, args: ModelArgs, rank: int, world_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     files = hf_weight_files(ckpt_dir)
-    keys = {key for path in files for key in _hf_file_keys(path)}
-    tied = "lm_head.weight" not in keys and hf_ties_embeddings(ckpt_dir)
+    # Only a config that ties the embeddings has the files' names read twice: is lm_head stored anyway?
+    tied = hf_ties_embeddings(ckpt_dir) and not any("lm_head.weight" in _hf_file_keys(path) for path in files)
     for path in files:
         for key, tensor in _hf_file_tensors(path, rank, world_size):
             # HF permutes within each head, so a rank's slice is unpermuted over its own heads.

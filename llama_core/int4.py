@@ -23,7 +23,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .cpu_kernels.panels import PANEL, huge_page_empty, kernel_for, panel_product
-from .quantize import ROUNDING_CHUNK_BYTES, Int8Linear, quantizable
+from .quantize import ROUNDING_CHUNK_BYTES, Int8Linear, quantizable, replace_children
 
 GROUP = 32  # inputs sharing a scale; linear.c's GROUP
 # torch's int4 CPU kernel (packing, product), where this torch has it: the product where llama_core's are not built
@@ -245,13 +245,8 @@ def keep_int4_in_panels(model: nn.Module) -> int:
     kernels are built; returns how many."""
     if not cpu_kernels.available():
         return 0
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is Int4Linear and child.packed.device.type == "cpu":
-                setattr(parent, name, Int4PanelLinear(child))
-                replaced += 1
-    return replaced
+    return replace_children(model, lambda child: Int4PanelLinear(child) if type(child) is Int4Linear
+                            and child.packed.device.type == "cpu" else None)
 
 
 def quantize_int4(model: nn.Module) -> nn.Module:

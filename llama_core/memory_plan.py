@@ -45,17 +45,17 @@ def plan_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[
     embedding = args.vocab_size * args.dim
     projections = args.parameter_count - embedding - args.dim * (2 * args.n_layers + 1)
     if quantize == "int8":
-        per_projection_weight = 1
+        projection_bytes = projections
     elif quantize == "int4":  # 4 bits and a float32 scale per 32 weights; the output layer in int8
         output = args.vocab_size * args.dim
-        per_projection_weight = ((projections - output) * (0.5 + 4 / 32) + output) / max(projections, 1)
+        projection_bytes = int((projections - output) * (0.5 + 4 / 32)) + output
     elif on_cpu and dtype == "float32" and stored_bytes_per_weight(ckpt_dir, args) < 3 and cpu_kernels_build.expected():
-        per_projection_weight = 2  # without the kernels (no compiler, no AVX-512) they are float32 like the rest
+        projection_bytes = 2 * projections  # without the kernels (no compiler, no AVX-512) float32 like the rest
     else:
-        per_projection_weight = model_bytes
+        projection_bytes = model_bytes * projections
     kv_bytes = DTYPE_NAMES[dtype if kv_cache_dtype == "auto" else kv_cache_dtype].itemsize
     per_position = args.n_layers * 2 * (args.n_kv_heads or args.n_heads) * args.head_dim * kv_bytes
-    return MemoryPlan(embedding * model_bytes + int(projections * per_projection_weight),
+    return MemoryPlan(embedding * model_bytes + projection_bytes,
                       per_position * max_batch_size * positions, per_position)
 
 
@@ -109,8 +109,8 @@ def shortfall(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[st
               on_cpu: bool = True, device: str = "auto") -> Optional[Shortfall]:
     """None where the model fits in `available` bytes on `where`; else what it lacks and what would fit: a
     float16 KV cache (where it is float32), fewer slots, a shorter context, int8 or else int4 weights (with a
-    float16 cache where needed), or on a GPU the blocks that do not fit kept in CPU memory (device_map="auto"; `device` is
-    the device asked for, which a device map needs to be "auto"), each alone enough."""
+    float16 cache where needed), or on a GPU the blocks that do not fit kept in CPU memory (device_map="auto";
+    `device` is the device asked for, which a device map needs to be "auto"), each alone enough."""
     positions = max_seq_len + (1 if compile else 0)  # a compiled step's spare position
     need = plan_memory(args, ckpt_dir, dtype, quantize, kv_cache_dtype, max_batch_size, positions, on_cpu)
     if need.total_bytes <= available:

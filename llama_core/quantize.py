@@ -27,7 +27,7 @@ see llama_core.runner); with more rows the weight is converted before cuBLAS mul
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -158,11 +158,19 @@ def keep_int8_in_panels(model: nn.Module) -> int:
     llama_core's CPU kernels are built; returns how many."""
     if not cpu_kernels.available():
         return 0
+    return replace_children(model, lambda child: Int8PanelLinear(child) if type(child) is Int8Linear
+                            and child.weight.device.type == "cpu" and child.scales.dtype == torch.float32 else None)
+
+
+def replace_children(model: nn.Module, replacement: Callable[[nn.Module], Optional[nn.Module]]) -> int:
+    """Puts replacement(child) in place of each module below model for which it gives one (not None); returns
+    how many."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is Int8Linear and child.weight.device.type == "cpu" and child.scales.dtype == torch.float32:
-                setattr(parent, name, Int8PanelLinear(child))
+            new = replacement(child)
+            if new is not None:
+                setattr(parent, name, new)
                 replaced += 1
     return replaced
 

@@ -259,23 +259,17 @@ def hf_ckpt_dir(tmp_path_factory, hf_model, tokenizer_path) -> Path:
     return path
 
 
-def write_hf_bin_checkpoint(path: Path, hf_state: dict[str, torch.Tensor], like: Path, shards: int = 2,
-                            inv_freq: bool = True) -> Path:
-    """A Hugging Face checkpoint in PyTorch's format, as transformers 4 saved Llama-2 (`pytorch_model-0000N-of-
-    0000M.bin` with `pytorch_model.bin.index.json`, or one `pytorch_model.bin`), with the config and tokenizer of
-    the checkpoint `like`; inv_freq: each layer's rotary inv_freq buffer saved too, as in Meta's Llama-2-hf."""
+def write_hf_bin_checkpoint(path: Path, hf_state: dict[str, torch.Tensor], like: Path, shards: int = 2) -> Path:
+    """A Hugging Face checkpoint in PyTorch's format, as transformers 4 saved Llama-2: `pytorch_model-0000N-of-
+    0000M.bin` with `pytorch_model.bin.index.json`, each layer's rotary inv_freq buffer among the tensors (as in
+    Meta's Llama-2-hf), and the config and tokenizer of the checkpoint `like`."""
     path.mkdir(parents=True)
     for name in ("config.json", "tokenizer.model"):
         (path / name).write_bytes((like / name).read_bytes())
     state = dict(hf_state)
-    if inv_freq:
-        layers = {key.split(".")[2] for key in state if key.startswith("model.layers.")}
-        for layer in layers:
-            state[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    for layer in {key.split(".")[2] for key in state if key.startswith("model.layers.")}:
+        state[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
     names = list(state)  # the model's order, as transformers wrote its shards: a block's tensors together
-    if shards == 1:
-        torch.save(state, path / "pytorch_model.bin")
-        return path
     weight_map = {}
     for shard in range(shards):
         file = f"pytorch_model-{shard + 1:05d}-of-{shards:05d}.bin"

@@ -110,13 +110,13 @@ def attend(qkv: torch.Tensor, slots: TokenSlots, k_cache: torch.Tensor, v_cache:
 
 
 def decoder_block(x: torch.Tensor, slots: TokenSlots, block,
-                  projections: Optional[tuple[int, int, Optional[int], Optional[int]]] = None) -> torch.Tensor:
+                  projections: tuple[int, int, Optional[int], Optional[int]]) -> torch.Tensor:
     """A whole TransformerBlock (llama_core.model) in one call of block.c, for x [..., dim] holding the tokens
     of slots in order; the block's projections must be in panels of one kind (see `block_projections`, which
     gives `projections`) and its attention cached. The same values as its modules give one by one."""
     attention, feed_forward = block.attention, block.feed_forward
     cache = attention.kv_cache
-    kind, weights, scales, sums = projections or block_projections(block)
+    kind, weights, scales, sums = projections
     out = x.contiguous().clone()
     status = panels._KERNELS.decoder_block(
         out.data_ptr(), slots.count, out.shape[-1], block.attention_norm.eps, block.attention_norm.weight.data_ptr(),

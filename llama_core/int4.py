@@ -6,9 +6,10 @@ instead of 12.1 in 16 bits. The output layer, which the logits hang on directly,
 
 On the CPU (float32) the product runs in llama_core's own kernel (linear.c's panel_linear_i4): the activations
 are rounded to int8 on a scale per row and group of 32 and multiplied with the 4-bit levels in integer
-arithmetic, reading the weight once per 8 rows. Under torch.compile the same rounding runs in float, so
-compiled and eager steps agree. On a CPU where those kernels are not used (no AVX-512, no compiler), torch's own
-int4 CPU kernel multiplies bfloat16 activations (a compiled step there multiplies the dequantized weight).
+arithmetic (VNNI, else AVX2), reading the weight once per tile of rows. Under torch.compile the same rounding
+runs in float, so compiled and eager steps agree. On a CPU where those kernels are not used (neither AVX-512
+nor AVX2, or no compiler), torch's own int4 CPU kernel multiplies bfloat16 activations (a compiled step there
+multiplies the dequantized weight).
 Elsewhere (CUDA, other dtypes) the product is the dequantized weight's: correct everywhere, and fused into the
 product only where torch.compile does so.
 """

@@ -50,7 +50,7 @@ def plan_memory(args: ModelArgs, ckpt_dir: Path, dtype: str, quantize: Optional[
         output = args.vocab_size * args.dim
         projection_bytes = int((projections - output) * (0.5 + 4 / 32)) + output
     elif on_cpu and dtype == "float32" and stored_bytes_per_weight(ckpt_dir, args) < 3 and cpu_kernels_build.expected():
-        projection_bytes = 2 * projections  # without the kernels (no compiler, no AVX-512) float32 like the rest
+        projection_bytes = 2 * projections  # without the kernels (no compiler, no AVX2) float32 like the rest
     else:
         projection_bytes = model_bytes * projections
     kv_bytes = DTYPE_NAMES[dtype if kv_cache_dtype == "auto" else kv_cache_dtype].itemsize

@@ -450,7 +450,7 @@ def test_a_7b_on_a_small_machine_is_refused_with_what_would_fit(monkeypatch, tmp
     with pytest.raises(OptionError, match="is free: use a machine with more memory, or a smaller model$"):
         check_memory(plan, 1)
     check_memory(ModelPlan(plan.ckpt_dir, plan.tokenizer_path, args, 2048, "cuda:0", "float16"), 64)  # not the CPU's
-    # Where the kernels do not run (no AVX-512, no compiler), the 16-bit weights are held in float32.
+    # Where the kernels do not run (neither AVX-512 nor AVX2, no compiler), the 16-bit weights are held in float32.
     monkeypatch.setattr(memory_plan.cpu_kernels_build, "expected", lambda: False)
     monkeypatch.setattr(memory_plan, "available_memory", lambda: 24 * 2**30)
     with pytest.raises(OptionError) as refused:

@@ -20,7 +20,7 @@ from llama_core.int4 import Int4PanelLinear, keep_int4_in_panels, quantize_int4
 from llama_core.packed_linear import pack_linears
 from llama_core.quantize import Int8PanelLinear, keep_int8_in_panels, quantize_int8
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="llama_core's CPU kernels are not used here (no C compiler, or no AVX-512)")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="llama_core's CPU kernels are not used here (no C compiler, or neither AVX-512 nor AVX2)")
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 288), (700, 100)], ids=str)

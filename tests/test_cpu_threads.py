@@ -16,7 +16,7 @@ from llama_core import DEFAULT_CKPT_DIR, cpu_kernels
 
 pytestmark = [
     pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts a process's threads in /proc (Linux)"),
-    pytest.mark.skipif(not cpu_kernels.available(), reason="llama_core's CPU kernels are not used here (no C compiler, or no AVX-512)"),
+    pytest.mark.skipif(not cpu_kernels.available(), reason="llama_core's CPU kernels are not used here (no C compiler, or neither AVX-512 nor AVX2)"),
 ]
 
 THREADS = '''

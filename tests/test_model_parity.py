@@ -114,7 +114,7 @@ def test_weights_in_a_cpu_layout_match_hf(layout, meta_ckpt_dir, hf_model, token
 
     if layout == "panels":
         if not cpu_kernels.available():
-            pytest.skip("llama_core's CPU kernels are not used here (no C compiler, or no AVX-512)")
+            pytest.skip("llama_core's CPU kernels are not used here (no C compiler, or neither AVX-512 nor AVX2)")
         layer_type = cpu_kernels.PanelLinear
     else:
         if not packed_linear.packing_available():

@@ -81,7 +81,7 @@ def cpu_int8_kernel(request, monkeypatch):
     from llama_core import cpu_kernels
 
     if request.param == "panels" and not cpu_kernels.available():
-        pytest.skip("llama_core's CPU kernels are not used here (no C compiler, or no AVX-512)")
+        pytest.skip("llama_core's CPU kernels are not used here (no C compiler, or neither AVX-512 nor AVX2)")
     if request.param == "fbgemm":
         monkeypatch.setenv("LLAMA_CORE_CPU_KERNELS", "0")
     return request.param
@@ -136,7 +136,7 @@ def test_an_int8_layer_kept_in_panels_alone_computes_as_before(shape):
     from llama_core import cpu_kernels
 
     if not cpu_kernels.available():
-        pytest.skip("llama_core's CPU kernels are not used here (no C compiler, or no AVX-512)")
+        pytest.skip("llama_core's CPU kernels are not used here (no C compiler, or neither AVX-512 nor AVX2)")
     torch.manual_seed(0)
     layer = Int8Linear(torch.randn(shape) * 0.02)
     kept = Int8PanelLinear(layer)
@@ -152,7 +152,7 @@ def test_the_cpu_runner_keeps_int8_weights_only_in_panels(meta_ckpt_dir):
     from llama_core import cpu_kernels
 
     if not cpu_kernels.available():
-        pytest.skip("llama_core's CPU kernels are not used here (no C compiler, or no AVX-512)")
+        pytest.skip("llama_core's CPU kernels are not used here (no C compiler, or neither AVX-512 nor AVX2)")
     llama = build_llama(meta_ckpt_dir, quantize="int8")
     layers = [m for m in llama.model.modules() if isinstance(m, Int8Linear)]
     assert layers and all(type(m) is Int8PanelLinear for m in layers)

@@ -1,9 +1,10 @@
 """Compiles linear.c, layer.c, block.c and threads.c for this machine once, into one library, and loads it with ctypes.
 
 The library is built with the system's C compiler (`$CC`, else `cc`) for the CPU it runs on
-(`-march=native`) and kept in a cache directory (`$LLAMA_CORE_CACHE`, else `~/.cache/llama_core`) under a
-name that hashes the source, the compiler, its flags and the CPU's features, so an upgrade or another
-machine builds afresh. It links against the OpenMP runtime torch has already loaded (GNU libgomp in
+(`-march=native`; `$LLAMA_CORE_CPU_TARGET` names another target, e.g. `haswell`) and kept in a cache
+directory (`$LLAMA_CORE_CACHE`, else `~/.cache/llama_core`) under a name that hashes the source, the
+compiler, its flags and the CPU's features, so an upgrade or another machine builds afresh. The kernels are
+written for x86's AVX-512 and AVX2 (with FMA); a target with neither gets torch's products. It links against the OpenMP runtime torch has already loaded (GNU libgomp in
 torch's builds), so the two share one pool of threads. Where nothing can be built (no compiler), `load`
 returns None and the caller keeps torch's own products.
 """
@@ -24,8 +25,9 @@ from typing import Optional
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("linear.c", "layer.c", "block.c", "threads.c"))
 HEADERS = (Path(__file__).with_name("widen.h"),)
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-Wno-psabi", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=fast", "-Wno-psabi", "-shared", "-fPIC")
 DISABLE_VARIABLE = "LLAMA_CORE_CPU_KERNELS"  # "0" keeps torch's own CPU products
+TARGET_VARIABLE = "LLAMA_CORE_CPU_TARGET"  # what -march gets: "native" unless set
 
 _lock = threading.Lock()
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
@@ -34,6 +36,11 @@ _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 def enabled() -> bool:
     """False when the environment turns the kernels off (LLAMA_CORE_CPU_KERNELS=0)."""
     return os.environ.get(DISABLE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def target() -> str:
+    """The CPU the kernels are compiled for (GCC's -march): this machine's unless LLAMA_CORE_CPU_TARGET says."""
+    return os.environ.get(TARGET_VARIABLE, "").strip() or "native"
 
 
 def cache_dir() -> Path:
@@ -50,30 +57,39 @@ def _cache_dirs() -> list[Path]:
 
 def expected() -> bool:
     """Whether load() gives the kernels (or would, on its first call), without building them: turned on, a C
-    compiler, and a CPU with AVX-512. A process that will not run the model asks this rather than build them."""
+    compiler, and a target with AVX-512 or AVX2 and FMA (asked of the compiler's preprocessor). A process that
+    will not run the model asks this rather than build them."""
     if not enabled():
         return False
-    compiler = os.environ.get("CC") or "cc"
-    if compiler in _loaded:
-        return _loaded[compiler] is not None
-    return shutil.which(compiler) is not None and "avx512f" in _cpu_features().split()
+    key = (os.environ.get("CC") or "cc", target())
+    if key in _loaded:
+        return _loaded[key] is not None
+    return shutil.which(key[0]) is not None and _target_has_vectors(*key)
+
+
+_VECTOR_MACROS = ("__AVX512F__", "__AVX2__ __FMA__")  # either suffices: linear.c's native_vectors
+
+
+def _target_has_vectors(compiler: str, target_name: str) -> bool:
+    macros = set((_run([compiler, f"-march={target_name}", "-dM", "-E", "-x", "c", os.devnull]) or "").split())
+    return any(all(name in macros for name in wanted.split()) for wanted in _VECTOR_MACROS)
 
 
 def load() -> Optional[ctypes.CDLL]:
     """The compiled kernels (built on first call), or None where they are turned off, cannot be built, or the
-    CPU lacks the AVX-512 they are written for (one warning says why)."""
+    target lacks the AVX-512 or AVX2 they are written for (one warning says why)."""
     if not enabled():
         return None
-    compiler = os.environ.get("CC") or "cc"
-    if compiler in _loaded:  # every product asks: no lock once built
-        return _loaded[compiler]
+    key = (os.environ.get("CC") or "cc", target())
+    if key in _loaded:  # every product asks: no lock once built
+        return _loaded[key]
     with _lock:
-        if compiler not in _loaded:
-            _loaded[compiler] = _build_and_load(compiler)
-        return _loaded[compiler]
+        if key not in _loaded:
+            _loaded[key] = _build_and_load(*key)
+        return _loaded[key]
 
 
-def _build_and_load(compiler: str) -> Optional[ctypes.CDLL]:
+def _build_and_load(compiler: str, target_name: str = "native") -> Optional[ctypes.CDLL]:
     import torch  # noqa: F401  (its OpenMP runtime must be loaded before ours resolves to it)
 
     if shutil.which(compiler) is None:
@@ -84,7 +100,7 @@ def _build_and_load(compiler: str) -> Optional[ctypes.CDLL]:
     version = _run([compiler, "--version"]) or ""
     last_error = ""
     for openmp in (("-fopenmp",), ()):  # without OpenMP (e.g. Apple's clang) the product runs on one thread
-        flags = FLAGS + openmp
+        flags = FLAGS + (f"-march={target_name}",) + openmp
         key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                          platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
         target, last_error = next((d / f"kernels-{key}.so" for d in _cache_dirs() if (d / f"kernels-{key}.so").exists()), None), ""
@@ -102,9 +118,9 @@ def _build_and_load(compiler: str) -> Optional[ctypes.CDLL]:
             continue
         _declare(library)
         if not library.native_vectors():
-            warnings.warn("llama_core: this CPU has no AVX-512, which llama_core's CPU kernels are written for "
-                          "(without it they run many times slower than torch's), so CPU products use torch's "
-                          "kernels", stacklevel=3)
+            warnings.warn(f"llama_core: the CPU target {target_name!r} has neither AVX-512 nor AVX2 with FMA, which "
+                          "llama_core's CPU kernels are written for (without them they run many times slower than "
+                          "torch's), so CPU products use torch's kernels", stacklevel=3)
             return None
         return library
     warnings.warn(f"llama_core: could not build the CPU kernels with {compiler!r}, so CPU products use torch's "

@@ -13,26 +13,6 @@
 
 #define ENOUGH_FOR_THREADS (1 << 16) /* elements; below this one thread is faster than waking others */
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-typedef float v4 __attribute__((vector_size(16), aligned(4)));
-
-/* The 16 lanes' sum, halving: a few vector adds where a lane-by-lane sum takes 15 dependent ones. */
-static inline float sum_lanes(v16 lanes) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)lanes); /* in registers; the portable halving goes through memory */
-#else
-  v8 low8, high8;
-  memcpy(&low8, &lanes, sizeof low8);
-  memcpy(&high8, (const char *)&lanes + sizeof low8, sizeof high8);
-  v8 eight = low8 + high8;
-  v4 low4, high4;
-  memcpy(&low4, &eight, sizeof low4);
-  memcpy(&high4, (const char *)&eight + sizeof low4, sizeof high4);
-  v4 four = low4 + high4;
-  return (four[0] + four[2]) + (four[1] + four[3]);
-#endif
-}
-
 /* The largest of x[0..n), 16 lanes at a time. */
 static inline float max_of(const float *x, int64_t n) {
   float lanes[16], largest = -INFINITY;
@@ -47,10 +27,10 @@ static inline float max_of(const float *x, int64_t n) {
 
 /* The sum of x[0..n) in 16 lanes, the same order for every row. */
 static inline float sum_of(const float *x, int64_t n) {
-  v16 lanes = {0};
+  v16 lanes = v16_zero();
   int64_t t = 0;
-  for (; t + 16 <= n; t += 16) lanes += *(const v16 *)(x + t);
-  float sum = sum_lanes(lanes);
+  for (; t + 16 <= n; t += 16) lanes = v16_add(lanes, v16_load(x + t));
+  float sum = v16_sum(lanes);
   for (; t < n; t++) sum += x[t];
   return sum;
 }
@@ -99,10 +79,10 @@ void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
 /* Sums of products in 16 lanes (the compiler does not reorder a float sum by itself), the same order for
  * every row. */
 static inline float dot(const float *a, const float *b, int64_t n) {
-  v16 lanes = {0};
+  v16 lanes = v16_zero();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) lanes += *(const v16 *)(a + i) * *(const v16 *)(b + i);
-  float sum = sum_lanes(lanes);
+  for (; i + 16 <= n; i += 16) lanes = v16_fma(lanes, v16_load(a + i), v16_load(b + i));
+  float sum = v16_sum(lanes);
   for (; i < n; i++) sum += a[i] * b[i];
   return sum;
 }
@@ -120,7 +100,7 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
 /* e^x, within 1.1 ulp of the exact value for every float x in [-87, 88], clamped outside it (x = n ln 2 + r; e^r from
  * Cephes' expf polynomial, 2^n from exponent bits). Unlike libm's expf, loops calling it vectorize: SiLU
  * over a prompt's activations took 7x as long with expf as all else in the call. */
-static inline float exp_approx(float x) {
+static inline __attribute__((always_inline)) float exp_approx(float x) {
   x = x < -87.0f ? -87.0f : x;
   x = x > 88.0f ? 88.0f : x;
   float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2), |x / ln 2| < 2^22 */
@@ -162,9 +142,9 @@ static void rotate(const float *x, const float *rotation, float *out, int64_t he
  * give dot()'s value). */
 static inline __attribute__((always_inline)) float dot_cached(int kind, const float *q, const void *keys, int64_t at,
                                                               int64_t n) {
-  v16 lanes = {0};
-  for (int64_t i = 0; i < n; i += 16) lanes += *(const v16 *)(q + i) * load_kind(kind, keys, at + i);
-  return sum_lanes(lanes);
+  v16 lanes = v16_zero();
+  for (int64_t i = 0; i < n; i += 16) lanes = v16_fma(lanes, v16_load(q + i), load_kind(kind, keys, at + i));
+  return v16_sum(lanes);
 }
 
 #define VALUE_BLOCK 32 /* positions whose values stay in L1 while each query head of a group takes them */
@@ -182,10 +162,11 @@ static inline __attribute__((always_inline)) void weigh_values(int kind, const v
     for (int64_t j = 0; j < group; j++) {
       const float *w = weights + j * length;
       v16 sums[8];
-      for (int64_t c = 0; c < chunks; c++) memcpy(&sums[c], out + j * head_dim + 16 * c, sizeof(v16));
+      for (int64_t c = 0; c < chunks; c++) sums[c] = v16_load(out + j * head_dim + 16 * c);
       for (int64_t t = t0; t < t1; t++)
-        for (int64_t c = 0; c < chunks; c++) sums[c] += w[t] * load_kind(kind, v_cache, base + t * head_dim + 16 * c);
-      for (int64_t c = 0; c < chunks; c++) memcpy(out + j * head_dim + 16 * c, &sums[c], sizeof(v16));
+        for (int64_t c = 0; c < chunks; c++)
+          sums[c] = v16_fma_scalar(sums[c], w[t], load_kind(kind, v_cache, base + t * head_dim + 16 * c));
+      for (int64_t c = 0; c < chunks; c++) v16_store(out + j * head_dim + 16 * c, sums[c]);
     }
   }
 }

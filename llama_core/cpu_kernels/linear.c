@@ -8,7 +8,14 @@
  * multiplied with it while it is in registers, so the weight leaves memory once per TILE_ROWS rows: a few
  * rows cost about what one does. A single row (decoding one sequence) reads STREAMS panels side by side, to
  * keep more of memory's bandwidth busy, and runs at the memory's speed. Built by build.py with
- * -O3 -march=native -fopenmp; GCC's vector extensions map v16 to whatever vector registers the CPU has. */
+ * -O3 -march=native -fopenmp.
+ *
+ * The code is written in the target's own vectors, LANES floats each (widen.h): 16 with AVX-512 and 8 with
+ * AVX2; a panel row is VECS of them. Tile and stream counts are sized so that the
+ * accumulators and one panel row fit the target's registers (32 with AVX-512, 16 with AVX2): a wider vector
+ * type than the target's own, or more accumulators than registers, makes GCC keep them in memory, many times
+ * slower. Each output sums its products over k in the same order on every target and tile size, so a row
+ * gets the same values alone as in a batch, and from an AVX2 build as from an AVX-512 one. */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
@@ -16,96 +23,149 @@
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
-#if defined(__AVX512VNNI__) || defined(__F16C__) || defined(__AVX512F__)
+#if defined(__AVX512VNNI__) || defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include "widen.h"
 
 #define PANEL 32
+/* TILE_ROWS: rows of a tile over a whole panel row (16-bit panels, widened as they are read). Over float32
+ * panels (and 16-bit ones widened beforehand) a tile is FLOAT_TILE_ROWS by FLOAT_TILE_COLUMNS: with AVX2's
+ * 16 registers, 6 rows by half a panel (12 accumulators, 2 weight vectors, a broadcast) multiply each loaded
+ * weight vector 6 times where 3 rows by a whole panel (12 accumulators) leave no register to hold the weights,
+ * which are then loaded once per FMA. */
+#if LANES == 16
 #define TILE_ROWS 8
+#define FLOAT_TILE_ROWS 8
+#define FLOAT_TILE_COLUMNS 32
+#define STREAMS 4
+#elif LANES == 8
+#define TILE_ROWS 3
+#define FLOAT_TILE_ROWS 6
+#define FLOAT_TILE_COLUMNS 16
+#define STREAMS 3
+#else
+#define TILE_ROWS 2
+#define FLOAT_TILE_ROWS 4
+#define FLOAT_TILE_COLUMNS 16
+#define STREAMS 2
+#endif
+#define VECS (PANEL / LANES)
 
-static inline __attribute__((always_inline)) v16 load_f32(const float *p) { return *(const v16 *)p; }
+/* A row count below a tile's, for the switches that dispatch the last, partial tile: each case calls the tile
+ * with a constant row count, so that its loops over rows unroll (cases past TILE_ROWS - 1 never run). */
+#define BELOW_TILE(rows, tile) ((rows) < (tile) ? (rows) : (tile))
 
-/* A panel row's 32 weights as two float32 vectors: columns 0-15 and 16-31. bfloat16 is float32's upper half,
- * and bfloat16 panels interleave a row's two halves (columns j and 16 + j share 32-bit lane j: see panels.py),
- * so widening is one load, a shift and a mask. */
-static inline __attribute__((always_inline)) void load_pair_f32(const float *p, v16 *low, v16 *high) {
-  *low = load_f32(p);
-  *high = load_f32(p + 16);
+/* One panel row's PANEL weights as float32 vectors w[0..VECS), columns c * LANES onwards in w[c]. */
+static inline __attribute__((always_inline)) void load_row_f32(const float *p, vf *w) {
+  for (int c = 0; c < VECS; c++) w[c] = *(const vf *)(p + c * LANES);
 }
 
-static inline __attribute__((always_inline)) void load_pair_bf16(const uint16_t *p, v16 *low, v16 *high) {
-  v16u lanes = *(const v16u *)p;
-  *low = (v16)(lanes << 16);
-  *high = (v16)(lanes & 0xffff0000u);
+/* The FLOAT_TILE_COLUMNS weights from p of a float32 panel row. */
+static inline __attribute__((always_inline)) void load_tile_row_f32(const float *p, vf *w) {
+  for (int c = 0; c < FLOAT_TILE_COLUMNS / LANES; c++) w[c] = *(const vf *)(p + c * LANES);
 }
 
-static inline __attribute__((always_inline)) void load_pair_f16(const uint16_t *p, v16 *low, v16 *high) {
-  *low = load_f16(p);
-  *high = load_f16(p + 16);
+/* bfloat16 is float32's upper half, and bfloat16 panels interleave a row's two halves (columns j and 16 + j
+ * share 32-bit lane j: see panels.py), so widening is one load, a shift and a mask per two vectors. */
+static inline __attribute__((always_inline)) void load_row_bf16(const uint16_t *p, vf *w) {
+  for (int i = 0; i < VECS / 2; i++) {
+    vu lanes = *(const vu *)(p + 2 * LANES * i);
+    w[i] = (vf)(lanes << 16);
+    w[VECS / 2 + i] = (vf)(lanes & 0xffff0000u);
+  }
 }
 
-/* Rows [0, rows) of x (row stride K) times one panel w [K][PANEL]; writes columns [n0, n0 + width) of y. */
-#define DEFINE_TILE(NAME, WEIGHT_T, LOAD, SCALE)                                                       \
-  static inline __attribute__((always_inline)) void NAME(                                              \
-      const float *x, const WEIGHT_T *w, const float *scales, float *y, int64_t K, int64_t N,          \
-      int64_t n0, int64_t width, int rows) {                                                           \
-    v16 low[TILE_ROWS], high[TILE_ROWS];                                                               \
-    for (int m = 0; m < rows; m++) low[m] = high[m] = (v16){0};                                        \
-    for (int64_t k = 0; k < K; k++) {                                                                  \
-      v16 w_low, w_high;                                                                               \
-      LOAD(w + k * PANEL, &w_low, &w_high);                                                            \
+static inline __attribute__((always_inline)) void load_row_f16(const uint16_t *p, vf *w) {
+  for (int c = 0; c < VECS; c++) w[c] = load_f16_lanes(p + c * LANES);
+}
+
+/* The first `width` columns of a panel row's results into y. Through a fixed-size buffer: copying from the
+ * vectors themselves with a variable size would make GCC keep them in memory. */
+static inline __attribute__((always_inline)) void store_columns(const vf *sums, float *y, int64_t width) {
+  float out[PANEL];
+  for (int c = 0; c < VECS; c++) memcpy(out + c * LANES, &sums[c], sizeof(vf));
+  memcpy(y, out, width * sizeof(float));
+}
+
+/* Rows [0, rows) of x (row stride K) times rows [k0, k1) of COLUMNS columns of one panel from w (a row every
+ * PANEL weights), added to the tile's sums so far in acc (a row every PANEL; none when k0 is 0): over
+ * consecutive passes each output sums its products over k in order, as in one pass. */
+#define DEFINE_TILE(NAME, WEIGHT_T, LOAD_ROW, ROWS, COLUMNS)                                            \
+  static inline __attribute__((always_inline)) void NAME(const float *x, const WEIGHT_T *w, float *acc, \
+                                                         int64_t K, int64_t k0, int64_t k1, int rows) { \
+    vf sums[ROWS][COLUMNS / LANES];                                                                    \
+    for (int m = 0; m < rows; m++)                                                                     \
+      for (int c = 0; c < COLUMNS / LANES; c++)                                                        \
+        sums[m][c] = k0 == 0 ? (vf){0} : *(const vf *)(acc + m * PANEL + c * LANES);                   \
+    for (int64_t k = k0; k < k1; k++) {                                                                \
+      vf row[COLUMNS / LANES];                                                                         \
+      LOAD_ROW(w + k * PANEL, row);                                                                    \
       for (int m = 0; m < rows; m++) {                                                                 \
         float xv = x[m * K + k];                                                                       \
-        low[m] += w_low * xv;                                                                          \
-        high[m] += w_high * xv;                                                                        \
+        for (int c = 0; c < COLUMNS / LANES; c++) sums[m][c] += row[c] * xv;                           \
       }                                                                                                \
     }                                                                                                  \
-    for (int m = 0; m < rows; m++) {                                                                   \
-      float out[PANEL];                                                                                \
-      SCALE                                                                                            \
-      memcpy(out, &low[m], sizeof low[m]);                                                             \
-      memcpy(out + 16, &high[m], sizeof high[m]);                                                      \
-      memcpy(y + m * N + n0, out, width * sizeof(float));                                              \
-    }                                                                                                  \
+    for (int m = 0; m < rows; m++)                                                                     \
+      for (int c = 0; c < COLUMNS / LANES; c++) memcpy(acc + m * PANEL + c * LANES, &sums[m][c], sizeof(vf)); \
   }
 
-DEFINE_TILE(tile_f32, float, load_pair_f32, )
-DEFINE_TILE(tile_bf16, uint16_t, load_pair_bf16, )
-DEFINE_TILE(tile_f16, uint16_t, load_pair_f16, )
+DEFINE_TILE(tile_f32, float, load_tile_row_f32, FLOAT_TILE_ROWS, FLOAT_TILE_COLUMNS)
+DEFINE_TILE(tile_bf16, uint16_t, load_row_bf16, TILE_ROWS, PANEL)
+DEFINE_TILE(tile_f16, uint16_t, load_row_f16, TILE_ROWS, PANEL)
 
-/* Every tile of rows of x times one panel; the row count of the last tile is a constant in each case, so the
- * compiler unrolls its loops. */
-#define TILES_OF_PANEL(TILE, panel)                                                                     \
+/* Rows of x times a panel, a block of ROW_BLOCK rows at a time and, within that, K_BLOCK inputs at a time for
+ * every tile of the block: the panel's block of rows is then read from L1 by all tiles after the first
+ * (at 3 rows a tile, reading a whole panel from L2 for each tile held AVX2's products to about half of the
+ * FMA units' rate). Tiles of ROWS rows and COLUMNS columns. */
+#define K_BLOCK 128
+#define ROW_BLOCK 96
+#define TILES_OF_PANEL(TILE, ROWS, COLUMNS, panel)                                                      \
   {                                                                                                    \
-    int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL, m0 = 0;                           \
-    for (; m0 + TILE_ROWS <= M; m0 += TILE_ROWS)                                                       \
-      TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, TILE_ROWS);                         \
-    switch (M - m0) {                                                                                  \
-      case 1: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 1); break;                  \
-      case 2: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 2); break;                  \
-      case 3: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 3); break;                  \
-      case 4: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 4); break;                  \
-      case 5: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 5); break;                  \
-      case 6: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 6); break;                  \
-      case 7: TILE(x + m0 * K, panel, scales, y + m0 * N, K, N, n0, width, 7); break;                  \
-      default: break;                                                                                  \
+    float acc[ROW_BLOCK * PANEL] __attribute__((aligned(64)));                                         \
+    int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;                                   \
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {                                                    \
+      int64_t block_rows = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;                                    \
+      for (int64_t c0 = 0; c0 < PANEL; c0 += COLUMNS)                                                  \
+        for (int64_t k0 = 0; k0 < K; k0 += K_BLOCK) {                                                  \
+          int64_t k1 = K - k0 < K_BLOCK ? K : k0 + K_BLOCK, m0 = 0;                                    \
+          for (; m0 + ROWS <= block_rows; m0 += ROWS)                                                  \
+            TILE(x + (r0 + m0) * K, panel + c0, acc + m0 * PANEL + c0, K, k0, k1, ROWS);               \
+          const float *xt = x + (r0 + m0) * K;                                                         \
+          float *at = acc + m0 * PANEL + c0;                                                           \
+          switch (block_rows - m0) {                                                                   \
+            case 1: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(1, ROWS)); break;                   \
+            case 2: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(2, ROWS)); break;                   \
+            case 3: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(3, ROWS)); break;                   \
+            case 4: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(4, ROWS)); break;                   \
+            case 5: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(5, ROWS)); break;                   \
+            case 6: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(6, ROWS)); break;                   \
+            case 7: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(7, ROWS)); break;                   \
+            default: break;                                                                            \
+          }                                                                                            \
+        }                                                                                              \
+      for (int64_t m = 0; m < block_rows; m++)                                                         \
+        memcpy(y + (r0 + m) * N + n0, acc + m * PANEL, width * sizeof(float));                         \
     }                                                                                                  \
   }
+_Static_assert(TILE_ROWS <= 8 && FLOAT_TILE_ROWS <= 8, "TILES_OF_PANEL dispatches partial tiles of up to 7 rows");
+_Static_assert(ROW_BLOCK % TILE_ROWS == 0 && ROW_BLOCK % FLOAT_TILE_ROWS == 0, "whole tiles in a row block");
 
 void panel_product_f32(const float *x, const float *w, const float *scales, float *y, int64_t M, int64_t N,
                        int64_t K, int threads) {
+  (void)scales;
   int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t p = 0; p < panels; p++) TILES_OF_PANEL(tile_f32, w + p * K * PANEL)
+  for (int64_t p = 0; p < panels; p++) TILES_OF_PANEL(tile_f32, FLOAT_TILE_ROWS, FLOAT_TILE_COLUMNS, w + p * K * PANEL)
 }
 
 /* 16-bit panels: with more rows than four tiles, each thread widens a panel into float32 once and runs every
  * tile over that (prefill is arithmetic-bound, and widening per tile would cost a conversion per tile); the
  * same values in the same order, so the same sums. */
-#define DEFINE_PRODUCT_16(NAME, TILE, LOAD)                                                             \
+#define DEFINE_PRODUCT_16(NAME, TILE, LOAD_ROW)                                                         \
   void NAME(const float *x, const uint16_t *w, const float *scales, float *y, int64_t M, int64_t N,    \
             int64_t K, int threads) {                                                                  \
+    (void)scales;                                                                                      \
     int64_t panels = (N + PANEL - 1) / PANEL;                                                          \
     _Pragma("omp parallel num_threads(threads)") {                                                     \
       float *wide = M > 4 * TILE_ROWS ? aligned_alloc(64, (size_t)(K * PANEL) * sizeof(float)) : NULL; \
@@ -113,55 +173,50 @@ void panel_product_f32(const float *x, const float *w, const float *scales, floa
       for (int64_t p = 0; p < panels; p++) {                                                           \
         const uint16_t *panel = w + p * K * PANEL;                                                     \
         if (wide == NULL) {                                                                            \
-          TILES_OF_PANEL(TILE, panel)                                                                  \
+          TILES_OF_PANEL(TILE, TILE_ROWS, PANEL, panel)                                                \
         } else {                                                                                       \
           for (int64_t k = 0; k < K; k++) {                                                            \
-            v16 low, high;                                                                             \
-            LOAD(panel + k * PANEL, &low, &high);                                                      \
-            *(v16 *)(wide + k * PANEL) = low;                                                          \
-            *(v16 *)(wide + k * PANEL + 16) = high;                                                    \
+            vf row[VECS];                                                                              \
+            LOAD_ROW(panel + k * PANEL, row);                                                          \
+            memcpy(wide + k * PANEL, row, sizeof row);                                                 \
           }                                                                                            \
-          TILES_OF_PANEL(tile_f32, wide)                                                               \
+          TILES_OF_PANEL(tile_f32, FLOAT_TILE_ROWS, FLOAT_TILE_COLUMNS, wide)                          \
         }                                                                                              \
       }                                                                                                \
       free(wide);                                                                                      \
     }                                                                                                  \
   }
 
-DEFINE_PRODUCT_16(panel_product_bf16, tile_bf16, load_pair_bf16)
-DEFINE_PRODUCT_16(panel_product_f16, tile_f16, load_pair_f16)
+DEFINE_PRODUCT_16(panel_product_bf16, tile_bf16, load_row_bf16)
+DEFINE_PRODUCT_16(panel_product_f16, tile_f16, load_row_f16)
 
 /* One row of x times `count` consecutive panels at once (count <= STREAMS): that many weight streams in flight
  * per thread. Decoding one sequence is this product, at the memory's speed; on a 2026 Intel Xeon one stream
  * at a time per core read 18 GB/s with 2 threads and four at a time 26. Each output sums over k in the same
- * order as tile_f32, so a row gets the same values alone as in a batch. */
-#define STREAMS 4
-#define DEFINE_ROW(NAME, WEIGHT_T, LOAD)                                                                \
+ * order as the tiles, so a row gets the same values alone as in a batch. */
+#define DEFINE_ROW(NAME, WEIGHT_T, LOAD_ROW)                                                            \
   static inline __attribute__((always_inline)) void NAME(const float *x, const WEIGHT_T *w, float *y,  \
                                                          int64_t K, int64_t N, int64_t p0, int count) { \
-    v16 low[STREAMS], high[STREAMS];                                                                   \
-    for (int s = 0; s < count; s++) low[s] = high[s] = (v16){0};                                       \
+    vf sums[STREAMS][VECS];                                                                            \
+    for (int s = 0; s < count; s++)                                                                    \
+      for (int c = 0; c < VECS; c++) sums[s][c] = (vf){0};                                             \
     for (int64_t k = 0; k < K; k++) {                                                                  \
       float xv = x[k];                                                                                 \
       for (int s = 0; s < count; s++) {                                                                \
-        v16 w_low, w_high;                                                                             \
-        LOAD(w + ((p0 + s) * K + k) * PANEL, &w_low, &w_high);                                         \
-        low[s] += w_low * xv;                                                                          \
-        high[s] += w_high * xv;                                                                        \
+        vf row[VECS];                                                                                  \
+        LOAD_ROW(w + ((p0 + s) * K + k) * PANEL, row);                                                 \
+        for (int c = 0; c < VECS; c++) sums[s][c] += row[c] * xv;                                      \
       }                                                                                                \
     }                                                                                                  \
     for (int s = 0; s < count; s++) {                                                                  \
-      float out[PANEL];                                                                                \
       int64_t n0 = (p0 + s) * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;                          \
-      memcpy(out, &low[s], sizeof low[s]);                                                             \
-      memcpy(out + 16, &high[s], sizeof high[s]);                                                      \
-      memcpy(y + n0, out, width * sizeof(float));                                                      \
+      store_columns(sums[s], y + n0, width);                                                           \
     }                                                                                                  \
   }
 
-DEFINE_ROW(row_times_panels_f32, float, load_pair_f32)
-DEFINE_ROW(row_times_panels_bf16, uint16_t, load_pair_bf16)
-DEFINE_ROW(row_times_panels_f16, uint16_t, load_pair_f16)
+DEFINE_ROW(row_times_panels_f32, float, load_row_f32)
+DEFINE_ROW(row_times_panels_bf16, uint16_t, load_row_bf16)
+DEFINE_ROW(row_times_panels_f16, uint16_t, load_row_f16)
 
 /* Each thread an equal share of the panels (groups of STREAMS dealt out would leave a 9-panel product to
  * one thread of two), read STREAMS at a time. */
@@ -185,13 +240,14 @@ DEFINE_ROW(row_times_panels_f16, uint16_t, load_pair_f16)
       int64_t p = panels * me / team, end = panels * (me + 1) / team;                                  \
       for (; p + STREAMS <= end; p += STREAMS) ROW(x, w, y, K, N, p, STREAMS);                         \
       switch (end - p) {                                                                               \
-        case 3: ROW(x, w, y, K, N, p, 3); break;                                                       \
-        case 2: ROW(x, w, y, K, N, p, 2); break;                                                       \
+        case 3: ROW(x, w, y, K, N, p, BELOW_TILE(3, STREAMS)); break;                                  \
+        case 2: ROW(x, w, y, K, N, p, BELOW_TILE(2, STREAMS)); break;                                  \
         case 1: ROW(x, w, y, K, N, p, 1); break;                                                       \
         default: break;                                                                                \
       }                                                                                                \
     }                                                                                                  \
   }
+_Static_assert(STREAMS <= 4, "DEFINE_LINEAR dispatches the last panels in groups of up to 3");
 
 DEFINE_LINEAR(panel_linear_f32, float, row_times_panels_f32, panel_product_f32)
 DEFINE_LINEAR(panel_linear_bf16, uint16_t, row_times_panels_bf16, panel_product_bf16)
@@ -207,10 +263,32 @@ void panel_linear(int kind, const float *x, const void *w, float *y, int64_t M, 
     panel_linear_f32(x, w, NULL, y, M, N, K, threads);
 }
 
+/* The integer products' tiles: as many rows as the target's registers hold accumulators for. */
+#if defined(__AVX512VNNI__) || !defined(__AVX2__)
+#define INT_TILE_ROWS 8
+#else
+#define INT_TILE_ROWS 2
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512VNNI__)
+/* acc plus, in each 32-bit lane, the sum of the four products of unsigned bytes u and signed bytes s (VNNI's
+ * vpdpbusd). Without AVX-VNNI it is AVX2's pairwise products, whose 16-bit sums saturate beyond 32,767: the
+ * callers keep every pair below that. */
+static inline __attribute__((always_inline)) __m256i dot_u8_s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
 /* int8: each row of x is quantized on its own scale (its largest magnitude / 127, rounded to nearest even)
- * and offset by 128 to unsigned bytes; a lane then sums (x + 128) * w four at a time in int32, and the
- * 128 * sum(w) this adds is taken off with the row sums of W that the caller keeps (`weight_sums`). The
- * result for a row never depends on the other rows. */
+ * and offset by 128 to unsigned bytes; with VNNI a lane then sums (x + 128) * w four at a time in int32, and
+ * the 128 * sum(w) this adds is taken off with the row sums of W that the caller keeps (`weight_sums`). With
+ * AVX2 the lane sums |x| * (w with x's sign), which keeps AVX2's 16-bit pair sums within range (the weights
+ * are in [-127, 127]: llama_core.quantize), and needs no correction. The result for a row never depends on
+ * the other rows. */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t K4, uint8_t *xq, float *x_scales) {
   for (int64_t m = 0; m < M; m++) {
     const float *row = x + m * K;
@@ -226,9 +304,10 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t K4, uint
 static inline __attribute__((always_inline)) void tile_i8(
     const uint8_t *xq, const float *x_scales, const int8_t *w, const float *scales, const int32_t *weight_sums,
     float *y, int64_t K4, int64_t N, int64_t n0, int64_t width, int rows) {
-  int32_t sums[TILE_ROWS][PANEL];
+  int32_t sums[INT_TILE_ROWS][PANEL];
+  int32_t offset = 128;  /* what the sums hold beyond x * w, per unit of sum(w) */
 #if defined(__AVX512VNNI__)
-  __m512i low[TILE_ROWS], high[TILE_ROWS];
+  __m512i low[INT_TILE_ROWS], high[INT_TILE_ROWS];
   for (int m = 0; m < rows; m++) low[m] = high[m] = _mm512_setzero_si512();
   for (int64_t g = 0; g < K4 / 4; g++) {
     __m512i w_low = _mm512_loadu_si512(w + g * 4 * PANEL), w_high = _mm512_loadu_si512(w + g * 4 * PANEL + 64);
@@ -244,6 +323,25 @@ static inline __attribute__((always_inline)) void tile_i8(
     _mm512_storeu_si512(sums[m], low[m]);
     _mm512_storeu_si512(sums[m] + 16, high[m]);
   }
+#elif defined(__AVX2__)
+  __m256i acc[INT_TILE_ROWS][4];  /* rows 0-7, 8-15, 16-23 and 24-31 of the panel */
+  for (int m = 0; m < rows; m++)
+    for (int c = 0; c < 4; c++) acc[m][c] = _mm256_setzero_si256();
+  const __m256i sign_bit = _mm256_set1_epi8((char)0x80);
+  for (int64_t g = 0; g < K4 / 4; g++) {
+    __m256i wv[4];
+    for (int c = 0; c < 4; c++) wv[c] = _mm256_loadu_si256((const __m256i *)(w + g * 4 * PANEL + c * 32));
+    for (int m = 0; m < rows; m++) {
+      int32_t four;
+      memcpy(&four, xq + m * K4 + g * 4, 4);
+      __m256i xs = _mm256_xor_si256(_mm256_set1_epi32(four), sign_bit);  /* x, signed */
+      __m256i magnitude = _mm256_abs_epi8(xs);
+      for (int c = 0; c < 4; c++) acc[m][c] = dot_u8_s8(acc[m][c], magnitude, _mm256_sign_epi8(wv[c], xs));
+    }
+  }
+  for (int m = 0; m < rows; m++)
+    for (int c = 0; c < 4; c++) _mm256_storeu_si256((__m256i *)(sums[m] + 8 * c), acc[m][c]);
+  offset = 0;
 #else
   for (int m = 0; m < rows; m++) {
     for (int j = 0; j < PANEL; j++) sums[m][j] = 0;
@@ -255,7 +353,7 @@ static inline __attribute__((always_inline)) void tile_i8(
 #endif
   for (int m = 0; m < rows; m++)
     for (int64_t j = 0; j < width; j++)
-      y[m * N + n0 + j] = (float)(sums[m][j] - 128 * weight_sums[n0 + j]) * x_scales[m] * scales[n0 + j];
+      y[m * N + n0 + j] = (float)(sums[m][j] - offset * weight_sums[n0 + j]) * x_scales[m] * scales[n0 + j];
 }
 
 int panel_linear_i8(const float *x, const int8_t *w, const float *scales, const int32_t *weight_sums, float *y,
@@ -273,18 +371,20 @@ int panel_linear_i8(const float *x, const int8_t *w, const float *scales, const 
   for (int64_t p = 0; p < panels; p++) {
     const int8_t *panel = w + p * K4 * PANEL;
     int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL, m0 = 0;
-    for (; m0 + TILE_ROWS <= M; m0 += TILE_ROWS)
-      tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, TILE_ROWS);
+#define TILE_I8(rows) tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, \
+                              BELOW_TILE(rows, INT_TILE_ROWS))
+    for (; m0 + INT_TILE_ROWS <= M; m0 += INT_TILE_ROWS) TILE_I8(INT_TILE_ROWS);
     switch (M - m0) {
-      case 1: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 1); break;
-      case 2: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 2); break;
-      case 3: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 3); break;
-      case 4: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 4); break;
-      case 5: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 5); break;
-      case 6: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 6); break;
-      case 7: tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, 7); break;
+      case 1: TILE_I8(1); break;
+      case 2: TILE_I8(2); break;
+      case 3: TILE_I8(3); break;
+      case 4: TILE_I8(4); break;
+      case 5: TILE_I8(5); break;
+      case 6: TILE_I8(6); break;
+      case 7: TILE_I8(7); break;
       default: break;
     }
+#undef TILE_I8
   }
   free(xq);
   free(x_scales);
@@ -322,9 +422,9 @@ static void quantize_groups(const float *x, int64_t M, int64_t K, int64_t groups
 static inline __attribute__((always_inline)) void tile_i4(
     const int8_t *xq, const float *x_scales, const int32_t *x_sums, const uint8_t *w, const float *scales, float *y,
     int64_t groups, int64_t N, int64_t n0, int64_t width, int rows) {
-  float out[TILE_ROWS][PANEL];
+  float out[INT_TILE_ROWS][PANEL];
 #if defined(__AVX512VNNI__)
-  __m512 low[TILE_ROWS], high[TILE_ROWS];
+  __m512 low[INT_TILE_ROWS], high[INT_TILE_ROWS];
   for (int m = 0; m < rows; m++) low[m] = high[m] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; g++) {
@@ -357,6 +457,55 @@ static inline __attribute__((always_inline)) void tile_i4(
     _mm512_storeu_ps(out[m], low[m]);
     _mm512_storeu_ps(out[m] + 16, high[m]);
   }
+#elif defined(__AVX2__)
+  /* A 32-byte half h of each 64-byte block holds rows 8h..8h+7 (low nibbles) and 16+8h.. (high): vector c of
+   * a group's unpacked weights covers rows 8c..8c+7. */
+  __m256 acc[INT_TILE_ROWS][4];
+  for (int m = 0; m < rows; m++)
+    for (int c = 0; c < 4; c++) acc[m][c] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; g++) {
+    const uint8_t *wg = w + g * (GROUP / 2) * PANEL;
+    __m256i wv[GROUP / 4][4];
+    for (int q = 0; q < GROUP / 4; q++)
+      for (int h = 0; h < 2; h++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(wg + q * 64 + h * 32));
+        wv[q][h] = _mm256_and_si256(v, nibble);
+        wv[q][2 + h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      }
+    for (int m = 0; m < rows; m++) {
+      const int8_t *xg = xq + (m * groups + g) * GROUP;
+      __m256i sums[4];
+#if defined(__AVXVNNI__)
+      for (int c = 0; c < 4; c++) sums[c] = _mm256_setzero_si256();
+      for (int q = 0; q < GROUP / 4; q++) {
+        int32_t four;
+        memcpy(&four, xg + q * 4, 4);
+        __m256i xs = _mm256_set1_epi32(four);
+        for (int c = 0; c < 4; c++) sums[c] = _mm256_dpbusd_avx_epi32(sums[c], wv[q][c], xs);
+      }
+#else
+      /* q <= 15 and |x| <= 127: a pair's sum is at most 3,810, a group's eight pairs per lane 30,480, so the
+       * 16-bit sums stay exact until one widening per group. */
+      __m256i pairs[4];
+      for (int c = 0; c < 4; c++) pairs[c] = _mm256_setzero_si256();
+      for (int q = 0; q < GROUP / 4; q++) {
+        int32_t four;
+        memcpy(&four, xg + q * 4, 4);
+        __m256i xs = _mm256_set1_epi32(four);
+        for (int c = 0; c < 4; c++) pairs[c] = _mm256_add_epi16(pairs[c], _mm256_maddubs_epi16(wv[q][c], xs));
+      }
+      for (int c = 0; c < 4; c++) sums[c] = _mm256_madd_epi16(pairs[c], _mm256_set1_epi16(1));
+#endif
+      __m256i offset = _mm256_set1_epi32(8 * x_sums[m * groups + g]);
+      __m256 x_scale = _mm256_set1_ps(x_scales[m * groups + g]);
+      for (int c = 0; c < 4; c++)
+        acc[m][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[c], offset)),
+                                    _mm256_mul_ps(_mm256_loadu_ps(scales + g * PANEL + 8 * c), x_scale), acc[m][c]);
+    }
+  }
+  for (int m = 0; m < rows; m++)
+    for (int c = 0; c < 4; c++) _mm256_storeu_ps(out[m] + 8 * c, acc[m][c]);
 #else
   for (int m = 0; m < rows; m++) {
     for (int j = 0; j < PANEL; j++) out[m][j] = 0;
@@ -398,12 +547,10 @@ int panel_linear_i4(const float *x, const uint8_t *w, const float *scales, float
     const uint8_t *panel = w + p * groups * (GROUP / 2) * PANEL;
     const float *panel_scales = scales + p * groups * PANEL;
     int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL, m0 = 0;
-    for (; m0 + TILE_ROWS <= M; m0 += TILE_ROWS)
-      tile_i4(xq + m0 * groups * GROUP, x_scales + m0 * groups, x_sums + m0 * groups, panel, panel_scales, y + m0 * N,
-              groups, N, n0, width, TILE_ROWS);
 #define TILE_I4(rows) tile_i4(xq + m0 * groups * GROUP, x_scales + m0 * groups, x_sums + m0 * groups, panel, \
-                              panel_scales, y + m0 * N, groups, N, n0, width, rows)
-    switch (M - m0) {  /* a constant row count each, so that the tile's loops over rows unroll */
+                              panel_scales, y + m0 * N, groups, N, n0, width, BELOW_TILE(rows, INT_TILE_ROWS))
+    for (; m0 + INT_TILE_ROWS <= M; m0 += INT_TILE_ROWS) TILE_I4(INT_TILE_ROWS);
+    switch (M - m0) {
       case 1: TILE_I4(1); break;
       case 2: TILE_I4(2); break;
       case 3: TILE_I4(3); break;
@@ -429,7 +576,7 @@ int panel_width(void) { return PANEL; }
  * memory, and a product of many rows runs many times slower than torch's own: the Python side then leaves
  * the kernels unused. */
 int native_vectors(void) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return 1;
 #else
   return 0;

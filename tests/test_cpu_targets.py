@@ -1,0 +1,138 @@
+"""The CPU kernels built for x86 targets other than this machine's: AVX2 (with and without AVX-VNNI) and AVX-512
+without VNNI give the native build's products bit for bit, since every output sums in the same order on every
+target; a model served by an AVX2 build decodes to the native build's tokens and log-probabilities; and a
+target with neither AVX2 nor AVX-512 is left unused with one warning. Each target runs here only where this
+CPU can run its instructions."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+import torch
+
+from llama_core import cpu_kernels
+from llama_core.cpu_kernels import build, panels
+from llama_core.int4 import Int4Linear
+from llama_core.quantize import Int8Linear
+
+from conftest import build_llama
+
+CPU_FLAGS = set(build._cpu_features().split())
+AVX2 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}  # what -march=haswell code may use
+TARGETS = {  # name: (the compiler's flags, the CPU flags its code needs)
+    "avx2": (("-march=haswell",), AVX2),
+    "avx2 with avx-vnni": (("-march=haswell", "-mavxvnni"), AVX2 | {"avx_vnni"}),
+    "avx-512 without vnni": (("-march=skylake-avx512",), AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl",
+                                                                 "avx512cd"}),
+}
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason="llama_core's CPU kernels are not used here (no C compiler, or neither "
+                                          "AVX-512 nor AVX2)")
+needs_x86_compiler = pytest.mark.skipif(shutil.which("cc") is None or build.platform.machine() not in ("x86_64", "AMD64"),
+                                        reason="needs a C compiler and an x86 CPU")
+
+
+def runs_here(target: str):
+    missing = sorted(TARGETS[target][1] - CPU_FLAGS)
+    return pytest.param(target, marks=pytest.mark.skipif(bool(missing), reason=f"this CPU lacks {missing}"))
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    """Each target's build of the kernels, made on first use."""
+    built: dict[str, ctypes.CDLL] = {}
+    directory = tmp_path_factory.mktemp("targets")
+
+    def library(target: str) -> ctypes.CDLL:
+        if target not in built:
+            path = directory / f"{target.replace(' ', '-')}.so"
+            flags = (*build.FLAGS, *TARGETS[target][0], "-fopenmp")
+            result = build.subprocess.run(["cc", *flags, *map(str, build.SOURCES), "-o", str(path)],
+                                          capture_output=True, text=True)
+            assert result.returncode == 0, result.stderr
+            built[target] = ctypes.CDLL(str(path))
+            build._declare(built[target])
+            assert built[target].native_vectors() == 1
+        return built[target]
+
+    return library
+
+
+def products(library: ctypes.CDLL, weights: dict, x: torch.Tensor, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """x times each weight through one build of the kernels, on 2 threads."""
+    out_features, in_features = shape
+    results = {}
+    for kind, weight in weights.items():
+        y = torch.empty(x.shape[0], out_features)
+        args = (x.shape[0], out_features, in_features, 2)
+        if kind == "int8":
+            panel, scales, sums = weight
+            assert library.panel_linear_i8(x.data_ptr(), panel.data_ptr(), scales.data_ptr(), sums.data_ptr(),
+                                           y.data_ptr(), *args) == 0
+        elif kind == "int4":
+            panel, scales = weight
+            assert library.panel_linear_i4(x.data_ptr(), panel.data_ptr(), scales.data_ptr(), y.data_ptr(), *args) == 0
+        else:
+            getattr(library, f"panel_linear_{kind}")(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), *args)
+        results[kind] = y
+    return results
+
+
+@needs_kernels
+@needs_x86_compiler
+@pytest.mark.parametrize("target", [runs_here(name) for name in TARGETS])
+def test_every_product_equals_the_native_builds_bit_for_bit(libraries, target):
+    torch.manual_seed(0)
+    for shape in [(96, 64), (100, 7), (31, 34), (70, 96), (2304, 768)]:
+        weight = torch.randn(shape)
+        int8, int4 = Int8Linear(weight), Int4Linear(weight)
+        int8_panels, sums = panels.to_int8_panels(int8.weight)
+        int8_scales = torch.zeros(sums.shape[0])
+        int8_scales[:shape[0]] = int8.scales
+        weights = {"f32": panels.to_panels(weight), "bf16": panels.to_panels(weight.bfloat16()),
+                   "f16": panels.to_panels(weight.half()), "int8": (int8_panels, int8_scales, sums),
+                   "int4": int4._panels_for_cpu()}
+        for rows in (1, 2, 3, 4, 5, 7, 9, 13, 40):  # a row alone, each partial tile, and the 16-bit widening
+            x = torch.randn(rows, shape[1]) * torch.logspace(-2, 2, rows)[:, None]
+            expected = products(build.load(), weights, x, shape)
+            got = products(libraries(target), weights, x, shape)
+            for kind in weights:
+                assert torch.equal(got[kind], expected[kind]), (kind, shape, rows)
+
+
+@needs_kernels
+@needs_x86_compiler
+@pytest.mark.skipif(bool(AVX2 - CPU_FLAGS), reason=f"this CPU lacks {sorted(AVX2 - CPU_FLAGS)}")
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_a_model_served_by_an_avx2_build_decodes_as_by_the_native_one(monkeypatch, tmp_path, meta_ckpt_dir,
+                                                                      tokenizer, quantize):
+    # Through LLAMA_CORE_CPU_TARGET, as a user would build for another CPU: RMSNorm, attention over float32 and
+    # bfloat16 caches, whole blocks in one call and every product, for a batch of two prompts.
+    prompts = [tokenizer.encode(text, bos=True, eos=False) for text in ("def forward(self, x):", "Once upon a")]
+    llama = build_llama(meta_ckpt_dir, quantize=quantize)
+    native = llama.generate(prompts, 12, temperature=0, logprobs=True)
+    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
+    monkeypatch.setenv(build.TARGET_VARIABLE, "haswell")
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(panels, "_KERNELS", None)
+    assert cpu_kernels.available() and panels._KERNELS._name.startswith(str(tmp_path))  # built for the target
+    assert llama.generate(prompts, 12, temperature=0, logprobs=True) == native
+
+
+@needs_x86_compiler
+def test_a_target_without_avx2_or_avx512_is_left_unused_saying_why(tmp_path, monkeypatch):
+    # Built for x86-64's baseline (SSE2), the kernels would run in 4-lane vectors without FMA: torch's products
+    # serve instead.
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
+    monkeypatch.setenv(build.TARGET_VARIABLE, "x86-64")
+    monkeypatch.setattr(build, "_loaded", {})
+    assert not build.expected()  # known from the compiler's macros, before building
+    with pytest.warns(UserWarning, match="the CPU target 'x86-64' has neither AVX-512 nor AVX2 with FMA"):
+        assert build.load() is None
+    assert list(tmp_path.glob("kernels/kernels-*.so"))  # it was built, then left unused
+    monkeypatch.setenv(build.TARGET_VARIABLE, "haswell")
+    assert build.expected()

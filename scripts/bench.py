@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llama_core.checkpoint import permute_rotary  # noqa: E402
 from llama_core.config import ModelArgs  # noqa: E402
 from llama_core.cpu_kernels import PanelLinear, to_panels  # noqa: E402
+from llama_core.cpu_kernels import build as cpu_kernels_build  # noqa: E402
 from llama_core.errors import LlamaError  # noqa: E402
 from llama_core.generation import Llama  # noqa: E402
 from llama_core.model import Transformer  # noqa: E402
@@ -64,6 +65,12 @@ class _Vocab:
 
     def __init__(self, n_words: int) -> None:
         self.n_words = n_words
+
+
+# Environment variables that choose the CPU code a run measures: llama_core's kernels (build.py) and torch's
+# own (ATen's dispatch, oneDNN, MKL), e.g. to measure an AVX2 machine's code on an AVX-512 one.
+CPU_ENVIRONMENT = ("LLAMA_CORE_CPU_KERNELS", "LLAMA_CORE_CPU_TARGET", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                   "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
 
 
 def parse_args() -> argparse.Namespace:
@@ -423,6 +430,9 @@ def main() -> None:
         "quantize": a.quantize,
         "phases_done": [], "results": {},
     }
+    if device.type == "cpu":  # what the CPU kernels were built for, and what torch's own CPU code is held to
+        report["cpu_kernels_target"] = cpu_kernels_build.target() if cpu_kernels_build.expected() else None
+        report["cpu_environment"] = {name: os.environ[name] for name in CPU_ENVIRONMENT if name in os.environ}
     print(f"{a.shape}: {report['parameters'] / 1e6:.1f}M parameters, {dtype}, {report['device']}, {report['threads']} threads", flush=True)
     progress = Progress(report, a.json, a.deadline, started)
     bandwidth = copy_bandwidth(device)  # first: the share of it is the headline figure on CUDA

@@ -4,18 +4,18 @@
  * are bit for bit those of the float32 panels of the same values, reading half the bytes; int8 panels (one
  * float scale per row of W) are [K / 4][PANEL][4], the layout of VNNI's four-products-per-lane instruction.
  *
- * One panel is read as a single sequential stream and every row of x in a tile of up to TILE_ROWS rows is
- * multiplied with it while it is in registers, so the weight leaves memory once per TILE_ROWS rows: a few
- * rows cost about what one does. A single row (decoding one sequence) reads STREAMS panels side by side, to
- * keep more of memory's bandwidth busy, and runs at the memory's speed. Built by build.py with
- * -O3 -march=native -fopenmp.
+ * One panel is read as a single sequential stream and every row of x in a tile of rows is multiplied with it
+ * while it is in registers; a block of up to ROW_BLOCK rows takes the panel K_BLOCK inputs at a time, so the
+ * weight leaves memory once per block and L1 once per tile: a few rows cost about what one does. A single row
+ * (decoding one sequence) reads STREAMS panels side by side, to keep more of memory's bandwidth busy, and runs
+ * at the memory's speed. Built by build.py with -O3 -march=native -fopenmp.
  *
- * The code is written in the target's own vectors, LANES floats each (widen.h): 16 with AVX-512 and 8 with
- * AVX2; a panel row is VECS of them. Tile and stream counts are sized so that the
- * accumulators and one panel row fit the target's registers (32 with AVX-512, 16 with AVX2): a wider vector
- * type than the target's own, or more accumulators than registers, makes GCC keep them in memory, many times
- * slower. Each output sums its products over k in the same order on every target and tile size, so a row
- * gets the same values alone as in a batch, and from an AVX2 build as from an AVX-512 one. */
+ * The code is written in the target's own vectors, LANES floats each (widen.h): 16 with AVX-512, 8 with AVX2; a
+ * panel row is VECS of them. Tile and stream counts are sized so that the accumulators and the weights they
+ * multiply fit the target's registers (32 with AVX-512, 16 with AVX2): a wider vector type than the target's
+ * own, or more accumulators than registers, makes GCC keep them in memory, many times slower. Each output sums
+ * its products over k in the same order on every target and tile size, so a row gets the same values alone as
+ * in a batch, and from an AVX2 build as from an AVX-512 one. */
 #include <stdint.h>
 #include <string.h>
 #include <math.h>

@@ -1,6 +1,7 @@
-/* 16-bit floats to and from float32, shared by linear.c (16-bit panels) and layer.c (16-bit KV caches).
- * Narrowing rounds to nearest, ties to even, as torch's .to(torch.float16 / torch.bfloat16) does, so a cache
- * written here holds what torch would have written; widening is exact. */
+/* The target's vectors (vf: LANES floats; v16: 16 lanes in the same order on every target), and 16-bit floats to
+ * and from float32, shared by linear.c (16-bit panels) and layer.c (16-bit KV caches). Narrowing rounds to
+ * nearest, ties to even, as torch's .to(torch.float16 / torch.bfloat16) does, so a cache written here holds what
+ * torch would have written; widening is exact. */
 #ifndef LLAMA_CORE_WIDEN_H
 #define LLAMA_CORE_WIDEN_H
 

@@ -97,30 +97,6 @@ void rms_norm(const float *x, const float *weight, float *out, int64_t rows, int
   }
 }
 
-/* e^x, within 1.1 ulp of the exact value for every float x in [-87, 88], clamped outside it (x = n ln 2 + r; e^r from
- * Cephes' expf polynomial, 2^n from exponent bits). exp_lanes takes LANES values at once by the same operations,
- * so to the same values: GCC vectorizes the scalar loop itself only with AVX-512 (whose masks if-convert the
- * clamps), and libm's expf not at all (SiLU over a prompt's activations took 7x as long with expf as all else
- * in the call). */
-static inline __attribute__((always_inline)) float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2), |x / ln 2| < 2^22 */
-  float r = x - n * 0.693359375f;                                       /* ln 2 in two parts, the first exact */
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) << 23; /* 2^n, n in [-126, 127]: a normal float */
-  float scale;
-  memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 typedef int32_t vi __attribute__((vector_size(LANES * 4), aligned(4)));
 
 /* a where mask (all ones), else b. */
@@ -128,12 +104,16 @@ static inline __attribute__((always_inline)) vf select_lanes(vi mask, vf a, vf b
   return (vf)((mask & (vi)a) | (~mask & (vi)b));
 }
 
+/* e^x of LANES values, each within 1.1 ulp of the exact value for every float x in [-87, 88], clamped outside
+ * it (x = n ln 2 + r; e^r from Cephes' expf polynomial, 2^n from exponent bits). Written in vectors: GCC
+ * vectorizes such a scalar function's loops only with AVX-512 (whose masks if-convert the clamps), and libm's
+ * expf not at all (SiLU over a prompt's activations took 7x as long with expf as all else in the call). */
 static inline __attribute__((always_inline)) vf exp_lanes(vf x) {
   const vf lowest = (vf){0} - 87.0f, highest = (vf){0} + 88.0f;
   x = select_lanes(x < lowest, lowest, x);
   x = select_lanes(x > highest, highest, x);
-  vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  vf r = x - n * 0.693359375f;
+  vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2), |x / ln 2| < 2^22 */
+  vf r = x - n * 0.693359375f;                                       /* ln 2 in two parts, the first exact */
   r = r - n * -2.12194440e-4f;
   vf p = (vf){0} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -142,9 +122,12 @@ static inline __attribute__((always_inline)) vf exp_lanes(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23; /* 2^n, n in [-126, 127]: a normal float */
   return p * (vf)bits;
 }
+
+/* e^x of one value, as exp_lanes gives it. */
+static inline float exp_approx(float x) { return exp_lanes((vf){0} + x)[0]; }
 
 /* x[t] = e^(x[t] - shift) for t in [0, n). */
 static inline void exp_shifted(float *x, int64_t n, float shift) {

@@ -103,6 +103,32 @@ def test_every_product_equals_the_native_builds_bit_for_bit(libraries, target):
                 assert torch.equal(got[kind], expected[kind]), (kind, shape, rows)
 
 
+def layer_ops(library: ctypes.CDLL, rows: torch.Tensor, gate_up: torch.Tensor, weight: torch.Tensor) -> list:
+    """argmax, RMSNorm and SiLU gating of the same inputs through one build of the kernels."""
+    argmax, normed, gated = torch.empty(rows.shape[0], dtype=torch.int64), torch.empty_like(rows), \
+        torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    library.argmax_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], argmax.data_ptr())
+    library.rms_norm(rows.data_ptr(), weight.data_ptr(), normed.data_ptr(), rows.shape[0], rows.shape[1], 1e-5, 2)
+    library.silu_mul(gate_up.data_ptr(), gated.data_ptr(), gate_up.shape[0], gate_up.shape[1] // 2, 2)
+    return [argmax, normed, gated]
+
+
+@needs_kernels
+@needs_x86_compiler
+@pytest.mark.parametrize("target", [runs_here(name) for name in TARGETS])
+def test_layer_operations_equal_the_native_builds_bit_for_bit(libraries, target):
+    torch.manual_seed(0)
+    rows = torch.randn(6, 1003) * 10
+    rows[1, 500:503] = rows[1].max() + 1  # equal maxima: the first
+    rows[2, 700], rows[3, 9] = float("nan"), float("-inf")
+    gate_up = torch.randn(5, 2 * 1001) * 30  # past exp's clamps at both ends
+    weight = torch.randn(1003)
+    expected, got = layer_ops(build.load(), rows, gate_up, weight), layer_ops(libraries(target), rows, gate_up, weight)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[0], torch.argmax(rows, dim=-1))
+    for a, b in zip(got[1:], expected[1:]):  # bit for bit; the rows with NaN and -inf norm to NaN
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 @needs_kernels
 @needs_x86_compiler
 @pytest.mark.skipif(bool(AVX2 - CPU_FLAGS), reason=f"this CPU lacks {sorted(AVX2 - CPU_FLAGS)}")

@@ -162,3 +162,14 @@ def test_a_target_without_avx2_or_avx512_is_left_unused_saying_why(tmp_path, mon
     assert list(tmp_path.glob("kernels/kernels-*.so"))  # it was built, then left unused
     monkeypatch.setenv(build.TARGET_VARIABLE, "haswell")
     assert build.expected()
+
+
+@needs_x86_compiler
+def test_a_target_the_compiler_does_not_know_falls_back_with_its_error(tmp_path, monkeypatch):
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
+    monkeypatch.setenv(build.TARGET_VARIABLE, "haswel")
+    monkeypatch.setattr(build, "_loaded", {})
+    assert not build.expected()
+    with pytest.warns(UserWarning, match="could not build the CPU kernels.*haswel"):
+        assert build.load() is None

@@ -4,8 +4,9 @@ channel (row).
 On CPU (float32) the product runs in llama_core's own kernel where it is built (llama_core.cpu_kernels):
 each row of activations is rounded to 8 bits on its own scale and multiplied with the int8 weight in
 integer arithmetic (VNNI's four-products-per-lane instruction where the CPU has it, else AVX2's pairwise
-products), reading the weight once per tile of rows (8 with AVX-512 VNNI, 2 with AVX2). Without it, the product runs in fbgemm's int8 GEMM (`torch.ops.quantized.linear_dynamic`, the kernel
-behind torch.ao's dynamic quantization): the activations are quantized to 8 bits on the fly and multiplied
+products), reading the weight once per tile of rows (8 with AVX-512 VNNI, 2 with AVX2). Without it, the
+product runs in fbgemm's int8 GEMM (`torch.ops.quantized.linear_dynamic`, the kernel behind torch.ao's
+dynamic quantization): the activations are quantized to 8 bits on the fly and multiplied
 with the int8 weight in integer arithmetic, never through a dequantized copy of the weight.
 scripts/bench_int8.py measured it the fastest candidate on the 15m and 110m shapes at 1 to 32 rows (2.6 to
 9 times float32's speed on the projections, 1.6 to 5.9 with the row scaling below), ahead of torch's

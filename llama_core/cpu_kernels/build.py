@@ -4,9 +4,10 @@ The library is built with the system's C compiler (`$CC`, else `cc`) for the CPU
 (`-march=native`; `$LLAMA_CORE_CPU_TARGET` names another target, e.g. `haswell`) and kept in a cache
 directory (`$LLAMA_CORE_CACHE`, else `~/.cache/llama_core`) under a name that hashes the source, the
 compiler, its flags and the CPU's features, so an upgrade or another machine builds afresh. The kernels are
-written for x86's AVX-512 and AVX2 (with FMA); a target with neither gets torch's products. It links against the OpenMP runtime torch has already loaded (GNU libgomp in
-torch's builds), so the two share one pool of threads. Where nothing can be built (no compiler), `load`
-returns None and the caller keeps torch's own products.
+written for x86's AVX-512 and AVX2 (with FMA); a target with neither gets torch's products. It links against
+the OpenMP runtime torch has already loaded (GNU libgomp in torch's builds), so the two share one pool of
+threads. Where nothing can be built (no compiler), `load` returns None and the caller keeps torch's own
+products.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from .memory_plan import cpu_shortfall, shortfall
 from .int4 import quantize_int4
 from .quantize import QUANTIZATIONS, quantization_of, quantize_int8
 from .resources import DEFAULT_CKPT_DIR
-from .runner import ModelRunner, cpu_serving_layout, panel_storage_of
+from .runner import ModelRunner, cpu_products_of, cpu_serving_layout, panel_storage_of
 from .tokenizer import Tokenizer
 
 
@@ -44,6 +44,7 @@ class ModelInfo:
     weights_bytes: int = 0  # what the weights take on their devices (this rank's, under tensor parallelism)
     kv_cache_bytes: int = 0
     kv_cache_dtype: Optional[str] = None  # where it differs from dtype
+    cpu_products: Optional[str] = None  # on the CPU: "llama_core's kernels (AVX2, built for native)" or "torch's own"
 
     @property
     def weights(self) -> str:
@@ -76,6 +77,7 @@ class LoadedModel:
             parameter_count=runner.parameter_count, dtype=str(runner.dtype).removeprefix("torch."),
             device=str(runner.device), load_seconds=load_seconds, quantization=quantization_of(runner.model),
             projections_stored_in=panel_storage_of(runner.model),
+            cpu_products=cpu_products_of(runner.model, runner.device),
             weights_bytes=weights_bytes, kv_cache_bytes=kv_cache_bytes,
             kv_cache_dtype=(None if runner.kv_cache_dtype == runner.dtype
                             else str(runner.kv_cache_dtype).removeprefix("torch.")),

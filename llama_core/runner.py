@@ -28,6 +28,7 @@ from .devices import execution_device, on_one_device, to_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer, TransformerBlock
 from .cpu_kernels import PanelLinear, available as cpu_kernels_available
+from .cpu_kernels import build as cpu_kernels_build
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
 from .int4 import Int4Linear, keep_int4_in_panels
 from .quantize import Int8Linear, keep_int8_in_panels
@@ -319,6 +320,16 @@ def cpu_serving_layout(part: nn.Module, float32_model: bool = True) -> nn.Module
     keep_int8_in_panels(holder)
     keep_int4_in_panels(holder)
     return holder["part"]
+
+
+def cpu_products_of(model: nn.Module, device: torch.device) -> Optional[str]:
+    """What a CPU model's products run on, in words (the app's Model tab shows it): llama_core's kernels where
+    its projections are in their panels, else torch's own; None off the CPU."""
+    if device.type != "cpu":
+        return None
+    if any(isinstance(getattr(m, "panels", None), torch.Tensor) for m in model.modules()):
+        return cpu_kernels_build.describe() or "torch's own"
+    return "torch's own"
 
 
 def panel_storage_of(model: nn.Module) -> Optional[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -342,8 +343,12 @@ def test_model_facts_name_checkpoint_size_and_context(engine):
     if cpu_kernels.available():
         assert info.weights == "float32, bfloat16 weights" and "float32, bfloat16 weights" in facts
         assert 2 * info.parameter_count < info.weights_bytes < 4 * info.parameter_count
+        # which instructions, and for which CPU they were built: a user comparing speeds needs both
+        assert f"| CPU products | {cpu_kernels.build.describe()} |" in facts
+        assert re.fullmatch(r"llama_core's kernels \((AVX-512|AVX2)[^,]*, built for \S+\)", info.cpu_products)
     else:
         assert info.weights == "float32" and info.weights_bytes >= 4 * info.parameter_count
+        assert "| CPU products | torch's own |" in facts
     cache = 2 * args.n_layers * info.max_batch_size * info.max_seq_len * args.n_kv_heads * args.head_dim * 4
     assert cache <= info.kv_cache_bytes <= cache * (info.max_seq_len + 1) / info.max_seq_len
     assert f"| Memory | weights {info.weights_bytes / 2**20:.1f} MiB · KV cache {info.kv_cache_bytes / 2**20:.1f} MiB |" in facts

@@ -21,6 +21,7 @@ from conftest import build_llama
 
 CPU_FLAGS = set(build._cpu_features().split())
 AVX2 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}  # what -march=haswell code may use
+INSTRUCTIONS = {"avx2": "AVX2", "avx2 with avx-vnni": "AVX2 with AVX-VNNI", "avx-512 without vnni": "AVX-512"}
 TARGETS = {  # name: (the compiler's flags, the CPU flags its code needs)
     "avx2": (("-march=haswell",), AVX2),
     "avx2 with avx-vnni": (("-march=haswell", "-mavxvnni"), AVX2 | {"avx_vnni"}),
@@ -124,6 +125,7 @@ def test_layer_operations_equal_the_native_builds_bit_for_bit(libraries, target)
     gate_up = torch.randn(5, 2 * 1001) * 30  # past exp's clamps at both ends
     weight = torch.randn(1003)
     expected, got = layer_ops(build.load(), rows, gate_up, weight), layer_ops(libraries(target), rows, gate_up, weight)
+    assert libraries(target).vector_instructions().decode() == INSTRUCTIONS[target]  # what the Model tab says
     assert torch.equal(got[0], expected[0]) and torch.equal(got[0], torch.argmax(rows, dim=-1))
     for a, b in zip(got[1:], expected[1:]):  # bit for bit; the rows with NaN and -inf norm to NaN
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
@@ -173,3 +175,14 @@ def test_a_target_the_compiler_does_not_know_falls_back_with_its_error(tmp_path,
     assert not build.expected()
     with pytest.warns(UserWarning, match="could not build the CPU kernels.*haswel"):
         assert build.load() is None
+
+
+def test_what_the_products_run_on_is_described_in_words(monkeypatch):
+    # The app's Model tab shows it: which instructions, built for which CPU.
+    if cpu_kernels.available():
+        assert build.describe() == (f"llama_core's kernels ({build.load().vector_instructions().decode()}, built for "
+                                    f"{build.target()})")
+        assert build.load().vector_instructions().decode() in ("AVX-512 with VNNI", "AVX-512", "AVX2 with AVX-VNNI",
+                                                               "AVX2")
+    monkeypatch.setenv(build.DISABLE_VARIABLE, "0")
+    assert build.describe() is None

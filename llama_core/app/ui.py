@@ -270,6 +270,7 @@ def model_facts(info: ModelInfo) -> str:
         ("Parameters", f"{info.parameter_count:,}"),
         ("Layers · width · heads (kv)", f"{args.n_layers} · {args.dim} · {args.n_heads} ({args.n_kv_heads})"),
         ("dtype · device", f"{info.weights} · {info.device}"),
+        *([("CPU products", info.cpu_products)] if info.cpu_products else []),
         ("Memory", f"weights {_size(info.weights_bytes)} · KV cache {_size(info.kv_cache_bytes)}"
                    + (f" in {info.kv_cache_dtype}" if info.kv_cache_dtype else "")),
         ("Context (max_seq_len)", f"{info.max_seq_len:,} tokens (trained for {trained_for})"),

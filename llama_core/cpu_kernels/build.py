@@ -44,6 +44,15 @@ def target() -> str:
     return os.environ.get(TARGET_VARIABLE, "").strip() or "native"
 
 
+def describe() -> Optional[str]:
+    """What the CPU's products run on, in words, e.g. "llama_core's kernels (AVX2, built for native)"; None where
+    the kernels are not used (see load)."""
+    library = load()
+    if library is None:
+        return None
+    return f"llama_core's kernels ({library.vector_instructions().decode()}, built for {target()})"
+
+
 def cache_dir() -> Path:
     root = os.environ.get("LLAMA_CORE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llama_core")
@@ -163,6 +172,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.panel_linear_i4.restype = ctypes.c_int
     library.panel_width.restype = ctypes.c_int
     library.native_vectors.restype = ctypes.c_int
+    library.vector_instructions.restype = ctypes.c_char_p
     library.rms_norm.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_float, ctypes.c_int]
     library.rms_norm.restype = None
     library.silu_mul.argtypes = [pointer, pointer, size, size, ctypes.c_int]

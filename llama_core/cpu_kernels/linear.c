@@ -571,14 +571,28 @@ int panel_linear_i4(const float *x, const uint8_t *w, const float *scales, float
 /* The layout's constants, for the Python side to check against its own. */
 int panel_width(void) { return PANEL; }
 
-/* Whether the target has the 64-byte vector registers these kernels are written for (AVX-512F): a v16 is then
- * one register and a tile's accumulators stay in registers. Elsewhere (AVX2, NEON) the compiler keeps them in
- * memory, and a product of many rows runs many times slower than torch's own: the Python side then leaves
- * the kernels unused. */
+/* Whether the target has the vectors these kernels are written for: AVX-512F, or AVX2 with FMA (a v16 is then one
+ * or two registers, and a tile's accumulators stay in registers). Elsewhere (NEON, x86 before AVX2) they have
+ * not been measured against torch's own products: the Python side then leaves the kernels unused. */
 int native_vectors(void) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return 1;
 #else
   return 0;
+#endif
+}
+
+/* The vector instructions the products were built with, in words (the app's Model tab shows them). */
+const char *vector_instructions(void) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  return "AVX-512 with VNNI";
+#elif defined(__AVX512F__)
+  return "AVX-512";
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+  return "AVX2 with AVX-VNNI";
+#elif defined(__AVX2__)
+  return "AVX2";
+#else
+  return "no AVX2";
 #endif
 }

@@ -1,8 +1,9 @@
 """The CPU kernels built for x86 targets other than this machine's: AVX2 (with and without AVX-VNNI) and AVX-512
-without VNNI give the native build's products bit for bit, since every output sums in the same order on every
-target; a model served by an AVX2 build decodes to the native build's tokens and log-probabilities; and a
-target with neither AVX2 nor AVX-512 is left unused with one warning. Each target runs here only where this
-CPU can run its instructions."""
+without VNNI give the native build's products and layer operations bit for bit, since every output sums in the
+same order on every target; a model served by an AVX2 build decodes to the native build's tokens and
+log-probabilities; a target with neither AVX2 nor AVX-512, or one the compiler does not know, is left unused
+with one warning; and the Model tab's words for what the products run on. Each target runs here only where
+this CPU can run its instructions."""
 
 from __future__ import annotations
 

@@ -37,6 +37,16 @@ needs_x86_compiler = pytest.mark.skipif(shutil.which("cc") is None or build.plat
                                         reason="needs a C compiler and an x86 CPU")
 
 
+def building_for(target: str, monkeypatch, cache) -> None:
+    """The kernels turned on and to be built for `target` into the cache folder `cache`, as a user would ask
+    with LLAMA_CORE_CPU_TARGET: none built or loaded yet in this process."""
+    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
+    monkeypatch.setenv("LLAMA_CORE_CACHE", str(cache))
+    monkeypatch.setenv(build.TARGET_VARIABLE, target)
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(panels, "_KERNELS", None)
+
+
 def runs_here(target: str):
     missing = sorted(TARGETS[target][1] - CPU_FLAGS)
     return pytest.param(target, marks=pytest.mark.skipif(bool(missing), reason=f"this CPU lacks {missing}"))
@@ -143,10 +153,7 @@ def test_a_model_served_by_an_avx2_build_decodes_as_by_the_native_one(monkeypatc
     prompts = [tokenizer.encode(text, bos=True, eos=False) for text in ("def forward(self, x):", "Once upon a")]
     llama = build_llama(meta_ckpt_dir, quantize=quantize)
     native = llama.generate(prompts, 12, temperature=0, logprobs=True)
-    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
-    monkeypatch.setenv(build.TARGET_VARIABLE, "haswell")
-    monkeypatch.setattr(build, "_loaded", {})
-    monkeypatch.setattr(panels, "_KERNELS", None)
+    building_for("haswell", monkeypatch, tmp_path)
     assert cpu_kernels.available() and panels._KERNELS._name.startswith(str(tmp_path))  # built for the target
     assert llama.generate(prompts, 12, temperature=0, logprobs=True) == native
 
@@ -155,10 +162,7 @@ def test_a_model_served_by_an_avx2_build_decodes_as_by_the_native_one(monkeypatc
 def test_a_target_without_avx2_or_avx512_is_left_unused_saying_why(tmp_path, monkeypatch):
     # Built for x86-64's baseline (SSE2), the kernels would run in 4-lane vectors without FMA: torch's products
     # serve instead.
-    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
-    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
-    monkeypatch.setenv(build.TARGET_VARIABLE, "x86-64")
-    monkeypatch.setattr(build, "_loaded", {})
+    building_for("x86-64", monkeypatch, tmp_path)
     assert not build.expected()  # known from the compiler's macros, before building
     with pytest.warns(UserWarning, match="the CPU target 'x86-64' has neither AVX-512 nor AVX2 with FMA"):
         assert build.load() is None
@@ -169,10 +173,7 @@ def test_a_target_without_avx2_or_avx512_is_left_unused_saying_why(tmp_path, mon
 
 @needs_x86_compiler
 def test_a_target_the_compiler_does_not_know_falls_back_with_its_error(tmp_path, monkeypatch):
-    monkeypatch.delenv(build.DISABLE_VARIABLE, raising=False)
-    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
-    monkeypatch.setenv(build.TARGET_VARIABLE, "haswel")
-    monkeypatch.setattr(build, "_loaded", {})
+    building_for("haswel", monkeypatch, tmp_path)
     assert not build.expected()
     with pytest.warns(UserWarning, match="could not build the CPU kernels.*haswel"):
         assert build.load() is None

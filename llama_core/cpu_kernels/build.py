@@ -13,6 +13,7 @@ products.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -31,7 +32,7 @@ DISABLE_VARIABLE = "LLAMA_CORE_CPU_KERNELS"  # "0" keeps torch's own CPU product
 TARGET_VARIABLE = "LLAMA_CORE_CPU_TARGET"  # what -march gets: "native" unless set
 
 _lock = threading.Lock()
-_loaded: dict[str, Optional[ctypes.CDLL]] = {}
+_loaded: dict[tuple[str, str], Optional[ctypes.CDLL]] = {}  # (compiler, target): its library, or None
 
 
 def enabled() -> bool:
@@ -42,6 +43,11 @@ def enabled() -> bool:
 def target() -> str:
     """The CPU the kernels are compiled for (GCC's -march): this machine's unless LLAMA_CORE_CPU_TARGET says."""
     return os.environ.get(TARGET_VARIABLE, "").strip() or "native"
+
+
+def _build_key() -> tuple[str, str]:
+    """The compiler and target the environment asks for: what a library is built and kept for."""
+    return os.environ.get("CC") or "cc", target()
 
 
 def describe() -> Optional[str]:
@@ -71,7 +77,7 @@ def expected() -> bool:
     will not run the model asks this rather than build them."""
     if not enabled():
         return False
-    key = (os.environ.get("CC") or "cc", target())
+    key = _build_key()
     if key in _loaded:
         return _loaded[key] is not None
     return shutil.which(key[0]) is not None and _target_has_vectors(*key)
@@ -80,6 +86,7 @@ def expected() -> bool:
 _VECTOR_MACROS = ("__AVX512F__", "__AVX2__ __FMA__")  # either suffices: linear.c's native_vectors
 
 
+@functools.lru_cache(maxsize=None)
 def _target_has_vectors(compiler: str, target_name: str) -> bool:
     macros = set((_run([compiler, f"-march={target_name}", "-dM", "-E", "-x", "c", os.devnull]) or "").split())
     return any(all(name in macros for name in wanted.split()) for wanted in _VECTOR_MACROS)
@@ -90,7 +97,7 @@ def load() -> Optional[ctypes.CDLL]:
     target lacks the AVX-512 or AVX2 they are written for (one warning says why)."""
     if not enabled():
         return None
-    key = (os.environ.get("CC") or "cc", target())
+    key = _build_key()
     if key in _loaded:  # every product asks: no lock once built
         return _loaded[key]
     with _lock:
@@ -99,7 +106,7 @@ def load() -> Optional[ctypes.CDLL]:
         return _loaded[key]
 
 
-def _build_and_load(compiler: str, target_name: str = "native") -> Optional[ctypes.CDLL]:
+def _build_and_load(compiler: str, target_name: str) -> Optional[ctypes.CDLL]:
     import torch  # noqa: F401  (its OpenMP runtime must be loaded before ours resolves to it)
 
     if shutil.which(compiler) is None:

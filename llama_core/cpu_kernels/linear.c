@@ -52,9 +52,25 @@
 #endif
 #define VECS (PANEL / LANES)
 
-/* A row count below a tile's, for the switches that dispatch the last, partial tile: each case calls the tile
- * with a constant row count, so that its loops over rows unroll (cases past TILE_ROWS - 1 never run). */
+/* TILE(..., rows) over rows [0, M_ROWS) in tiles of ROWS rows: the arguments before the row count may use m0,
+ * the tile's first row. The last, partial tile is dispatched on its row count so that each call has a
+ * constant one and its loops over rows unroll (cases of ROWS rows or more never run; up to 8 rows a tile). */
 #define BELOW_TILE(rows, tile) ((rows) < (tile) ? (rows) : (tile))
+#define ALL_TILES(M_ROWS, ROWS, TILE, ...)                                                              \
+  {                                                                                                    \
+    int64_t m0 = 0;                                                                                    \
+    for (; m0 + (ROWS) <= (M_ROWS); m0 += (ROWS)) TILE(__VA_ARGS__, ROWS);                              \
+    switch ((M_ROWS) - m0) {                                                                           \
+      case 1: TILE(__VA_ARGS__, BELOW_TILE(1, ROWS)); break;                                           \
+      case 2: TILE(__VA_ARGS__, BELOW_TILE(2, ROWS)); break;                                           \
+      case 3: TILE(__VA_ARGS__, BELOW_TILE(3, ROWS)); break;                                           \
+      case 4: TILE(__VA_ARGS__, BELOW_TILE(4, ROWS)); break;                                           \
+      case 5: TILE(__VA_ARGS__, BELOW_TILE(5, ROWS)); break;                                           \
+      case 6: TILE(__VA_ARGS__, BELOW_TILE(6, ROWS)); break;                                           \
+      case 7: TILE(__VA_ARGS__, BELOW_TILE(7, ROWS)); break;                                           \
+      default: break;                                                                                  \
+    }                                                                                                  \
+  }
 
 /* One panel row's PANEL weights as float32 vectors w[0..VECS), columns c * LANES onwards in w[c]. */
 static inline __attribute__((always_inline)) void load_row_f32(const float *p, vf *w) {
@@ -128,27 +144,14 @@ DEFINE_TILE(tile_f16, uint16_t, load_row_f16, TILE_ROWS, PANEL)
       int64_t block_rows = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;                                    \
       for (int64_t c0 = 0; c0 < PANEL; c0 += COLUMNS)                                                  \
         for (int64_t k0 = 0; k0 < K; k0 += K_BLOCK) {                                                  \
-          int64_t k1 = K - k0 < K_BLOCK ? K : k0 + K_BLOCK, m0 = 0;                                    \
-          for (; m0 + ROWS <= block_rows; m0 += ROWS)                                                  \
-            TILE(x + (r0 + m0) * K, panel + c0, acc + m0 * PANEL + c0, K, k0, k1, ROWS);               \
-          const float *xt = x + (r0 + m0) * K;                                                         \
-          float *at = acc + m0 * PANEL + c0;                                                           \
-          switch (block_rows - m0) {                                                                   \
-            case 1: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(1, ROWS)); break;                   \
-            case 2: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(2, ROWS)); break;                   \
-            case 3: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(3, ROWS)); break;                   \
-            case 4: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(4, ROWS)); break;                   \
-            case 5: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(5, ROWS)); break;                   \
-            case 6: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(6, ROWS)); break;                   \
-            case 7: TILE(xt, panel + c0, at, K, k0, k1, BELOW_TILE(7, ROWS)); break;                   \
-            default: break;                                                                            \
-          }                                                                                            \
+          int64_t k1 = K - k0 < K_BLOCK ? K : k0 + K_BLOCK;                                            \
+          ALL_TILES(block_rows, ROWS, TILE, x + (r0 + m0) * K, panel + c0, acc + m0 * PANEL + c0, K, k0, k1) \
         }                                                                                              \
       for (int64_t m = 0; m < block_rows; m++)                                                         \
         memcpy(y + (r0 + m) * N + n0, acc + m * PANEL, width * sizeof(float));                         \
     }                                                                                                  \
   }
-_Static_assert(TILE_ROWS <= 8 && FLOAT_TILE_ROWS <= 8, "TILES_OF_PANEL dispatches partial tiles of up to 7 rows");
+_Static_assert(TILE_ROWS <= 8 && FLOAT_TILE_ROWS <= 8, "ALL_TILES dispatches partial tiles of up to 7 rows");
 _Static_assert(ROW_BLOCK % TILE_ROWS == 0 && ROW_BLOCK % FLOAT_TILE_ROWS == 0, "whole tiles in a row block");
 
 void panel_product_f32(const float *x, const float *w, const float *scales, float *y, int64_t M, int64_t N,
@@ -269,6 +272,7 @@ void panel_linear(int kind, const float *x, const void *w, float *y, int64_t M, 
 #else
 #define INT_TILE_ROWS 2
 #endif
+_Static_assert(INT_TILE_ROWS <= 8, "ALL_TILES dispatches partial tiles of up to 7 rows");
 
 #if defined(__AVX2__) && !defined(__AVX512VNNI__)
 /* acc plus, in each 32-bit lane, the sum of the four products of unsigned bytes u and signed bytes s (VNNI's
@@ -370,21 +374,9 @@ int panel_linear_i8(const float *x, const int8_t *w, const float *scales, const 
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < panels; p++) {
     const int8_t *panel = w + p * K4 * PANEL;
-    int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL, m0 = 0;
-#define TILE_I8(rows) tile_i8(xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N, n0, width, \
-                              BELOW_TILE(rows, INT_TILE_ROWS))
-    for (; m0 + INT_TILE_ROWS <= M; m0 += INT_TILE_ROWS) TILE_I8(INT_TILE_ROWS);
-    switch (M - m0) {
-      case 1: TILE_I8(1); break;
-      case 2: TILE_I8(2); break;
-      case 3: TILE_I8(3); break;
-      case 4: TILE_I8(4); break;
-      case 5: TILE_I8(5); break;
-      case 6: TILE_I8(6); break;
-      case 7: TILE_I8(7); break;
-      default: break;
-    }
-#undef TILE_I8
+    int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+    ALL_TILES(M, INT_TILE_ROWS, tile_i8, xq + m0 * K4, x_scales + m0, panel, scales, weight_sums, y + m0 * N, K4, N,
+              n0, width)
   }
   free(xq);
   free(x_scales);
@@ -546,21 +538,9 @@ int panel_linear_i4(const float *x, const uint8_t *w, const float *scales, float
   for (int64_t p = 0; p < panels; p++) {
     const uint8_t *panel = w + p * groups * (GROUP / 2) * PANEL;
     const float *panel_scales = scales + p * groups * PANEL;
-    int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL, m0 = 0;
-#define TILE_I4(rows) tile_i4(xq + m0 * groups * GROUP, x_scales + m0 * groups, x_sums + m0 * groups, panel, \
-                              panel_scales, y + m0 * N, groups, N, n0, width, BELOW_TILE(rows, INT_TILE_ROWS))
-    for (; m0 + INT_TILE_ROWS <= M; m0 += INT_TILE_ROWS) TILE_I4(INT_TILE_ROWS);
-    switch (M - m0) {
-      case 1: TILE_I4(1); break;
-      case 2: TILE_I4(2); break;
-      case 3: TILE_I4(3); break;
-      case 4: TILE_I4(4); break;
-      case 5: TILE_I4(5); break;
-      case 6: TILE_I4(6); break;
-      case 7: TILE_I4(7); break;
-      default: break;
-    }
-#undef TILE_I4
+    int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+    ALL_TILES(M, INT_TILE_ROWS, tile_i4, xq + m0 * groups * GROUP, x_scales + m0 * groups, x_sums + m0 * groups, panel,
+              panel_scales, y + m0 * N, groups, N, n0, width)
   }
   free(xq);
   free(x_scales);

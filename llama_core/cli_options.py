@@ -2,7 +2,7 @@
 and the checks of those options before a model loads; `llama-export` checks its checkpoint with them too.
 
 `add_model_options(parser)` adds --ckpt-dir, --tokenizer, --max-seq-len, --allow-longer-context, --device,
---dtype, --quantize and --kv-cache-dtype. `check_model_options(args)` judges them cheapest first: the
+--dtype, --quantize, --kv-cache-dtype and --prompt-lookup (the engine's, read directly). `check_model_options(args)` judges them cheapest first: the
 checkpoint's files, config and tokenizer (milliseconds, no torch), then the device and dtype (imports
 torch, loads nothing);
 `check_memory(plan, max_batch_size)` then asks whether a CPU model fits in the memory that is free. A value that
@@ -90,6 +90,18 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="keys and values kept for the context; auto is --dtype's. float16 with float32 on CPU "
                              "holds twice the context in the same memory and decodes long contexts faster, each key "
                              "and value rounded to 16 bits (default: auto)")
+    parser.add_argument("--prompt-lookup", type=non_negative_int, metavar="N",
+                        help="draft up to N tokens a step from what followed the reply's last few tokens earlier in "
+                             "the prompt or reply, and keep those the model confirms in the same forward (prompt-"
+                             "lookup decoding): the same text, faster where it repeats earlier text; 0 is off "
+                             "(default: 7 on CPU with llama_core's kernels, else 0)")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: 0 or a positive integer."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text!r}")
+    return int(text)
 
 
 def positive_int(text: str) -> int:

@@ -140,7 +140,7 @@ def generate(plan: ModelPlan, args: argparse.Namespace, params: SamplingParams, 
     try:
         engine = Engine(load(plan.ckpt_dir, plan.tokenizer_path, plan.max_seq_len, 1, args.device, args.dtype,
                              progress=status is not None, quantize=plan.quantize,
-                             kv_cache_dtype=plan.kv_cache_dtype, fixes_as="flags"))
+                             kv_cache_dtype=plan.kv_cache_dtype, fixes_as="flags"), prompt_lookup=args.prompt_lookup)
         # The engine's loop is not started: reading the stream runs its steps in this thread.
         if args.chat:
             stream = stream_chat(engine, request, max_new_tokens=max_new_tokens, params=params)

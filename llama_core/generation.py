@@ -46,7 +46,13 @@ class Llama:
     engine's own thread, batched with whatever else it serves.
     """
 
-    def __init__(self, model: LoadedModel, seed: Optional[int] = None) -> None:
+    def __init__(self, model: LoadedModel, seed: Optional[int] = None, prompt_lookup: Optional[int] = None) -> None:
+        """seed: seeds sampling (None: a random seed); prompt_lookup: the engine's (see Engine).
+
+        Raises:
+            InvalidRequestError: a prompt_lookup that is not a non-negative integer.
+        """
+        _check_prompt_lookup(prompt_lookup)
         self.loaded = model
         self.runner: ModelRunner = model.runner
         self.tokenizer = model.tokenizer
@@ -60,17 +66,17 @@ class Llama:
         self.load_seconds = model.info.load_seconds
         self._seed = seed
         self._engine: Optional[Engine] = None
-        self._engine_options: dict = {}
+        self._engine_options: dict = dict(prompt_lookup=prompt_lookup)
         self._engine_lock = threading.Lock()
 
     @classmethod
     def from_model(cls, model: Transformer, tokenizer: Tokenizer, max_seq_len: int, max_batch_size: int,
                    seed: Optional[int] = None, compile: bool = False,
-                   kv_cache_dtype: str | torch.dtype = "auto") -> "Llama":
+                   kv_cache_dtype: str | torch.dtype = "auto", prompt_lookup: Optional[int] = None) -> "Llama":
         """A Llama over a Transformer already in memory (weights loaded, eval mode)."""
         runner = ModelRunner(model, max_batch_size, max_seq_len, compile,
                              kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype))
-        return cls(LoadedModel.from_runner(runner, tokenizer), seed)
+        return cls(LoadedModel.from_runner(runner, tokenizer), seed, prompt_lookup)
 
     @staticmethod
     def build(
@@ -87,6 +93,7 @@ class Llama:
         compile: bool = False,
         quantize: Optional[str] = None,
         kv_cache_dtype: str | torch.dtype = "auto",
+        prompt_lookup: Optional[int] = None,
     ) -> "Llama":
         """Loads a checkpoint in Meta or Hugging Face layout.
 
@@ -118,17 +125,22 @@ class Llama:
             kv_cache_dtype: "auto" keeps keys and values in the model's dtype; "float16" or "bfloat16" in a
                 float32 model halves the KV cache's memory (on the CPU, a long context also decodes faster),
                 rounding each key and value to 16 bits.
+            prompt_lookup: the most tokens a decode step drafts from the sequence's own earlier text and
+                verifies at once; the text is the same as without (see Engine). None: 7 on llama_core's CPU kernels,
+                0 elsewhere.
 
         Raises:
             CheckpointNotFoundError: a directory or file is missing.
             CheckpointError: a file is unreadable or the parts don't fit together.
-            InvalidRequestError: a bad max_seq_len, max_batch_size, device, dtype, quantize or kv_cache_dtype;
+            InvalidRequestError: a bad max_seq_len, max_batch_size, device, dtype, quantize, kv_cache_dtype or
+                prompt_lookup;
                 or, on one device (the CPU or a GPU), a model whose weights and KV cache would not fit in the
                 memory free there now (the message names the arguments that would).
         """
+        _check_prompt_lookup(prompt_lookup)  # before the weights load
         loaded = load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, device, dtype, device_map,
                       max_memory, tensor_parallel, compile, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
-        return Llama(loaded, seed)
+        return Llama(loaded, seed, prompt_lookup)
 
     @property
     def parameter_count(self) -> int:
@@ -144,16 +156,19 @@ class Llama:
             return self._engine
 
     def serve(self, max_waiting: int = 64, prefill_chunk: Optional[int] = None,
-              after_turn: Optional[Callable[[], None]] = None, prefix_caching: bool = True) -> Engine:
+              after_turn: Optional[Callable[[], None]] = None, prefix_caching: bool = True,
+              prompt_lookup: Optional[int] = None) -> Engine:
         """The Llama's engine, running in a thread of its own, for a server; `with llama.serve() as engine:`
         stops that thread at the end. Options other than the current engine's replace it, which needs the
-        current one idle (see Engine for the options).
+        current one idle (see Engine for the options; prompt_lookup None: the Llama's own).
 
         Raises:
             LlamaError: the current engine is busy and other options were asked for.
         """
+        if prompt_lookup is None:
+            prompt_lookup = self._engine_options.get("prompt_lookup")
         options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk, after_turn=after_turn,
-                       prefix_caching=prefix_caching)
+                       prefix_caching=prefix_caching, prompt_lookup=prompt_lookup)
         with self._engine_lock:
             if self._engine is not None and options != self._engine_options:
                 if self._engine.active_count or self._engine.waiting_count:
@@ -327,3 +342,9 @@ class Llama:
             result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
             result["logprobs"] = logprobs
         return result
+
+
+def _check_prompt_lookup(prompt_lookup: Optional[int]) -> None:
+    if prompt_lookup is not None and (isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int)
+                                      or prompt_lookup < 0):
+        raise InvalidRequestError(f"prompt_lookup must be a non-negative integer, got {prompt_lookup!r}")

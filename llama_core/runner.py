@@ -103,6 +103,13 @@ class ModelRunner:
         return weights, sum(size for size, cache in tensors.values() if cache)
 
     @property
+    def decodes_rows_alike(self) -> bool:
+        """Whether a forward over several tokens of a sequence gives each token the logits a decode step would
+        give it, bit for bit: an eager model on llama_core's CPU kernels, whose every row is computed the same
+        way whatever else shares the forward."""
+        return not self.decode_step.compiled and on_cpu_kernels(self.model, self.device)
+
+    @property
     def mixes_prompts(self) -> bool:
         """Whether prompts can ride along in a decode step (`forward_spans`): an eager model on one device
         of its own (not a compiled step, offloaded layers or tensor parallelism)."""
@@ -327,9 +334,14 @@ def cpu_products_of(model: nn.Module, device: torch.device) -> Optional[str]:
     its projections are in their panels, else torch's own; None off the CPU."""
     if device.type != "cpu":
         return None
-    if any(isinstance(getattr(m, "panels", None), torch.Tensor) for m in model.modules()):
-        return cpu_kernels_build.describe() or "torch's own"
-    return "torch's own"
+    return cpu_kernels_build.describe() if on_cpu_kernels(model, device) else "torch's own"
+
+
+def on_cpu_kernels(model: nn.Module, device: torch.device) -> bool:
+    """Whether a CPU model's products run in llama_core's kernels (its projections in their panels, the
+    kernels built)."""
+    return (device.type == "cpu" and any(isinstance(getattr(m, "panels", None), torch.Tensor) for m in model.modules())
+            and cpu_kernels_build.describe() is not None)
 
 
 def panel_storage_of(model: nn.Module) -> Optional[str]:

@@ -429,7 +429,7 @@ def test_an_overlapped_engine_gives_what_the_synchronous_one_gives(prompts):
     loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
     runs = {}
     for overlap in (False, True):
-        engine = Engine(loaded, seed=0, overlap=overlap)
+        engine = Engine(loaded, seed=0, overlap=overlap, prompt_lookup=0)  # drafts change when a cancel lands
         runs[overlap] = [_workload(engine, prompts, False), _workload(engine, prompts[3:] + prompts[:3], True)]
         runs[overlap, "steps"] = engine.steps
         engine.close()
@@ -442,7 +442,7 @@ def test_an_overlapped_engine_gives_what_the_synchronous_one_gives(prompts):
 def test_an_overlapped_engine_launches_the_next_step_before_delivering_one(prompts):
     loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
     for overlap, expected in ((False, ["decode", "deliver"] * 3), (True, ["decode"] + ["decode", "deliver"] * 2 + ["decode"])):
-        engine = Engine(loaded, seed=0, overlap=overlap)
+        engine = Engine(loaded, seed=0, overlap=overlap, prompt_lookup=0)  # a draft's step is no decode call
         calls = []
         decode, deliver = engine.runner.decode, engine._deliver
         engine.runner.decode = lambda *a, **k: calls.append("decode") or decode(*a, **k)
@@ -496,7 +496,7 @@ def _run_alone(loaded, prompts, prompt: int, kind: int, max_new_tokens: int):
     """(tokens, logprobs, finish_reason) of one request on an engine serving nothing else."""
     key = (prompt, kind, max_new_tokens)
     if key not in _alone:
-        engine = Engine(loaded, seed=0, prefix_caching=False)
+        engine = Engine(loaded, seed=0, prefix_caching=False, prompt_lookup=0)
         stream = engine.submit(prompts[prompt], max_new_tokens, **_KINDS[kind])
         chunks = list(stream)
         engine.close()
@@ -507,13 +507,14 @@ def _run_alone(loaded, prompts, prompt: int, kind: int, max_new_tokens: int):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schedule=st.lists(st.tuples(st.integers(0, 5), st.integers(0, len(_KINDS) - 1), st.integers(1, 12),
                                    st.integers(0, 3), st.one_of(st.none(), st.integers(1, 6))), min_size=1, max_size=12),
-       overlap=st.booleans())
-def test_any_schedule_gives_each_request_what_it_gets_alone(loaded, prompts, schedule, overlap):
+       overlap=st.booleans(), prompt_lookup=st.sampled_from([0, 2, 7]))
+def test_any_schedule_gives_each_request_what_it_gets_alone(loaded, prompts, schedule, overlap, prompt_lookup):
     """Requests of every kind (greedy, seeded sampling with each control, stop strings, alternatives) arriving
     between any steps of the others, some cancelled, more of them than slots, the same prompt more than once
-    (served from the prefix cache), with a decode step kept in flight or not (overlap: CUDA's default): each
-    gets the tokens it gets alone, and a cancelled one a prefix of them."""
-    engine = Engine(loaded, seed=0, overlap=overlap)
+    (served from the prefix cache), with a decode step kept in flight or not (overlap: CUDA's default), with
+    drafts from prompt lookup or not: each gets the tokens it gets alone without drafts, and a cancelled one
+    a prefix of them."""
+    engine = Engine(loaded, seed=0, overlap=overlap, prompt_lookup=prompt_lookup)
     live = []  # [iterator, chunks, cancel after, stream, request, done]
     for prompt, kind, max_new_tokens, wait, cancel_after in schedule:
         for _ in range(wait):  # the requests so far run that many more chunks first

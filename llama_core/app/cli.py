@@ -9,26 +9,18 @@ prints one line naming the flag and the fix, and the exit status is 2.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Optional
 
 from ..cli_options import (ArgumentParser, OptionError, add_model_options, check_memory, check_model_options,
-                           positive_int)
+                           non_negative_int, positive_int)
 from ..errors import LlamaError
 from ..prompt_library import load_prompts
 from .address import listen_socket, port_number
 
 API_KEYS_VARIABLE = "LLAMA_API_KEYS"  # comma-separated keys, beside any --api-key
 AUTH_VARIABLE = "LLAMA_AUTH"  # comma-separated user:password pairs, beside any --auth
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: 0 or a positive integer."""
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text!r}")
-    return int(text)
 
 
 def build_parser() -> ArgumentParser:
@@ -129,7 +121,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              args.dtype, args.device_map, args.max_memory, args.compile, args.threads,
                              args.single_process, progress=True, prefix_caching=not args.no_prefix_caching,
                              max_waiting=args.max_waiting, quantize=plan.quantize,
-                             kv_cache_dtype=plan.kv_cache_dtype, fixes_as="flags")
+                             kv_cache_dtype=plan.kv_cache_dtype, prompt_lookup=args.prompt_lookup, fixes_as="flags")
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ from ..runner import cache_rows, right_padded
 from ..sampling import apply_penalties, greedy_tokens, sample, token_logprobs, top_logprobs
 from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
+from .lookup import PromptLookup
 from .prefix_cache import Placement, PrefixCache
 from .requests import MAX_SEED, GenerationRequest, SamplingParams, sampling_params
 from .stops import StopMatcher
@@ -46,6 +47,10 @@ from .streams import TokenStream
 
 
 CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 512, 2048  # Engine's default prefill_chunk
+CPU_PROMPT_LOOKUP = 7  # Engine's default prompt_lookup on the CPU kernels (off elsewhere)
+# A step drafts only while it feeds at most this many rows in all: on the CPU the kernels read each weight
+# once for up to 8 rows, and a batch of more sequences than half of this already uses what drafts would.
+DRAFT_ROWS = 8
 
 
 @dataclass(eq=False)
@@ -76,6 +81,7 @@ class _Sequence:
     prompt_lps: list[float] = field(default_factory=list)  # chunked prefill with prompt_logprobs
     carried_logits: Optional[torch.Tensor] = None  # the previous chunk's last logits, scoring the next token
     stop_text: Optional[tuple[StreamDecoder, StopMatcher]] = None  # the reply's text, watched for stop strings
+    lookup: Optional[PromptLookup] = None  # its tokens, for drafts (prompt lookup), from its first decode step
 
     @property
     def params(self) -> SamplingParams:
@@ -120,7 +126,8 @@ class Engine:
 
     def __init__(self, model: LoadedModel, seed: Optional[int] = None, max_waiting: int = 64,
                  prefill_chunk: Optional[int] = None, after_turn: Optional[Callable[[], None]] = None,
-                 prefix_caching: bool = True, overlap: Optional[bool] = None) -> None:
+                 prefix_caching: bool = True, overlap: Optional[bool] = None,
+                 prompt_lookup: Optional[int] = None) -> None:
         """seed: seeds sampling; None draws a random seed.
         max_waiting: requests queued beyond the busy slots before submit answers busy.
         prefill_chunk: a prompt longer than this is prefilled this many tokens at a time, a decode step of
@@ -144,7 +151,10 @@ class Engine:
         """
         if prefill_chunk is None:
             prefill_chunk = GPU_PREFILL_CHUNK if model.runner.device.type == "cuda" else CPU_PREFILL_CHUNK
-        for name, value in (("prefill_chunk", prefill_chunk), ("max_waiting", max_waiting)):
+        if prompt_lookup is None:
+            prompt_lookup = CPU_PROMPT_LOOKUP if model.runner.decodes_rows_alike else 0
+        for name, value in (("prefill_chunk", prefill_chunk), ("max_waiting", max_waiting),
+                            ("prompt_lookup", prompt_lookup)):
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefill_chunk" else 0):
                 raise InvalidRequestError(f"{name} must be a {'positive' if name == 'prefill_chunk' else 'non-negative'} integer, got {value!r}")
         for name, value in (("prefix_caching", prefix_caching), ("overlap", overlap)):
@@ -174,12 +184,15 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._after_turn = after_turn or (lambda: None)
         self.prefix_cache = PrefixCache(self.runner.max_batch_size, enabled=prefix_caching)
-        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self.prompt_lookup = prompt_lookup
+        self.overlap = self.runner.device.type == "cuda" and not prompt_lookup if overlap is None else overlap
         self._in_flight: Optional[_InFlight] = None
         self._cache_version: Optional[int] = None  # the KV cache's version after this engine's last turn
         self.steps = 0  # decode steps run, for tests and stats
         self.prefilled_tokens = 0  # prompt tokens computed
         self.cached_tokens = 0  # prompt tokens found in the KV cache instead
+        self.drafted_tokens = 0  # tokens drafted by prompt lookup and verified
+        self.accepted_tokens = 0  # of those, the ones kept
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -571,6 +584,11 @@ class Engine:
         step is retried without them. With overlap and no riders or penalties, the step stays in flight
         (delivered by the next turn). tokens: the rows' input tokens on the device, where the in-flight
         step has them; ahead: tokens sampled for each row but not delivered yet (0 or 1)."""
+        if tokens is None and not riders and self.prompt_lookup:
+            drafts = self._drafts(active)
+            if any(drafts):
+                self._decode_drafts(active, drafts)
+                return
         device = self.runner.device
         try:
             if tokens is None:
@@ -609,13 +627,14 @@ class Engine:
         self._deliver(sequences, *sampled)
 
     def _sample(self, sequences: list[_Sequence], logits: torch.Tensor,
-                ahead: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
+                ahead: int | list[int] = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
         """Each row's next token, drawn with its request's parameters; its log-probability under the model
         (NaN where no request of the batch asked for them); and, where some request asked for them, the
-        model's most likely alternatives (log-probabilities, token ids). ahead: tokens each row has sampled
-        beyond those delivered (a seeded draw depends on the token's index)."""
+        model's most likely alternatives (log-probabilities, token ids). ahead: tokens each row (or every
+        row) has sampled or drafted beyond those delivered (a seeded draw depends on the token's index)."""
         device = self.runner.device
         params = [s.params for s in sequences]
+        aheads = ahead if isinstance(ahead, list) else [ahead] * len(sequences)
         raw_logits = logits
         if any(p.penalized for p in params):
             logits = self._penalized(sequences, logits)
@@ -629,7 +648,7 @@ class Engine:
             next_tokens = sample(
                 logits, column(temperatures), column([p.top_p for p in params]),
                 to_device([s.seed for s in sequences], device),
-                to_device([s.generated + ahead for s in sequences], device),
+                to_device([s.generated + a for s, a in zip(sequences, aheads)], device),
                 top_k=column([p.top_k for p in params]), min_p=column([p.min_p for p in params]),
             )
         if any(p.logprobs for p in params):
@@ -678,22 +697,87 @@ class Engine:
         if alternatives is not None:
             alternatives = tuple(t.tolist() for t in alternatives)
         for i, (sequence, token, logprob) in enumerate(zip(sequences, next_tokens.tolist(), logprobs.tolist())):
-            if sequence.channel.cancelled.is_set():
-                self._free(sequence.slot, "cancelled")
-            elif token == self.eos_id:
-                self._free(sequence.slot, "eos")
-            else:
-                sequence.output.append(token)
-                sequence.last_token = token
-                top = None
-                if sequence.params.top_logprobs:
-                    n = sequence.params.top_logprobs
-                    top = list(zip(alternatives[1][i][:n], alternatives[0][i][:n]))
-                sequence.channel.events.put(StreamChunk(token, logprob, top_logprobs=top))
-                if sequence.stop_text is not None and self._reaches_stop(sequence, token):
-                    self._free(sequence.slot, "stop")
-                elif sequence.generated >= self._token_limit(sequence):
-                    self._free(sequence.slot, "length")
+            self._deliver_token(sequence, token, logprob, None if alternatives is None else
+                                (alternatives[0][i], alternatives[1][i]))
+
+    def _deliver_token(self, sequence: _Sequence, token: int, logprob: float,
+                       alternatives: Optional[tuple[list[float], list[int]]]) -> bool:
+        """Hands a request its next token (alternatives: the most likely ones' log-probabilities and ids),
+        or ends it at a cancel, EOS, a stop string or its token limit; whether it goes on."""
+        if sequence.channel.cancelled.is_set():
+            self._free(sequence.slot, "cancelled")
+            return False
+        if token == self.eos_id:
+            self._free(sequence.slot, "eos")
+            return False
+        sequence.output.append(token)
+        sequence.last_token = token
+        if sequence.lookup is not None:
+            sequence.lookup.extend((token,))
+        top = None
+        if sequence.params.top_logprobs:
+            n = sequence.params.top_logprobs
+            top = list(zip(alternatives[1][:n], alternatives[0][:n]))
+        sequence.channel.events.put(StreamChunk(token, logprob, top_logprobs=top))
+        if sequence.stop_text is not None and self._reaches_stop(sequence, token):
+            self._free(sequence.slot, "stop")
+        elif sequence.generated >= self._token_limit(sequence):
+            self._free(sequence.slot, "length")
+        else:
+            return True
+        return False
+
+    # -- prompt lookup --------------------------------------------------------------------------
+    def _drafts(self, active: list[_Sequence]) -> list[list[int]]:
+        """Each request's draft for this step (see lookup): none where the step would feed more than
+        DRAFT_ROWS rows, or some request has penalties (each drafted token would change them)."""
+        longest = min(self.prompt_lookup, DRAFT_ROWS // len(active) - 1)
+        if longest < 1 or any(s.params.penalized for s in active):
+            return [[] for _ in active]
+        drafts = []
+        for sequence in active:
+            if sequence.lookup is None:
+                sequence.lookup = PromptLookup(sequence.prompt_tokens + tuple(sequence.output))
+            room = min(self._token_limit(sequence) - sequence.generated - 1,  # tokens it may still have
+                       self.runner.max_seq_len - 1 - sequence.next_pos)  # positions its slot has
+            drafts.append(sequence.lookup.draft(min(longest, room)))
+        return drafts
+
+    @torch.inference_mode()
+    def _decode_drafts(self, active: list[_Sequence], drafts: list[list[int]]) -> None:
+        """One forward over each request's last token and its draft: a request keeps the drafted tokens
+        that equal the model's own draws at their positions, and the draw after the last one kept."""
+        device = self.runner.device
+        width = 1 + max(len(draft) for draft in drafts)
+        starts = [s.next_pos for s in active]
+        try:
+            tokens, positions, _ = right_padded([[s.last_token, *draft] for s, draft in zip(active, drafts)], 0,
+                                                device, starts, self.runner.max_seq_len)
+            kv_len = min(max(starts) + width, self.runner.max_seq_len)
+            logits = self.runner.prefill(tokens, positions, cache_rows([s.slot for s in active], device), kv_len)
+            rows = [s for s in active for _ in range(width)]
+            drawn, logprobs, alternatives = self._sample(rows, logits.flatten(0, 1), list(range(width)) * len(active))
+        except Exception as exc:
+            for s in active:
+                self._free(s.slot, "error", _failure_message(exc))
+            return
+        self.steps += 1
+        drawn, logprobs = drawn.tolist(), logprobs.tolist()
+        if alternatives is not None:
+            alternatives = tuple(t.tolist() for t in alternatives)
+        for i, (sequence, draft) in enumerate(zip(active, drafts)):
+            row = drawn[i * width : (i + 1) * width]
+            kept = 0
+            while kept < len(draft) and draft[kept] == row[kept]:
+                kept += 1
+            self.drafted_tokens += len(draft)
+            self.accepted_tokens += kept
+            for j in range(kept + 1):
+                sequence.written = starts[i] + j + 1
+                at = i * width + j
+                if not self._deliver_token(sequence, row[j], logprobs[at], None if alternatives is None else
+                                           (alternatives[0][at], alternatives[1][at])):
+                    break
 
     def _token_limit(self, sequence: _Sequence) -> int:
         """The most tokens the request may generate: its max_new_tokens, or what its slot has room for."""

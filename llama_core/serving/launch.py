@@ -38,6 +38,7 @@ def open_engine(
     max_waiting: int = 64,
     quantize: Optional[str] = None,
     kv_cache_dtype: str = "auto",
+    prompt_lookup: Optional[int] = None,
     fixes_as: str = "arguments",
 ) -> Union[Engine, EngineProcess]:
     """Loads the model and starts the engine serving it; `shutdown()` it at the end.
@@ -52,6 +53,8 @@ def open_engine(
         max_waiting: requests that may wait for a slot; beyond them, new ones are refused as busy at once.
         quantize: "int8" or "int4" for such weights, None for the dtype's; in the engine process, that process quantizes.
         kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
+        prompt_lookup: the most tokens a decode step drafts from the text so far (see Engine); None: the
+            device's default.
         fixes_as: a model that would not fit in its device's free memory is refused naming what would, as
             keyword arguments ("arguments") or as the command lines' flags ("flags").
         The others are those of `Llama.build`.
@@ -76,9 +79,9 @@ def open_engine(
     if single_process or launched_by_torchrun():
         # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit.
         return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed,
-                      prefix_caching=prefix_caching, max_waiting=max_waiting).start()
+                      prefix_caching=prefix_caching, max_waiting=max_waiting, prompt_lookup=prompt_lookup).start()
     return EngineProcess(dict(build, seed=seed), threads=threads, prefix_caching=prefix_caching,
-                         max_waiting=max_waiting).start()
+                         max_waiting=max_waiting, prompt_lookup=prompt_lookup).start()
 
 
 def default_threads(device: str, device_map: Optional[str]) -> Optional[int]:

@@ -56,10 +56,10 @@
  * the tile's first row. The last, partial tile is dispatched on its row count so that each call has a
  * constant one and its loops over rows unroll (cases of ROWS rows or more never run; up to 8 rows a tile). */
 #define BELOW_TILE(rows, tile) ((rows) < (tile) ? (rows) : (tile))
-#define ALL_TILES(M_ROWS, ROWS, TILE, ...)                                                              \
+#define ALL_TILES(M_ROWS, ROWS, TILE, ...)                                                             \
   {                                                                                                    \
     int64_t m0 = 0;                                                                                    \
-    for (; m0 + (ROWS) <= (M_ROWS); m0 += (ROWS)) TILE(__VA_ARGS__, ROWS);                              \
+    for (; m0 + (ROWS) <= (M_ROWS); m0 += (ROWS)) TILE(__VA_ARGS__, ROWS);                             \
     switch ((M_ROWS) - m0) {                                                                           \
       case 1: TILE(__VA_ARGS__, BELOW_TILE(1, ROWS)); break;                                           \
       case 2: TILE(__VA_ARGS__, BELOW_TILE(2, ROWS)); break;                                           \
@@ -107,7 +107,7 @@ static inline __attribute__((always_inline)) void store_columns(const vf *sums, 
 /* Rows [0, rows) of x (row stride K) times rows [k0, k1) of COLUMNS columns of one panel from w (a row every
  * PANEL weights), added to the tile's sums so far in acc (a row every PANEL; none when k0 is 0): over
  * consecutive passes each output sums its products over k in order, as in one pass. */
-#define DEFINE_TILE(NAME, WEIGHT_T, LOAD_ROW, ROWS, COLUMNS)                                            \
+#define DEFINE_TILE(NAME, WEIGHT_T, LOAD_ROW, ROWS, COLUMNS)                                           \
   static inline __attribute__((always_inline)) void NAME(const float *x, const WEIGHT_T *w, float *acc, \
                                                          int64_t K, int64_t k0, int64_t k1, int rows) { \
     vf sums[ROWS][COLUMNS / LANES];                                                                    \
@@ -136,7 +136,7 @@ DEFINE_TILE(tile_f16, uint16_t, load_row_f16, TILE_ROWS, PANEL)
  * FMA units' rate). Tiles of ROWS rows and COLUMNS columns. */
 #define K_BLOCK 128
 #define ROW_BLOCK 96
-#define TILES_OF_PANEL(TILE, ROWS, COLUMNS, panel)                                                      \
+#define TILES_OF_PANEL(TILE, ROWS, COLUMNS, panel)                                                     \
   {                                                                                                    \
     float acc[ROW_BLOCK * PANEL] __attribute__((aligned(64)));                                         \
     int64_t n0 = p * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;                                   \
@@ -165,7 +165,7 @@ void panel_product_f32(const float *x, const float *w, const float *scales, floa
 /* 16-bit panels: with more rows than four tiles, each thread widens a panel into float32 once and runs every
  * tile over that (prefill is arithmetic-bound, and widening per tile would cost a conversion per tile); the
  * same values in the same order, so the same sums. */
-#define DEFINE_PRODUCT_16(NAME, TILE, LOAD_ROW)                                                         \
+#define DEFINE_PRODUCT_16(NAME, TILE, LOAD_ROW)                                                        \
   void NAME(const float *x, const uint16_t *w, const float *scales, float *y, int64_t M, int64_t N,    \
             int64_t K, int threads) {                                                                  \
     (void)scales;                                                                                      \
@@ -193,68 +193,94 @@ void panel_product_f32(const float *x, const float *w, const float *scales, floa
 DEFINE_PRODUCT_16(panel_product_bf16, tile_bf16, load_row_bf16)
 DEFINE_PRODUCT_16(panel_product_f16, tile_f16, load_row_f16)
 
-/* One row of x times `count` consecutive panels at once (count <= STREAMS): that many weight streams in flight
- * per thread. Decoding one sequence is this product, at the memory's speed; on a 2026 Intel Xeon one stream
- * at a time per core read 18 GB/s with 2 threads and four at a time 26. Each output sums over k in the same
- * order as the tiles, so a row gets the same values alone as in a batch. */
-#define DEFINE_ROW(NAME, WEIGHT_T, LOAD_ROW)                                                            \
+/* ROWS rows of x times `count` consecutive panels at once (count <= STREAMS): that many weight streams in
+ * flight per thread. Decoding one sequence is this product, at the memory's speed; on a 2026 Intel Xeon one
+ * stream at a time per core read 18 GB/s with 2 threads and four at a time 26. A few rows (a few sequences, or
+ * one with drafted tokens) read the same streams: a tile's single stream would hold them to the slower rate.
+ * Each output sums over k in the same order as the tiles, so a row gets the same values alone as in a batch. */
+#define DEFINE_ROWS(NAME, WEIGHT_T, LOAD_ROW)                                                          \
   static inline __attribute__((always_inline)) void NAME(const float *x, const WEIGHT_T *w, float *y,  \
-                                                         int64_t K, int64_t N, int64_t p0, int count) { \
-    vf sums[STREAMS][VECS];                                                                            \
+                                                         int64_t K, int64_t N, int64_t p0, int count,  \
+                                                         int rows) {                                   \
+    vf sums[STREAMS][STREAMED_ROWS][VECS];                                                             \
     for (int s = 0; s < count; s++)                                                                    \
-      for (int c = 0; c < VECS; c++) sums[s][c] = (vf){0};                                             \
+      for (int m = 0; m < rows; m++)                                                                   \
+        for (int c = 0; c < VECS; c++) sums[s][m][c] = (vf){0};                                        \
     for (int64_t k = 0; k < K; k++) {                                                                  \
-      float xv = x[k];                                                                                 \
       for (int s = 0; s < count; s++) {                                                                \
         vf row[VECS];                                                                                  \
         LOAD_ROW(w + ((p0 + s) * K + k) * PANEL, row);                                                 \
-        for (int c = 0; c < VECS; c++) sums[s][c] += row[c] * xv;                                      \
+        for (int m = 0; m < rows; m++) {                                                               \
+          float xv = x[m * K + k];                                                                     \
+          for (int c = 0; c < VECS; c++) sums[s][m][c] += row[c] * xv;                                 \
+        }                                                                                              \
       }                                                                                                \
     }                                                                                                  \
     for (int s = 0; s < count; s++) {                                                                  \
       int64_t n0 = (p0 + s) * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;                          \
-      store_columns(sums[s], y + n0, width);                                                           \
+      for (int m = 0; m < rows; m++) store_columns(sums[s][m], y + m * N + n0, width);                 \
     }                                                                                                  \
   }
 
-DEFINE_ROW(row_times_panels_f32, float, load_row_f32)
-DEFINE_ROW(row_times_panels_bf16, uint16_t, load_row_bf16)
-DEFINE_ROW(row_times_panels_f16, uint16_t, load_row_f16)
+/* STREAMED_ROWS: the most rows read as streams rather than in tiles; STREAMS_FOR(rows): how many streams, so that
+ * the accumulators (streams x rows x VECS) and a stream's weights fit the registers (32 with AVX-512; AVX2's
+ * 16 hold one row of 3 streams, and more rows go to the tiles). */
+#if LANES == 16
+#define STREAMED_ROWS 6
+#define STREAMS_FOR(rows) ((rows) <= 2 ? 4 : (rows) == 3 ? 3 : 2)
+#else
+#define STREAMED_ROWS 1
+#define STREAMS_FOR(rows) STREAMS
+#endif
 
-/* Each thread an equal share of the panels (groups of STREAMS dealt out would leave a 9-panel product to
- * one thread of two), read STREAMS at a time. */
+DEFINE_ROWS(rows_times_panels_f32, float, load_row_f32)
+DEFINE_ROWS(rows_times_panels_bf16, uint16_t, load_row_bf16)
+DEFINE_ROWS(rows_times_panels_f16, uint16_t, load_row_f16)
+
+/* Each thread an equal share of the panels (groups of streams dealt out would leave a 9-panel product to
+ * one thread of two), read `streams` at a time; ROWS and streams are constants where this expands. */
 #if defined(_OPENMP)
 #define TEAM_SHARE int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
 #else
 #define TEAM_SHARE int64_t team = 1, me = 0;
 #endif
-#define DEFINE_LINEAR(NAME, WEIGHT_T, ROW, PRODUCT)                                                     \
+#define PANELS_IN_STREAMS(ROW_FN, ROWS, streams)                                                       \
+  _Pragma("omp parallel num_threads(threads)") {                                                       \
+    TEAM_SHARE                                                                                         \
+    int64_t p = panels * me / team, end = panels * (me + 1) / team;                                    \
+    for (; p + (streams) <= end; p += (streams)) ROW_FN(x, w, y, K, N, p, streams, ROWS);              \
+    switch (end - p) {                                                                                 \
+      case 3: ROW_FN(x, w, y, K, N, p, BELOW_TILE(3, streams), ROWS); break;                           \
+      case 2: ROW_FN(x, w, y, K, N, p, BELOW_TILE(2, streams), ROWS); break;                           \
+      case 1: ROW_FN(x, w, y, K, N, p, 1, ROWS); break;                                                \
+      default: break;                                                                                  \
+    }                                                                                                  \
+  }
+#define DEFINE_LINEAR(NAME, WEIGHT_T, ROW_FN, PRODUCT)                                                 \
   void NAME(const float *x, const WEIGHT_T *w, const float *scales, float *y, int64_t M, int64_t N,    \
             int64_t K, int threads) {                                                                  \
-    if (M != 1) {                                                                                      \
+    if (M > STREAMED_ROWS) {                                                                           \
       PRODUCT(x, w, scales, y, M, N, K, threads);                                                      \
       return;                                                                                          \
     }                                                                                                  \
     int64_t panels = (N + PANEL - 1) / PANEL;                                                          \
     if (threads > panels) threads = (int)panels;                                                       \
     if (threads < 1) threads = 1;                                                                      \
-    _Pragma("omp parallel num_threads(threads)") {                                                     \
-      TEAM_SHARE                                                                                       \
-      int64_t p = panels * me / team, end = panels * (me + 1) / team;                                  \
-      for (; p + STREAMS <= end; p += STREAMS) ROW(x, w, y, K, N, p, STREAMS);                         \
-      switch (end - p) {                                                                               \
-        case 3: ROW(x, w, y, K, N, p, BELOW_TILE(3, STREAMS)); break;                                  \
-        case 2: ROW(x, w, y, K, N, p, BELOW_TILE(2, STREAMS)); break;                                  \
-        case 1: ROW(x, w, y, K, N, p, 1); break;                                                       \
-        default: break;                                                                                \
-      }                                                                                                \
+    switch (M) {                                                                                       \
+      case 1: PANELS_IN_STREAMS(ROW_FN, 1, STREAMS_FOR(1)) break;                                      \
+      case 2: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(2, STREAMED_ROWS), STREAMS_FOR(2)) break;           \
+      case 3: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(3, STREAMED_ROWS), STREAMS_FOR(3)) break;           \
+      case 4: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(4, STREAMED_ROWS), STREAMS_FOR(4)) break;           \
+      case 5: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(5, STREAMED_ROWS), STREAMS_FOR(5)) break;           \
+      case 6: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(6, STREAMED_ROWS), STREAMS_FOR(6)) break;           \
+      default: break;                                                                                  \
     }                                                                                                  \
   }
-_Static_assert(STREAMS <= 4, "DEFINE_LINEAR dispatches the last panels in groups of up to 3");
+_Static_assert(STREAMS <= 4 && STREAMED_ROWS <= 6, "DEFINE_LINEAR dispatches up to 6 rows and the last panels in groups of up to 3");
 
-DEFINE_LINEAR(panel_linear_f32, float, row_times_panels_f32, panel_product_f32)
-DEFINE_LINEAR(panel_linear_bf16, uint16_t, row_times_panels_bf16, panel_product_bf16)
-DEFINE_LINEAR(panel_linear_f16, uint16_t, row_times_panels_f16, panel_product_f16)
+DEFINE_LINEAR(panel_linear_f32, float, rows_times_panels_f32, panel_product_f32)
+DEFINE_LINEAR(panel_linear_bf16, uint16_t, rows_times_panels_bf16, panel_product_bf16)
+DEFINE_LINEAR(panel_linear_f16, uint16_t, rows_times_panels_f16, panel_product_f16)
 
 /* The product for panels of a kind: 0 float32, 1 bfloat16, 2 float16 (block.c's projections). */
 void panel_linear(int kind, const float *x, const void *w, float *y, int64_t M, int64_t N, int64_t K, int threads) {
@@ -550,6 +576,9 @@ int panel_linear_i4(const float *x, const uint8_t *w, const float *scales, float
 
 /* The layout's constants, for the Python side to check against its own. */
 int panel_width(void) { return PANEL; }
+
+/* The most rows a float product reads as streams, at about one row's cost (DEFINE_LINEAR). */
+int streamed_rows(void) { return STREAMED_ROWS; }
 
 /* Whether the target has the vectors these kernels are written for: AVX-512F, or AVX2 with FMA (a v16 is then one
  * or two registers, and a tile's accumulators stay in registers). Elsewhere (NEON, x86 before AVX2) they have

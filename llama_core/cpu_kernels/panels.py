@@ -50,6 +50,12 @@ def available() -> bool:
     return library is not None
 
 
+def streamed_rows() -> int:
+    """The most rows a float product of the kernels reads its weight for once, at about one row's cost (6 with
+    AVX-512; 1 with AVX2, whose registers hold one row's streams); 0 without the kernels."""
+    return build.load().streamed_rows() if available() else 0
+
+
 # The panel dtypes linear.c multiplies, and block.c's number for each.
 PANEL_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _PRODUCTS = {torch.float32: "panel_linear_f32", torch.bfloat16: "panel_linear_bf16", torch.float16: "panel_linear_f16"}

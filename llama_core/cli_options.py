@@ -94,7 +94,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="draft up to N tokens a step from what followed the reply's last few tokens earlier in "
                              "the prompt or reply, and keep those the model confirms in the same forward (prompt-"
                              "lookup decoding): the same text, faster where it repeats earlier text; 0 is off "
-                             "(default: 7 on CPU with llama_core's kernels, else 0)")
+                             "(default: 5 on CPU with llama_core's kernels, else 0)")
 
 
 def non_negative_int(text: str) -> int:

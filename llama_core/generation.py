@@ -126,7 +126,7 @@ class Llama:
                 float32 model halves the KV cache's memory (on the CPU, a long context also decodes faster),
                 rounding each key and value to 16 bits.
             prompt_lookup: the most tokens a decode step drafts from the sequence's own earlier text and
-                verifies at once; the text is the same as without (see Engine). None: 7 on llama_core's CPU kernels,
+                verifies at once; the text is the same as without (see Engine). None: 5 on llama_core's CPU kernels,
                 0 elsewhere.
 
         Raises:

@@ -27,7 +27,7 @@ from torch import nn
 from .devices import execution_device, on_one_device, to_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer, TransformerBlock
-from .cpu_kernels import PanelLinear, available as cpu_kernels_available
+from .cpu_kernels import PanelLinear, available as cpu_kernels_available, streamed_rows
 from .cpu_kernels import build as cpu_kernels_build
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
 from .int4 import Int4Linear, keep_int4_in_panels
@@ -108,6 +108,14 @@ class ModelRunner:
         give it, bit for bit: an eager model on llama_core's CPU kernels, whose every row is computed the same
         way whatever else shares the forward."""
         return not self.decode_step.compiled and on_cpu_kernels(self.model, self.device)
+
+    @property
+    def rows_read_as_one(self) -> int:
+        """How many tokens a forward can take for about the cost of one, where the weights' reading dominates:
+        on llama_core's CPU kernels, the rows a float product streams at once (AVX-512: 6); else 1."""
+        if not self.decodes_rows_alike or any(isinstance(m, (Int8Linear, Int4Linear)) for m in self.model.modules()):
+            return 1
+        return max(1, streamed_rows())
 
     @property
     def mixes_prompts(self) -> bool:

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama
 from llama_core.serving import Engine
-from llama_core.serving.lookup import MIN_ACCEPTANCE, NGRAM_SIZES, PromptLookup
+from llama_core.serving.lookup import NGRAM_SIZES, PromptLookup
 from llama_core.serving.prefix_cache import MIN_SHARED_PREFIX
 
 from conftest import STORIES_DIR, needs_stories
@@ -51,11 +51,18 @@ def test_drafts_lengthen_while_accepted_and_stop_while_rejected():
         lookup.extend(draft + [draft[-1] % 9 + 1])  # all kept, and the token after them
     assert lookup.acceptance > 0.9 and len(lookup.draft(7)) == 7
     rng = random.Random(0)
-    lookup = PromptLookup([rng.randrange(3) for _ in range(20)])
-    for _ in range(200):  # text that a draft guesses one time in three
+    lookup = PromptLookup([rng.randrange(3) for _ in range(20)], price=0.4)
+    for _ in range(200):  # text that a draft guesses one time in three, where a drafted token costs 0.4 of a step
         lookup.draft(7)
         lookup.extend([rng.randrange(3)])
-    assert lookup.acceptance < MIN_ACCEPTANCE and lookup.draft(7) == [] and lookup.candidate(7) != []
+    assert lookup.acceptance < 0.4 and lookup.draft(7) == [] and lookup.candidate(7) != []
+
+
+def test_drafts_are_longer_where_drafted_tokens_cost_less():
+    """At acceptance 0.6: 4 drafted tokens give 2.31 tokens a step for 1.2 steps' time at a price of 0.05, the
+    most tokens per time; at 0.5 a step, 1 drafted token (1.6 tokens for 1.5) beats 2 (1.96 for 2)."""
+    cheap, dear = (PromptLookup(list(range(10)) * 3, price, accepted=6.0, rejected=4.0) for price in (0.05, 0.5))
+    assert (len(cheap.draft(7)), len(dear.draft(7))) == (4, 1)
 
 
 def test_a_sequence_that_stopped_drafting_starts_again_when_its_guesses_come_true():
@@ -219,7 +226,7 @@ def test_drafted_replies_of_the_real_stories260k_model_are_the_undrafted_ones():
 
 def test_the_default_drafts_on_the_cpu_kernels_only(loaded):
     engine = Engine(loaded)
-    assert engine.prompt_lookup == (7 if loaded.runner.decodes_rows_alike else 0)
+    assert engine.prompt_lookup == (5 if loaded.runner.decodes_rows_alike else 0)
     assert not engine.overlap
     engine.close()
 

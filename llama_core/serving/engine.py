@@ -47,10 +47,15 @@ from .streams import TokenStream
 
 
 CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 512, 2048  # Engine's default prefill_chunk
-CPU_PROMPT_LOOKUP = 7  # Engine's default prompt_lookup on the CPU kernels (off elsewhere)
-# A step drafts only while it feeds at most this many rows in all: on the CPU the kernels read each weight
-# once for up to 8 rows, and a batch of more sequences than half of this already uses what drafts would.
-DRAFT_ROWS = 8
+CPU_PROMPT_LOOKUP = 5  # Engine's default prompt_lookup on the CPU kernels (off elsewhere)
+# A step drafts only while it feeds at most this many rows in all: the CPU kernels read the weights for up to
+# 6 rows at about one's cost with AVX-512, and a batch of more sequences than half of this already uses what
+# drafts would.
+DRAFT_ROWS = 6
+# What a drafted token adds to a step's time, as a share of a one-token step (docs/benchmarks.md, "Prompt-
+# lookup decoding"): where the rows are read as one, 0.05-0.1 (a 7B's width, the 110m shape); in tiles
+# (AVX2, int8, int4), 0.2-0.4 for the first drafted token, less for each after it.
+DRAFT_PRICE_STREAMED, DRAFT_PRICE_TILED = 0.1, 0.3
 
 
 @dataclass(eq=False)
@@ -185,6 +190,7 @@ class Engine:
         self._after_turn = after_turn or (lambda: None)
         self.prefix_cache = PrefixCache(self.runner.max_batch_size, enabled=prefix_caching)
         self.prompt_lookup = prompt_lookup
+        self._draft_price = DRAFT_PRICE_STREAMED if self.runner.rows_read_as_one >= DRAFT_ROWS else DRAFT_PRICE_TILED
         self.overlap = self.runner.device.type == "cuda" and not prompt_lookup if overlap is None else overlap
         self._in_flight: Optional[_InFlight] = None
         self._cache_version: Optional[int] = None  # the KV cache's version after this engine's last turn
@@ -737,7 +743,7 @@ class Engine:
         drafts = []
         for sequence in active:
             if sequence.lookup is None:
-                sequence.lookup = PromptLookup(sequence.prompt_tokens + tuple(sequence.output))
+                sequence.lookup = PromptLookup(sequence.prompt_tokens + tuple(sequence.output), self._draft_price)
             room = min(self._token_limit(sequence) - sequence.generated - 1,  # tokens it may still have
                        self.runner.max_seq_len - 1 - sequence.next_pos)  # positions its slot has
             drafts.append(sequence.lookup.draft(min(longest, room)))

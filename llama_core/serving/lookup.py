@@ -9,30 +9,28 @@ without drafts gives; a forward of a few rows costs little more than one where r
 dominates, so each accepted token comes almost free.
 
 A wrong draft is not free, so a sequence drafts only as far as its recent drafts were right: the length
-follows an estimate of how often a drafted token is accepted, kept up to date even while it does not draft
-(its next guess is compared with the token that comes), so a reply that starts copying starts drafting.
+follows an estimate of how often a drafted token is accepted, weighed against what each drafted token adds
+to the step's time, and the estimate is kept up to date even while it does not draft (its next guess is
+compared with the token that comes), so a reply that starts copying starts drafting.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 NGRAM_SIZES = (3, 2)  # the longest of these suffixes found earlier decides the draft
 DECAY = 0.9  # weight of the previous estimate at each draft: about the last ten drafts count
-# A draft of k tokens pays if the k-th one is accepted with chance at least this (acceptance ** k): on a CPU
-# a forward of 1 + k rows costs 1.3-1.9 times one row (k = 1..7), so drafting starts where acceptance is
-# about 0.5 (1 + 0.5 tokens for 1.3-1.45 times the time).
-MIN_CHANCE_OF_LAST = 0.25
-MIN_ACCEPTANCE = 0.45
 
 
 class PromptLookup:
     """One sequence's tokens, indexed to draft its continuation, and how well its drafts have done."""
 
-    def __init__(self, tokens: Iterable[int] = (), accepted: float = 1.0, rejected: float = 1.0) -> None:
-        """tokens: the sequence so far. accepted, rejected: the starting estimate's counts (1 and 1: one
-        token in two accepted)."""
+    def __init__(self, tokens: Iterable[int] = (), price: float = 0.1, accepted: float = 1.0,
+                 rejected: float = 1.0) -> None:
+        """tokens: the sequence so far. price: what each drafted token adds to a step's time, as a share of a
+        one-token step's. accepted, rejected: the starting estimate's counts (1 and 1: one token in two
+        accepted)."""
+        self.price = price
         self.tokens: list[int] = []
         self._follows: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
         self.accepted, self.rejected = accepted, rejected
@@ -70,15 +68,19 @@ class PromptLookup:
                     return self.tokens[start : start + limit]
         return []
 
-    def worth_drafting(self) -> int:
-        """How many tokens a draft should have now: 0 below MIN_ACCEPTANCE, else as many as keep the chance
-        of the last being accepted at least MIN_CHANCE_OF_LAST."""
-        acceptance = self.acceptance
-        if acceptance < MIN_ACCEPTANCE:
-            return 0
-        if acceptance >= 1.0:
-            return 1 << 30
-        return max(1, int(math.log(MIN_CHANCE_OF_LAST) / math.log(acceptance)))
+    def worth_drafting(self, limit: int) -> int:
+        """How many tokens (at most limit) a draft should have now: the k whose step gives the most tokens for
+        its time, 1 + a + ... + a^k tokens (a the acceptance) for 1 + price * k; 0 where none beats one token
+        a step, as below an acceptance of `price`."""
+        acceptance, expected, term = self.acceptance, 1.0, 1.0
+        best, best_rate = 0, 1.0
+        for k in range(1, limit + 1):
+            term *= acceptance
+            expected += term
+            rate = expected / (1.0 + self.price * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def draft(self, limit: int) -> list[int]:
         """The tokens to feed after the last one, at most limit (empty: decode one token as usual); the
@@ -86,6 +88,6 @@ class PromptLookup:
         self.accepted *= DECAY
         self.rejected *= DECAY
         guess = self.candidate(limit if limit > 0 else 1)
-        drafted = guess[: min(limit, self.worth_drafting())]
+        drafted = guess[: self.worth_drafting(limit)]
         self._guess = drafted or guess[:1]
         return drafted

@@ -102,6 +102,10 @@ def parse_args() -> argparse.Namespace:
                    help="llama_core's KV cache (auto: the model's dtype)")
     p.add_argument("--with-kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="also llama_core with its KV cache in this dtype (llama_core_kv_DTYPE), side by side")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="llama_core's engines draft up to N tokens a step from the text so far (Engine's prompt_lookup; "
+                        "default: 0, plain decoding, as the other implementations do; random weights' text repeats "
+                        "unlike a real model's: scripts/bench_prompt_lookup.py measures drafting)")
     p.add_argument("--skip-hf", action="store_true", help="measure llama_core only")
     p.add_argument("--compile", action="store_true", help="llama_core with the static, torch.compile'd decode step")
     p.add_argument("--hf-compile", action="store_true", help="also HF with static cache + torch.compile")
@@ -456,9 +460,13 @@ def main() -> None:
     torch_kernels_model = copy.deepcopy(model) if a.with_torch_kernels else None
     float32_panels_model = copy.deepcopy(model) if a.with_float32_panels else None
     other_kv_model = copy.deepcopy(model) if a.with_kv_cache_dtype else None
-    llama = Llama.from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
+    def llama_from_model(*args, **kwargs) -> Llama:
+        return Llama.from_model(*args, prompt_lookup=a.prompt_lookup, **kwargs)
+
+    llama = llama_from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
                              kv_cache_dtype=a.kv_cache_dtype)
     report["kv_cache_dtype"] = str(llama.runner.kv_cache_dtype).removeprefix("torch.")
+    report["prompt_lookup"] = a.prompt_lookup
     impls: dict[str, Callable[[list[list[int]], int], None]] = {}
     engines: dict[str, Llama] = {}  # the Llama behind each llama_core implementation but torch's kernels
 
@@ -468,11 +476,11 @@ def main() -> None:
 
     add("llama_core", llama)
     if compiled_model is not None:
-        add("llama_core_compiled", Llama.from_model(compiled_model, _Vocab(args.vocab_size), max_len, max_batch,
+        add("llama_core_compiled", llama_from_model(compiled_model, _Vocab(args.vocab_size), max_len, max_batch,
                                                     compile=True))
     if torch_kernels_model is not None:
         with torch_kernels_only():
-            torch_kernels = Llama.from_model(torch_kernels_model, _Vocab(args.vocab_size), max_len, max_batch,
+            torch_kernels = llama_from_model(torch_kernels_model, _Vocab(args.vocab_size), max_len, max_batch,
                                              compile=a.compile)
 
         def generate_with_torch_kernels(p, n):
@@ -481,17 +489,17 @@ def main() -> None:
 
         impls["llama_core_torch_kernels"] = generate_with_torch_kernels
     if float32_panels_model is not None:
-        wide = Llama.from_model(float32_panels_model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
+        wide = llama_from_model(float32_panels_model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile)
         for module in wide.model.modules():
             if isinstance(module, PanelLinear):
                 module.panels = to_panels(module.weight)
         add("llama_core_float32_panels", wide)
     if other_kv_model is not None:
-        add(f"llama_core_kv_{a.with_kv_cache_dtype}", Llama.from_model(
+        add(f"llama_core_kv_{a.with_kv_cache_dtype}", llama_from_model(
             other_kv_model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
             kv_cache_dtype=a.with_kv_cache_dtype))
     if reference is not None and a.with_float:
-        add("llama_core_float", Llama.from_model(reference, _Vocab(args.vocab_size), max_len, max_batch,
+        add("llama_core_float", llama_from_model(reference, _Vocab(args.vocab_size), max_len, max_batch,
                                                  compile=a.compile))
     del reference
     if hf is not None:

@@ -75,6 +75,8 @@ def compare(loaded, prompts: list[list[int]], new_tokens: int, prompt_lookup: in
             tokens = sum(len(r) for r in replies[lookup])
             row = result.setdefault("drafts" if lookup else "plain", {"tokens_per_s": 0.0})
             row.update(tokens=tokens, steps=engine.steps, drafted=engine.drafted_tokens, kept=engine.accepted_tokens)
+            if lookup:
+                row["learned_price"] = engine.draft_price.price
             row["tokens_per_s"] = max(row["tokens_per_s"], tokens / seconds)
             engine.close()
     result["same_replies"] = replies[0] == replies[prompt_lookup]

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama
 from llama_core.serving import Engine
-from llama_core.serving.lookup import NGRAM_SIZES, PromptLookup
+from llama_core.serving.lookup import NGRAM_SIZES, DraftPrice, PromptLookup
 from llama_core.serving.prefix_cache import MIN_SHARED_PREFIX
 
 from conftest import STORIES_DIR, needs_stories
@@ -51,18 +51,33 @@ def test_drafts_lengthen_while_accepted_and_stop_while_rejected():
         lookup.extend(draft + [draft[-1] % 9 + 1])  # all kept, and the token after them
     assert lookup.acceptance > 0.9 and len(lookup.draft(7)) == 7
     rng = random.Random(0)
-    lookup = PromptLookup([rng.randrange(3) for _ in range(20)], price=0.4)
+    lookup = PromptLookup([rng.randrange(3) for _ in range(20)])
     for _ in range(200):  # text that a draft guesses one time in three, where a drafted token costs 0.4 of a step
-        lookup.draft(7)
+        lookup.draft(7, price=0.4)
         lookup.extend([rng.randrange(3)])
-    assert lookup.acceptance < 0.4 and lookup.draft(7) == [] and lookup.candidate(7) != []
+    assert lookup.acceptance < 0.4 and lookup.draft(7, price=0.4) == [] and lookup.candidate(7) != []
 
 
 def test_drafts_are_longer_where_drafted_tokens_cost_less():
     """At acceptance 0.6: 4 drafted tokens give 2.31 tokens a step for 1.2 steps' time at a price of 0.05, the
     most tokens per time; at 0.5 a step, 1 drafted token (1.6 tokens for 1.5) beats 2 (1.96 for 2)."""
-    cheap, dear = (PromptLookup(list(range(10)) * 3, price, accepted=6.0, rejected=4.0) for price in (0.05, 0.5))
-    assert (len(cheap.draft(7)), len(dear.draft(7))) == (4, 1)
+    cheap, dear = (PromptLookup(list(range(10)) * 3, accepted=6.0, rejected=4.0) for _ in range(2))
+    assert (len(cheap.draft(7, price=0.05)), len(dear.draft(7, price=0.5))) == (4, 1)
+
+
+def test_the_price_of_a_drafted_token_is_learned_from_the_steps_times():
+    price = DraftPrice(prior=0.3, weight=0.5)
+    assert price.price == 0.3
+    price.record(3, 0.012)
+    assert price.price == 0.3  # no one-token step to compare with yet
+    price.record(1, 0.010)
+    assert price.price == pytest.approx(0.1)  # 2 drafted tokens added 20 % of a step
+    price.record(5, 0.018)  # 4 drafted tokens added 80 %
+    assert price.price == pytest.approx((0.1 + 0.2) / 2)
+    price.record(1, 0.008)  # one-token steps got faster: a running average of 0.009
+    assert price.price == pytest.approx(((0.012 / 0.009 - 1) / 2 + (0.018 / 0.009 - 1) / 4) / 2)
+    price.record(2, 0.001)
+    assert price.price >= 0.0
 
 
 def test_a_sequence_that_stopped_drafting_starts_again_when_its_guesses_come_true():

@@ -39,7 +39,7 @@ from ..runner import cache_rows, right_padded
 from ..sampling import apply_penalties, greedy_tokens, sample, token_logprobs, top_logprobs
 from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
-from .lookup import PromptLookup
+from .lookup import DraftPrice, PromptLookup
 from .prefix_cache import Placement, PrefixCache
 from .requests import MAX_SEED, GenerationRequest, SamplingParams, sampling_params
 from .stops import StopMatcher
@@ -52,9 +52,9 @@ CPU_PROMPT_LOOKUP = 5  # Engine's default prompt_lookup on the CPU kernels (off 
 # 6 rows at about one's cost with AVX-512, and a batch of more sequences than half of this already uses what
 # drafts would.
 DRAFT_ROWS = 6
-# What a drafted token adds to a step's time, as a share of a one-token step (docs/benchmarks.md, "Prompt-
-# lookup decoding"): where the rows are read as one, 0.05-0.1 (a 7B's width, the 110m shape); in tiles
-# (AVX2, int8, int4), 0.2-0.4 for the first drafted token, less for each after it.
+# What a drafted token adds to a step's time, as a share of a one-token step, until the engine has timed its
+# own steps (docs/benchmarks.md, "Prompt-lookup decoding"): where the rows are read as one, 0.05-0.1 (a 7B's
+# width, the 110m shape); in tiles (AVX2, int8, int4), 0.2-0.4 for the first drafted token.
 DRAFT_PRICE_STREAMED, DRAFT_PRICE_TILED = 0.1, 0.3
 
 
@@ -190,7 +190,8 @@ class Engine:
         self._after_turn = after_turn or (lambda: None)
         self.prefix_cache = PrefixCache(self.runner.max_batch_size, enabled=prefix_caching)
         self.prompt_lookup = prompt_lookup
-        self._draft_price = DRAFT_PRICE_STREAMED if self.runner.rows_read_as_one >= DRAFT_ROWS else DRAFT_PRICE_TILED
+        self.draft_price = DraftPrice(DRAFT_PRICE_STREAMED if self.runner.rows_read_as_one >= DRAFT_ROWS
+                                      else DRAFT_PRICE_TILED)
         self.overlap = self.runner.device.type == "cuda" and not prompt_lookup if overlap is None else overlap
         self._in_flight: Optional[_InFlight] = None
         self._cache_version: Optional[int] = None  # the KV cache's version after this engine's last turn
@@ -596,6 +597,8 @@ class Engine:
                 self._decode_drafts(active, drafts)
                 return
         device = self.runner.device
+        timed = self.prompt_lookup and tokens is None and not riders and len(active) == 1
+        started = time.perf_counter()
         try:
             if tokens is None:
                 tokens = to_device([s.last_token for s in active], device, torch.long)
@@ -631,6 +634,8 @@ class Engine:
         for sequence in riders:
             self._prompt_written(sequence, len(sequence.prompt_tokens))
         self._deliver(sequences, *sampled)
+        if timed:  # its tokens are on the host now: the step's work is done
+            self.draft_price.record(1, time.perf_counter() - started)
 
     def _sample(self, sequences: list[_Sequence], logits: torch.Tensor,
                 ahead: int | list[int] = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
@@ -743,10 +748,10 @@ class Engine:
         drafts = []
         for sequence in active:
             if sequence.lookup is None:
-                sequence.lookup = PromptLookup(sequence.prompt_tokens + tuple(sequence.output), self._draft_price)
+                sequence.lookup = PromptLookup(sequence.prompt_tokens + tuple(sequence.output))
             room = min(self._token_limit(sequence) - sequence.generated - 1,  # tokens it may still have
                        self.runner.max_seq_len - 1 - sequence.next_pos)  # positions its slot has
-            drafts.append(sequence.lookup.draft(min(longest, room)))
+            drafts.append(sequence.lookup.draft(min(longest, room), self.draft_price.price))
         return drafts
 
     @torch.inference_mode()
@@ -756,6 +761,7 @@ class Engine:
         device = self.runner.device
         width = 1 + max(len(draft) for draft in drafts)
         starts = [s.next_pos for s in active]
+        started = time.perf_counter()
         try:
             tokens, positions, _ = right_padded([[s.last_token, *draft] for s, draft in zip(active, drafts)], 0,
                                                 device, starts, self.runner.max_seq_len)
@@ -769,6 +775,8 @@ class Engine:
             return
         self.steps += 1
         drawn, logprobs = drawn.tolist(), logprobs.tolist()
+        if len(active) == 1:
+            self.draft_price.record(width, time.perf_counter() - started)
         if alternatives is not None:
             alternatives = tuple(t.tolist() for t in alternatives)
         for i, (sequence, draft) in enumerate(zip(active, drafts)):

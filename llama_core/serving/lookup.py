@@ -25,12 +25,9 @@ DECAY = 0.9  # weight of the previous estimate at each draft: about the last ten
 class PromptLookup:
     """One sequence's tokens, indexed to draft its continuation, and how well its drafts have done."""
 
-    def __init__(self, tokens: Iterable[int] = (), price: float = 0.1, accepted: float = 1.0,
-                 rejected: float = 1.0) -> None:
-        """tokens: the sequence so far. price: what each drafted token adds to a step's time, as a share of a
-        one-token step's. accepted, rejected: the starting estimate's counts (1 and 1: one token in two
-        accepted)."""
-        self.price = price
+    def __init__(self, tokens: Iterable[int] = (), accepted: float = 1.0, rejected: float = 1.0) -> None:
+        """tokens: the sequence so far. accepted, rejected: the starting estimate's counts (1 and 1: one token
+        in two accepted)."""
         self.tokens: list[int] = []
         self._follows: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
         self.accepted, self.rejected = accepted, rejected
@@ -68,26 +65,51 @@ class PromptLookup:
                     return self.tokens[start : start + limit]
         return []
 
-    def worth_drafting(self, limit: int) -> int:
-        """How many tokens (at most limit) a draft should have now: the k whose step gives the most tokens for
-        its time, 1 + a + ... + a^k tokens (a the acceptance) for 1 + price * k; 0 where none beats one token
-        a step, as below an acceptance of `price`."""
+    def worth_drafting(self, limit: int, price: float) -> int:
+        """How many tokens (at most limit) a draft should have now, where each drafted token adds `price` to a
+        one-token step's time: the k whose step gives the most tokens for its time, 1 + a + ... + a^k tokens
+        (a the acceptance) for 1 + price * k; 0 where none beats one token a step, as below an acceptance of
+        `price`."""
         acceptance, expected, term = self.acceptance, 1.0, 1.0
         best, best_rate = 0, 1.0
         for k in range(1, limit + 1):
             term *= acceptance
             expected += term
-            rate = expected / (1.0 + self.price * k)
+            rate = expected / (1.0 + price * k)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
 
-    def draft(self, limit: int) -> list[int]:
-        """The tokens to feed after the last one, at most limit (empty: decode one token as usual); the
-        coming tokens are scored against them, or, where it drafts none, against its first guess."""
+    def draft(self, limit: int, price: float = 0.1) -> list[int]:
+        """The tokens to feed after the last one, at most limit (empty: decode one token as usual), where each
+        adds `price` to a step's time (see worth_drafting); the coming tokens are scored against them, or,
+        where it drafts none, against its first guess."""
         self.accepted *= DECAY
         self.rejected *= DECAY
         guess = self.candidate(limit if limit > 0 else 1)
-        drafted = guess[: self.worth_drafting(limit)]
+        drafted = guess[: self.worth_drafting(limit, price)]
         self._guess = drafted or guess[:1]
         return drafted
+
+
+class DraftPrice:
+    """What a drafted token adds to a step's time, as a share of a one-token step's, learned from the times of
+    the steps of one sequence (with and without drafts); `prior` until both kinds have run."""
+
+    def __init__(self, prior: float, weight: float = 0.2) -> None:
+        self.prior = prior
+        self._weight = weight  # of each new time in its width's running average
+        self._seconds: dict[int, float] = {}  # tokens fed in a step of one sequence -> its running average time
+
+    def record(self, width: int, seconds: float) -> None:
+        """A step fed one sequence `width` tokens (its last and width - 1 drafted) in `seconds`."""
+        before = self._seconds.get(width)
+        self._seconds[width] = seconds if before is None else before + self._weight * (seconds - before)
+
+    @property
+    def price(self) -> float:
+        one = self._seconds.get(1)
+        if one is None or len(self._seconds) < 2:
+            return self.prior
+        shares = [(seconds / one - 1) / (width - 1) for width, seconds in self._seconds.items() if width > 1]
+        return max(0.0, sum(shares) / len(shares))

@@ -597,8 +597,7 @@ class Engine:
                 self._decode_drafts(active, drafts)
                 return
         device = self.runner.device
-        timed = self.prompt_lookup and tokens is None and not riders and len(active) == 1
-        started = time.perf_counter()
+        timed = self.prompt_lookup and tokens is None and not riders and len(active) == 1 and device.type == "cpu"
         try:
             if tokens is None:
                 tokens = to_device([s.last_token for s in active], device, torch.long)
@@ -614,7 +613,10 @@ class Engine:
                          prompt_kv_len, lengths - 1),
                 ]))
             else:
+                started = time.perf_counter()
                 logits = self.runner.decode(tokens, positions, rows, kv_len=kv_len)
+                if timed:  # the forward alone, as _decode_drafts times it (on the CPU it has run by now)
+                    self.draft_price.record(1, time.perf_counter() - started)
             sequences = active + riders
             sampled = self._sample(sequences, logits, ahead)
         except Exception as exc:
@@ -634,8 +636,6 @@ class Engine:
         for sequence in riders:
             self._prompt_written(sequence, len(sequence.prompt_tokens))
         self._deliver(sequences, *sampled)
-        if timed:  # its tokens are on the host now: the step's work is done
-            self.draft_price.record(1, time.perf_counter() - started)
 
     def _sample(self, sequences: list[_Sequence], logits: torch.Tensor,
                 ahead: int | list[int] = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
@@ -761,12 +761,14 @@ class Engine:
         device = self.runner.device
         width = 1 + max(len(draft) for draft in drafts)
         starts = [s.next_pos for s in active]
-        started = time.perf_counter()
         try:
             tokens, positions, _ = right_padded([[s.last_token, *draft] for s, draft in zip(active, drafts)], 0,
                                                 device, starts, self.runner.max_seq_len)
             kv_len = min(max(starts) + width, self.runner.max_seq_len)
+            started = time.perf_counter()
             logits = self.runner.prefill(tokens, positions, cache_rows([s.slot for s in active], device), kv_len)
+            if len(active) == 1 and device.type == "cpu":
+                self.draft_price.record(width, time.perf_counter() - started)
             rows = [s for s in active for _ in range(width)]
             drawn, logprobs, alternatives = self._sample(rows, logits.flatten(0, 1), list(range(width)) * len(active))
         except Exception as exc:
@@ -775,8 +777,6 @@ class Engine:
             return
         self.steps += 1
         drawn, logprobs = drawn.tolist(), logprobs.tolist()
-        if len(active) == 1:
-            self.draft_price.record(width, time.perf_counter() - started)
         if alternatives is not None:
             alternatives = tuple(t.tolist() for t in alternatives)
         for i, (sequence, draft) in enumerate(zip(active, drafts)):

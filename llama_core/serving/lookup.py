@@ -94,10 +94,11 @@ class PromptLookup:
 
 class DraftPrice:
     """What a drafted token adds to a step's time, as a share of a one-token step's, learned from the times of
-    the steps of one sequence (with and without drafts); `prior` until both kinds have run."""
+    the steps of one sequence (with and without drafts); `prior` until both kinds have run, and never below
+    `floor` (a price of 0 would draft as far as any acceptance allows, and the times are noisy)."""
 
-    def __init__(self, prior: float, weight: float = 0.2) -> None:
-        self.prior = prior
+    def __init__(self, prior: float, weight: float = 0.2, floor: float = 0.03) -> None:
+        self.prior, self.floor = prior, floor
         self._weight = weight  # of each new time in its width's running average
         self._seconds: dict[int, float] = {}  # tokens fed in a step of one sequence -> its running average time
 
@@ -112,4 +113,4 @@ class DraftPrice:
         if one is None or len(self._seconds) < 2:
             return self.prior
         shares = [(seconds / one - 1) / (width - 1) for width, seconds in self._seconds.items() if width > 1]
-        return max(0.0, sum(shares) / len(shares))
+        return max(self.floor, sum(shares) / len(shares))

@@ -123,6 +123,7 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
     "login without a password": (["--auth", "alice"], ["--auth alice", "USER:PASSWORD"]),
     "empty API key": (["--api-key", " "], ["--api-key", "must not be empty"]),
     "empty model name": (["--model-name", ""], ["--model-name must not be empty"]),
+    "negative prompt lookup": (["--prompt-lookup", "-1"], ["argument --prompt-lookup", "must be 0 or a positive integer"]),
     "more slots than memory": (["--max-batch-size", "10000000"], [
         # the embedded model's bfloat16 projections stay 16-bit where the CPU kernels run, else become float32
         "tiny-shakespeare needs at least", f"of memory on the CPU (weights {7 if expected() else 12} MiB, KV cache 14",
@@ -321,6 +322,13 @@ def test_generate_with_a_float16_kv_cache_says_so_and_completes_as_the_python_ap
     assert result.status == 0 and result.stdout.strip() == expected.strip() and expected.strip()
     assert result.errors[0].endswith("cpu, float32, float16 KV cache")
     assert " · KV cache 0.8 MiB in float16 |" in ui.model_facts(narrow.loaded.info)  # 6 layers x 2 x 512 x 64 x 2 bytes
+
+
+def test_generate_gives_the_same_text_with_prompt_lookup_or_without():
+    texts = [run(GENERATE, "ROMEO:", "--temperature", "0", "--max-new-tokens", "96", "-q", "--device", "cpu", *flags)
+             for flags in ([], ["--prompt-lookup", "0"], ["--prompt-lookup", "3"])]
+    assert all(result.status == 0 for result in texts)
+    assert texts[0].stdout == texts[1].stdout == texts[2].stdout and texts[0].stdout.strip()
 
 
 def test_generate_echo_prints_the_prompt_first():

@@ -7,6 +7,10 @@ forward; a prompt longer than `prefill_chunk` is prefilled a chunk per turn, bet
 the other streams keep flowing. With prefix caching (the default) a slot keeps what its request computed,
 and a new prompt computes only what follows the longest prefix of it that a slot holds (see prefix_cache).
 
+With prompt lookup (the default on llama_core's CPU kernels), a decode step may feed a sequence its last
+token and a draft of the tokens likely to follow it, copied from its own earlier text (see lookup); it keeps
+the drafted tokens that the model's own draws confirm, so a reply is the same, in fewer steps.
+
 Turns run in the engine's own thread once `start()`ed (a server), or else in the thread of whoever reads
 a stream (the `Llama` facade's generate): one loop either way.
 

@@ -116,6 +116,16 @@ def test_chat_reports_old_exchanges_dropped_to_fit_the_context(engine):
     assert "oldest exchange(s) were left out" in ui.stats_line(ui.request_stats(stream))
 
 
+def test_the_line_under_a_reply_says_how_many_of_its_tokens_were_drafted_ahead(engine):
+    if not engine.info.cpu_products or not engine.info.cpu_products.startswith("llama_core"):
+        pytest.skip("prompt lookup is on by default only on llama_core's CPU kernels")
+    stream = stream_completion(engine, "ROMEO:", max_new_tokens=200, temperature=0.0)
+    text = "".join(chunk.text for chunk in stream)
+    assert text and 0 < stream.accepted_tokens <= stream.drafted_tokens
+    line = ui.stats_line(ui.request_stats(stream))
+    assert f"{stream.generated_tokens} tokens generated ({stream.accepted_tokens} of them drafted ahead)" in line
+
+
 # -- completion ----------------------------------------------------------------------------------------
 def test_complete_returns_text_and_one_probability_per_generated_token(client):
     text, tokens, stats = client.predict(**complete_args(show_probabilities=True), api_name="/complete")

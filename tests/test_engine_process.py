@@ -198,7 +198,8 @@ def test_the_child_sends_a_turns_events_in_one_message():
     first, second = outbox.queue_for(1), outbox.queue_for(2)
     first.put(StreamChunk(5, -0.5, ""))
     second.put(StreamChunk(7, -0.25, ""))
-    first.put(Finished("length", "", 0.0))
+    first.put(Finished("length", "", 0.0, drafted_tokens=6, accepted_tokens=4))
     outbox.flush()
     outbox.flush()  # nothing new: nothing sent
-    assert sent == [("events", [("chunk", 1, 5, -0.5, None), ("chunk", 2, 7, -0.25, None), ("done", 1, "length", "")])]
+    assert sent == [("events", [("chunk", 1, 5, -0.5, None), ("chunk", 2, 7, -0.25, None),
+                                ("done", 1, "length", "", 6, 4)])]

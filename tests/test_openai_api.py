@@ -413,6 +413,21 @@ def test_usage_reports_the_prompt_tokens_the_cache_held(client, model_id):
     assert again.usage.prompt_tokens - 2 <= cached < again.usage.prompt_tokens
 
 
+def test_usage_reports_the_drafted_tokens_the_reply_kept_as_accepted_predictions(client, model_id, served):
+    info = served[0].info
+    if not info.cpu_products or not info.cpu_products.startswith("llama_core"):
+        pytest.skip("prompt lookup is on by default only on llama_core's CPU kernels")
+    reply = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=200, temperature=0)
+    details = reply.usage.completion_tokens_details
+    assert 0 < details.accepted_prediction_tokens < reply.usage.completion_tokens
+    assert details.rejected_prediction_tokens >= 0
+    chunks = list(client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=200, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
+    # how far each step drafts follows the engine's timing of its steps: the counts vary, the text does not
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
 def test_a_stream_whose_model_process_dies_ends_with_an_error_and_serving_resumes():
     """The web server reads streams on its event loop, woken by the engine's events: the model process dying
     mid-reply ends the reply with an error event (not a hang), and once the process is restarted the server

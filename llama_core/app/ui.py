@@ -197,7 +197,8 @@ def _prompt_tokens(engine: TextEngine, prompt: str, logprobs: list[float]) -> li
 def request_stats(stream: TextStream) -> dict:
     return dict(prompt_tokens=stream.prompt_tokens, generated_tokens=stream.generated_tokens,
                 max_seq_len=stream.max_seq_len, tokens_per_second=round(stream.tokens_per_second, 1),
-                finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs, cached_tokens=stream.cached_tokens)
+                finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs, cached_tokens=stream.cached_tokens,
+                drafted_tokens=stream.accepted_tokens)
 
 
 def prompt_size_line(engine: TextEngine, prompt: Any) -> str:
@@ -240,7 +241,8 @@ def stats_line(stats: dict) -> str:
     """The line shown under a reply: speed, tokens, context used, and whether old exchanges were dropped."""
     if stats["finish_reason"] == "refused":
         return "Refused: the message holds reserved chat-format tags."
-    line = (f"{stats['tokens_per_second']:.1f} tokens/s · {stats['generated_tokens']} tokens generated · context "
+    drafted = f" ({stats['drafted_tokens']} of them drafted ahead)" if stats.get("drafted_tokens") else ""
+    line = (f"{stats['tokens_per_second']:.1f} tokens/s · {stats['generated_tokens']} tokens generated{drafted} · context "
             f"{stats['prompt_tokens'] + stats['generated_tokens']} / {stats['max_seq_len']} tokens "
             f"({stats['prompt_tokens']} prompt" + (f", {stats['cached_tokens']} of them cached" if stats.get("cached_tokens") else "")
             + ")")

@@ -295,8 +295,12 @@ class _Reply:
         firsts = self.streams[:: self.per_prompt]
         prompt = sum(s.prompt_tokens for s in firsts)
         completion = sum(s.generated_tokens for s in self.streams)
+        accepted = sum(s.accepted_tokens for s in self.streams)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)}}
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)},
+                # drafts from prompt lookup, in the fields OpenAI gives predicted outputs
+                "completion_tokens_details": {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens":
+                                              sum(s.drafted_tokens for s in self.streams) - accepted}}
 
     def finish_reason(self, index: int) -> str:
         return FINISH_REASONS.get(self.streams[index].finish_reason or "stop", "stop")

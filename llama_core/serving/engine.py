@@ -91,6 +91,8 @@ class _Sequence:
     carried_logits: Optional[torch.Tensor] = None  # the previous chunk's last logits, scoring the next token
     stop_text: Optional[tuple[StreamDecoder, StopMatcher]] = None  # the reply's text, watched for stop strings
     lookup: Optional[PromptLookup] = None  # its tokens, for drafts (prompt lookup), from its first decode step
+    drafted: int = 0  # tokens drafted for it and checked
+    accepted: int = 0  # of those, the ones kept
 
     @property
     def params(self) -> SamplingParams:
@@ -790,6 +792,8 @@ class Engine:
                 kept += 1
             self.drafted_tokens += len(draft)
             self.accepted_tokens += kept
+            sequence.drafted += len(draft)
+            sequence.accepted += kept
             for j in range(kept + 1):
                 sequence.written = starts[i] + j + 1
                 at = i * width + j
@@ -820,7 +824,7 @@ class Engine:
 
     @staticmethod
     def _finish(sequence: _Sequence, reason: str, message: str = "") -> None:
-        sequence.channel.events.put(Finished(reason, message, time.perf_counter()))
+        sequence.channel.events.put(Finished(reason, message, time.perf_counter(), sequence.drafted, sequence.accepted))
         sequence.channel.finished.set()
 
 

@@ -40,11 +40,14 @@ class PromptLogprobs:
 @dataclass(frozen=True)
 class Finished:
     """The request's end: reason is one of FINISH_REASONS ("stop": a stop string was reached); message
-    explains an "error"; at is when the engine ended it (time.perf_counter())."""
+    explains an "error"; at is when the engine ended it (time.perf_counter()); drafted_tokens: tokens prompt
+    lookup drafted for it and the model checked, accepted_tokens of which it kept (its reply has them)."""
 
     reason: str
     message: str = ""
     at: float = 0.0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class EventSink(Protocol):

@@ -45,6 +45,8 @@ class TokenStream:
         self.finish_reason: Optional[str] = None  # "eos", "length", "cancelled" or "error"
         self.prompt_logprobs: Optional[list[float]] = None  # with prompt_logprobs=True: tokens 1..n-1
         self.cached_tokens = 0  # prompt tokens found in the engine's KV cache (known before the first chunk)
+        self.drafted_tokens = 0  # tokens prompt lookup drafted and the model checked (known at the end)
+        self.accepted_tokens = 0  # of those, the ones kept: part of the reply, several a step
         self.finished_at: Optional[float] = None  # time.perf_counter() when the engine ended the request
         self._failure: Optional[RequestFailedError] = None  # for poll: raised once the chunks before it are read
 
@@ -117,6 +119,7 @@ class TokenStream:
             else:
                 done = item
                 self.finish_reason, self.finished_at = item.reason, item.at
+                self.drafted_tokens, self.accepted_tokens = item.drafted_tokens, item.accepted_tokens
         return chunks, done
 
     def _next_event(self) -> Any:
@@ -184,6 +187,16 @@ class TextStream:
     def cached_tokens(self) -> int:
         """How many of the prompt's tokens the engine found in its KV cache rather than computed (0 until known)."""
         return 0 if self._tokens is None else self._tokens.cached_tokens
+
+    @property
+    def drafted_tokens(self) -> int:
+        """How many tokens prompt lookup drafted for the reply and the model checked (0 until the end)."""
+        return 0 if self._tokens is None else self._tokens.drafted_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        """How many of the drafted tokens the reply kept (0 until the end)."""
+        return 0 if self._tokens is None else self._tokens.accepted_tokens
 
     @property
     def seconds_to_first_token(self) -> Optional[float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import re
 import threading
 import time
 from typing import Iterator
@@ -426,6 +427,37 @@ def test_usage_reports_the_drafted_tokens_the_reply_kept_as_accepted_predictions
     assert "".join(c.choices[0].text for c in chunks if c.choices) == reply.choices[0].text
     # how far each step drafts follows the engine's timing of its steps: the counts vary, the text does not
     assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+def test_a_prediction_gives_the_same_reply_its_right_tokens_drafted(client, model_id, served):
+    """OpenAI's predicted outputs: the reply is the model's own either way; a prediction that is the reply
+    has its tokens drafted and kept, and an edited one leaves a seeded sampled reply as it is without."""
+    info = served[0].info
+    if not info.cpu_products or not info.cpu_products.startswith("llama_core"):
+        pytest.skip("prompt lookup, which drafts from a prediction, is on by default only on llama_core's CPU kernels")
+    messages = [{"role": "user", "content": "Tell me of the king and his court."}]
+    plain = client.chat.completions.create(model=model_id, messages=messages, max_tokens=60, temperature=0)
+    reply = plain.choices[0].message.content
+    predicted = client.chat.completions.create(model=model_id, messages=messages, max_tokens=60, temperature=0,
+                                               prediction={"type": "content", "content": reply})
+    details = predicted.usage.completion_tokens_details
+    assert predicted.choices[0].message.content == reply and reply
+    assert details.accepted_prediction_tokens > 0 and details.rejected_prediction_tokens == 0
+    sampled = dict(model=model_id, messages=messages, max_tokens=60, temperature=0.9, seed=3)
+    parts = [{"type": "text", "text": reply.replace("the", "a")[:20]}, {"type": "text", "text": reply[20:]}]
+    assert (client.chat.completions.create(**sampled, prediction={"type": "content", "content": parts})
+            .choices[0].message.content == client.chat.completions.create(**sampled).choices[0].message.content)
+
+
+@pytest.mark.parametrize("prediction, named", [
+    ({"type": "image", "content": "x"}, "prediction.type must be 'content'"),
+    ({"type": "content", "content": [{"type": "image_url"}]}, "prediction.content[0] is a 'image_url' part"),
+    ({"type": "content", "content": 7}, "prediction"),
+    ({"type": "content", "content": "x" * 100_001}, "prediction.content is too long"),
+])
+def test_a_bad_prediction_is_refused_naming_it(client, model_id, prediction, named):
+    with pytest.raises(openai.BadRequestError, match=re.escape(named)):
+        client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=4, prediction=prediction)
 
 
 def test_a_stream_whose_model_process_dies_ends_with_an_error_and_serving_resumes():

@@ -43,6 +43,19 @@ def test_a_sequence_with_no_earlier_occurrence_has_no_candidate():
     assert PromptLookup([4, 2, 3, 9, 2, 3, 8, 1, 2, 3]).candidate(2) == [8, 1]  # the latest "2 3"
 
 
+def test_a_prediction_is_drafted_from_while_the_reply_follows_it_and_near_the_reply_s_place_after():
+    prompt, prediction = [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 12, 13, 20]
+    lookup = PromptLookup(prompt + [10, 11], prediction=prediction, reply_start=3)
+    assert lookup.candidate(4) == [12, 13, 14, 15]  # the reply so far is the prediction's beginning
+    lookup.extend([99])  # the reply leaves it: "11 99" is nowhere in the prediction or before
+    assert lookup.candidate(4) == []
+    lookup.extend([12, 13])  # "12 13" is in the prediction twice: the place nearer the reply's 5 tokens wins
+    assert lookup.candidate(4) == [14, 15, 16, 12]
+    lookup.extend([14, 15, 16, 12, 13])
+    assert lookup.candidate(4) == [20]  # now the later one
+    assert PromptLookup(prompt + [10], prediction=[], reply_start=3).candidate(4) == []  # no prediction: as before
+
+
 def test_drafts_lengthen_while_accepted_and_stop_while_rejected():
     lookup = PromptLookup([1, 2, 3, 4, 5, 6, 7, 8, 9] * 2)
     assert len(lookup.draft(7)) == 2  # an even chance to start with

@@ -29,7 +29,7 @@ from ..serving.requests import MAX_SEED, SamplingParams
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion
 from ..tokenizer import StreamDecoder
 from .errors import APIError, from_llama_error, from_validation_errors
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Prediction, SamplingFields
 from .streaming import Batch, merged_batches
 
 MAX_CHOICES = 16  # most choices (n x prompts) in one request
@@ -94,6 +94,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         served_model(body.model)
         _refuse_unsupported_chat(body)
         dialog = _dialog(body.messages)
+        prediction = _prediction(body.prediction)
         fields = set(body.model_fields_set) | {"messages"}
         rename = {"max_new_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -105,7 +106,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 
         def submit(seed: Optional[int]) -> TextStream:
             stream = stream_chat(engine, dialog, max_new_tokens=max_new_tokens, drop_old_turns=False,
-                                 **dict(controls, seed=seed))
+                                 prediction=prediction, **dict(controls, seed=seed))
             if stream.refusal is not None:
                 refusal[0] = True
             return stream
@@ -171,6 +172,25 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
                        param="response_format")
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _prediction(prediction: Optional[Prediction]) -> Optional[str]:
+    """The predicted reply's text (OpenAI's predicted outputs), or None."""
+    if prediction is None:
+        return None
+    if prediction.type != "content":
+        raise APIError(400, f"prediction.type must be 'content', got {prediction.type!r}", param="prediction.type")
+    content = prediction.content
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"prediction.content[{j}] is a {part.type!r} part; a prediction is text",
+                               param=f"prediction.content[{j}]")
+        content = "".join(part.text for part in content)
+    try:
+        return requests.text(content, "prediction.content")
+    except LlamaError as exc:  # not text, or too long
+        raise APIError(400, str(exc), param="prediction.content") from None
 
 
 def _dialog(messages: list[ChatMessage]) -> Dialog:

@@ -64,8 +64,14 @@ class SamplingFields(_Request):
     repetition_penalty: Optional[Number] = None
 
 
+class Prediction(_Request):
+    type: StrictStr  # "content"
+    content: Union[StrictStr, list[TextPart]]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
+    prediction: Optional[Prediction] = None  # predicted outputs: drafts for prompt lookup
     max_tokens: Optional[StrictInt] = None
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictBool] = False

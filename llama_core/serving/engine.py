@@ -283,20 +283,23 @@ class Engine:
         logprobs: bool = True,
         *,
         params: Optional[SamplingParams] = None,
+        prediction_tokens: tuple[int, ...] | list[int] = (),
         **controls,
     ) -> TokenStream:
         """Queues a request; returns its token stream (with prompt_logprobs, also the log-probabilities of
         prompt tokens 1..n-1, set on the stream before its first token). Without logprobs, chunks carry NaN
         log-probabilities. The other sampling controls (top_k, min_p, repetition_penalty, presence_penalty,
         frequency_penalty, stop, seed, top_logprobs) are keywords named as in SamplingParams, or all of them
-        in params.
+        in params. prediction_tokens: the reply as the caller expects it; with prompt lookup, drafts come from
+        it first (the reply itself is the same, sooner where the prediction is right).
 
         Raises:
             InvalidRequestError / ContextLengthError: bad prompt or parameters.
             ServerBusyError: every slot is busy and the waiting queue is full.
         """
         return self.submit_request(self.check(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs,
-                                              logprobs, params=params, **controls))
+                                              logprobs, params=params, prediction_tokens=prediction_tokens,
+                                              **controls))
 
     def submit_request(self, request: GenerationRequest) -> TokenStream:
         """Queues a checked request (see check); returns its token stream.
@@ -310,13 +313,13 @@ class Engine:
 
     def check(self, prompt_tokens, max_new_tokens, temperature=0.6, top_p=0.9, prompt_logprobs=False,
               logprobs=True, *, params: Optional[SamplingParams] = None, name: str = "prompt",
-              **controls) -> GenerationRequest:
+              prediction_tokens=(), **controls) -> GenerationRequest:
         """The checked request for this model, or InvalidRequestError / ContextLengthError (naming the prompt
         as `name`)."""
         params = sampling_params(temperature, top_p, logprobs, params, **controls)
         return GenerationRequest.checked(prompt_tokens, max_new_tokens, params, prompt_logprobs,
                                          vocab_size=self.runner.args.vocab_size, max_seq_len=self.runner.max_seq_len,
-                                         name=name)
+                                         name=name, prediction_tokens=prediction_tokens)
 
     def add(self, request: GenerationRequest, channel: Channel) -> None:
         """Queues a checked request whose events go to channel.
@@ -754,7 +757,10 @@ class Engine:
         drafts = []
         for sequence in active:
             if sequence.lookup is None:
-                sequence.lookup = PromptLookup(sequence.prompt_tokens + tuple(sequence.output))
+                prediction = sequence.request.prediction_tokens  # the caller's word: trusted more at first
+                sequence.lookup = PromptLookup(sequence.prompt_tokens + tuple(sequence.output),
+                                               accepted=4.0 if prediction else 1.0, prediction=prediction,
+                                               reply_start=len(sequence.prompt_tokens))
             room = min(self._token_limit(sequence) - sequence.generated - 1,  # tokens it may still have
                        self.runner.max_seq_len - 1 - sequence.next_pos)  # positions its slot has
             drafts.append(sequence.lookup.draft(min(longest, room), self.draft_price.price))

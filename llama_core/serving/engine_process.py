@@ -180,7 +180,7 @@ class EngineProcess:
     # -- submitting ---------------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
-               **controls) -> TokenStream:
+               prediction_tokens: tuple[int, ...] | list[int] = (), **controls) -> TokenStream:
         """As Engine.submit: the request is checked here, and sent to the child without waiting for it (the
         caller may be an event loop), so the errors a request can meet are raised here: a bad request, and a
         full engine, counted here as the requests sent and not yet ended. A refusal of the child's own (it is
@@ -196,7 +196,7 @@ class EngineProcess:
         request = GenerationRequest.checked(prompt_tokens, max_new_tokens,
                                             sampling_params(temperature, top_p, logprobs, params, **controls),
                                             prompt_logprobs, vocab_size=self.info.args.vocab_size,
-                                            max_seq_len=self.info.max_seq_len)
+                                            max_seq_len=self.info.max_seq_len, prediction_tokens=prediction_tokens)
         rid = next(self._ids)
         channel = Channel(cancelled=_Cancel(lambda: self._send(("cancel", rid))))
         slots = self.info.max_batch_size

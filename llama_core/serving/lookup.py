@@ -16,7 +16,8 @@ compared with the token that comes), so a reply that starts copying starts draft
 
 from __future__ import annotations
 
-from typing import Iterable
+import bisect
+from typing import Iterable, Sequence
 
 NGRAM_SIZES = (3, 2)  # the longest of these suffixes found earlier decides the draft
 DECAY = 0.9  # weight of the previous estimate at each draft: about the last ten drafts count
@@ -25,13 +26,24 @@ DECAY = 0.9  # weight of the previous estimate at each draft: about the last ten
 class PromptLookup:
     """One sequence's tokens, indexed to draft its continuation, and how well its drafts have done."""
 
-    def __init__(self, tokens: Iterable[int] = (), accepted: float = 1.0, rejected: float = 1.0) -> None:
+    def __init__(self, tokens: Iterable[int] = (), accepted: float = 1.0, rejected: float = 1.0,
+                 prediction: Sequence[int] = (), reply_start: int = 0) -> None:
         """tokens: the sequence so far. accepted, rejected: the starting estimate's counts (1 and 1: one token
-        in two accepted)."""
+        in two accepted). prediction: the reply as the caller expects it (OpenAI's predicted outputs), drafted
+        from first: while the reply so far is its beginning, its next tokens; elsewhere, what follows the
+        reply's last tokens where they occur in it nearest the reply's length. reply_start: where the reply
+        begins in tokens."""
         self.tokens: list[int] = []
         self._follows: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAM_SIZES}
         self.accepted, self.rejected = accepted, rejected
         self._guess: list[int] = []  # the drafted tokens still to be compared with the coming ones
+        self._prediction = tuple(prediction)
+        self._predicted: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in NGRAM_SIZES}
+        for n, follows in self._predicted.items():  # where each n tokens of the prediction are followed, ascending
+            for end in range(n, len(self._prediction)):
+                follows.setdefault(self._prediction[end - n : end], []).append(end)
+        self._reply_start = reply_start
+        self._on_prediction = bool(self._prediction)  # the reply so far is the prediction's beginning
         self.extend(tokens)
 
     @property
@@ -49,6 +61,9 @@ class PromptLookup:
                 else:
                     self.rejected += 1
                     self._guess = []
+            reply_length = len(self.tokens) - self._reply_start  # before this token
+            if self._on_prediction and reply_length >= 0:
+                self._on_prediction = reply_length < len(self._prediction) and self._prediction[reply_length] == token
             self.tokens.append(token)
             end = len(self.tokens) - 1  # the suffixes ending just before the new token now lie in the past
             for n, follows in self._follows.items():
@@ -56,8 +71,19 @@ class PromptLookup:
                     follows[tuple(self.tokens[end - n : end])] = end
 
     def candidate(self, limit: int) -> list[int]:
-        """Up to limit tokens that followed the latest earlier occurrence of the sequence's longest
-        matching suffix (NGRAM_SIZES); empty where none occurred."""
+        """Up to limit tokens: from the prediction where there is one (see __init__), else those that followed
+        the latest earlier occurrence of the sequence's longest matching suffix (NGRAM_SIZES); empty where
+        none occurred."""
+        if self._prediction and limit > 0:
+            reply_length = len(self.tokens) - self._reply_start
+            if self._on_prediction:
+                return list(self._prediction[reply_length : reply_length + limit])
+            for n, follows in self._predicted.items():
+                starts = follows.get(tuple(self.tokens[-n:])) if reply_length >= n else None
+                if starts:
+                    i = bisect.bisect_left(starts, reply_length)
+                    start = min(starts[max(i - 1, 0) : i + 1], key=lambda at: abs(at - reply_length))
+                    return list(self._prediction[start : start + limit])
         for n, follows in self._follows.items():
             if len(self.tokens) >= n and limit > 0:
                 start = follows.get(tuple(self.tokens[-n:]))

@@ -104,15 +104,22 @@ class GenerationRequest:
     max_new_tokens: int
     params: SamplingParams = field(default_factory=SamplingParams)
     prompt_logprobs: bool = False  # also the log-probabilities of prompt tokens 1..n-1
+    prediction_tokens: tuple[int, ...] = ()  # the reply as the caller expects it: prompt lookup drafts from it
 
     @classmethod
     def checked(cls, prompt_tokens: Any, max_new_tokens: Any, params: SamplingParams, prompt_logprobs: Any = False,
-                *, vocab_size: int, max_seq_len: int, name: str = "prompt") -> "GenerationRequest":
+                *, vocab_size: int, max_seq_len: int, name: str = "prompt",
+                prediction_tokens: Any = ()) -> "GenerationRequest":
         """The request for a model with this vocabulary and context, or InvalidRequestError /
-        ContextLengthError naming what is wrong (the prompt as `name`)."""
+        ContextLengthError naming what is wrong (the prompt as `name`). A prediction longer than the context
+        is cut to it (no reply is longer)."""
         max_new_tokens = check_max_new_tokens(max_new_tokens, max_seq_len)
         tokens = check_prompt_tokens(prompt_tokens, vocab_size, max_seq_len, name)
-        return cls(tokens, max_new_tokens, params, flag(prompt_logprobs, "prompt_logprobs"))
+        if not isinstance(prediction_tokens, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prediction_tokens):
+            raise InvalidRequestError(f"prediction_tokens must be token ids in [0, {vocab_size})")
+        return cls(tokens, max_new_tokens, params, flag(prompt_logprobs, "prompt_logprobs"),
+                   tuple(prediction_tokens[:max_seq_len]))
 
 
 def sampling_params(temperature: Any = 0.6, top_p: Any = 0.9, logprobs: Any = True,

@@ -7,6 +7,8 @@ the same engine without, side by side in one process on one loaded model, taking
 For each model: the workload's tokens per second with and without drafts (the best of --runs, the two
 taking turns), decode steps, drafted and kept tokens, and whether every reply was the same token for token
 (it must be). The workload is greedy and seeded-sampled replies to a few prompts, one request at a time.
+Then predicted outputs: one greedy reply without drafts, with itself as the prediction, and with a
+prediction that differs from it at every 16th token.
 
 The real models are the embedded tiny-shakespeare and, where ../shared has it, stories260K. The shapes are
 random weights stored in bfloat16 (as Llama-2's): "7b-4" is the 7B's width with 4 of its 32 blocks. Their
@@ -84,6 +86,32 @@ def compare(loaded, prompts: list[list[int]], new_tokens: int, prompt_lookup: in
     return result
 
 
+def predicted(loaded, prompt: list[int], new_tokens: int, prompt_lookup: int, runs: int) -> dict:
+    """A greedy reply decoded without drafts, with the reply itself as the prediction (every drafted token
+    right), and with a prediction that differs at every 16th token (an edit's worth): best tokens/s of each."""
+    engine = Engine(loaded, seed=0, prompt_lookup=0)
+    reply = [c.token for c in engine.submit(prompt, new_tokens, temperature=0)]
+    engine.close()
+    edited = [t if i % 16 != 15 else (t + 1) % loaded.runner.args.vocab_size for i, t in enumerate(reply)]
+    result: dict = {}
+    for run in range(runs):
+        for name, lookup, prediction in (("plain", 0, ()), ("exact prediction", prompt_lookup, reply),
+                                         ("edited prediction", prompt_lookup, edited)):
+            engine = Engine(loaded, seed=0, prompt_lookup=lookup)
+            start = time.perf_counter()
+            stream = engine.submit(prompt, new_tokens, temperature=0, prediction_tokens=prediction)
+            tokens = [c.token for c in stream]
+            seconds = time.perf_counter() - start
+            row = result.setdefault(name, {"tokens_per_s": 0.0})
+            row.update(same_reply=tokens == reply, steps=engine.steps, kept=stream.accepted_tokens,
+                       drafted=stream.drafted_tokens)
+            row["tokens_per_s"] = max(row["tokens_per_s"], len(tokens) / seconds)
+            engine.close()
+    for name in ("exact prediction", "edited prediction"):
+        result[name]["speedup"] = result[name]["tokens_per_s"] / result["plain"]["tokens_per_s"]
+    return result
+
+
 def draft_prices(llama: Llama, depth: int, most: int) -> dict[int, float]:
     """Seconds of a forward of 1 + k tokens over one decode step's, k = 0..most (best of 5 x 10)."""
     runner = llama.engine.runner
@@ -139,6 +167,8 @@ def main() -> None:
         prompts = ([[1], [1, 403, 407], [1, 48], [1, 73, 9]] if folder == STORIES_DIR else
                    [llama.tokenizer.encode(t, bos=True, eos=False) for t in TEXT_PROMPTS])
         report["models"][name] = compare(llama.loaded, prompts, a.new_tokens, a.prompt_lookup, a.runs)
+        report["models"][name]["prediction"] = predicted(llama.loaded, prompts[0], a.new_tokens, a.prompt_lookup,
+                                                         a.runs)
         llama.engine.close()
         print(name, json.dumps(report["models"][name]), flush=True)
     for name in filter(None, a.shapes.split(",")):
@@ -146,6 +176,7 @@ def main() -> None:
         prompts = [torch.randint(3, llama.args.vocab_size, (32,), generator=torch.Generator().manual_seed(i)).tolist()
                    for i in range(2)]
         result = compare(llama.loaded, prompts, a.shape_new_tokens, a.prompt_lookup, a.runs)
+        result["prediction"] = predicted(llama.loaded, prompts[0], a.shape_new_tokens, a.prompt_lookup, a.runs)
         prices = draft_prices(llama, a.depth, a.prompt_lookup)
         result["price_of_k_drafted"] = prices
         result["speedup_at_acceptance"] = {str(x): speedup_at(prices, x) for x in (0.3, 0.5, 0.7, 0.8, 0.9)}

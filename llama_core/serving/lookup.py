@@ -12,6 +12,9 @@ A wrong draft is not free, so a sequence drafts only as far as its recent drafts
 follows an estimate of how often a drafted token is accepted, weighed against what each drafted token adds
 to the step's time, and the estimate is kept up to date even while it does not draft (its next guess is
 compared with the token that comes), so a reply that starts copying starts drafting.
+
+A caller who knows roughly what the reply will be (a file to be changed a little) may give it as a
+prediction (OpenAI's predicted outputs): drafts come from it first, and the reply is still the model's own.
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ class DraftPrice:
 
     @property
     def price(self) -> float:
+        """The mean over the drafted widths timed of what each drafted token added to a one-token step."""
         one = self._seconds.get(1)
         if one is None or len(self._seconds) < 2:
             return self.prior

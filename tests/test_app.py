@@ -81,7 +81,10 @@ def test_api_endpoints_have_the_documented_parameters(client):
 
 # -- chat --------------------------------------------------------------------------------------------
 def test_chat_streams_a_reply(client):
-    updates = list(client.submit(**chat_args(max_new_tokens=32), api_name="/chat"))
+    # a message the model answers at length (a short reply can come whole before the first update is read),
+    # as many tokens as the context leaves: long enough to span several of the page's 0.1 s updates
+    updates = list(client.submit(**chat_args(message="ROMEO: But soft, what light", max_new_tokens=220),
+                                 api_name="/chat"))
     assert isinstance(updates[-1], str) and updates[-1].strip()
     assert len(set(updates)) > 1, "the reply should arrive in several pieces"
     assert all(later.startswith(earlier) for earlier, later in zip(updates, updates[1:]))

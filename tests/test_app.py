@@ -328,7 +328,9 @@ def test_concurrent_clients_each_get_their_solo_output(served, client):
 def test_cancelling_a_stream_stops_its_request_in_the_engine(served, client):
     engine, _ = served
     args = complete_args(prompt="ROMEO:\n", max_new_tokens=MAX_SEQ_LEN - 16)
+    steps_before = engine.steps
     full = client.predict(**args, api_name="/complete")[2]["generated_tokens"]
+    full_steps = engine.steps - steps_before  # fewer than its tokens where drafts were kept
     if full < 64:
         pytest.skip(f"greedy completion stops after {full} tokens: too soon to observe a cancel")
     steps_before = engine.steps
@@ -340,7 +342,7 @@ def test_cancelling_a_stream_stops_its_request_in_the_engine(served, client):
     while engine.active_count and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.active_count == 0 and engine.waiting_count == 0
-    assert engine.steps - steps_before < full - 8, "the request ran to the end instead of stopping"
+    assert engine.steps - steps_before < full_steps // 2, "the request ran to the end instead of stopping"
     assert client.predict(**chat_args(max_new_tokens=4), api_name="/chat").strip()
 
 

@@ -16,7 +16,7 @@ from .errors import InvalidRequestError, LlamaError
 from .loader import DEFAULT_CKPT_DIR, LoadedModel, load
 from .model import Transformer
 from .runner import ModelRunner
-from .serving.engine import Engine
+from .serving.engine import Engine, check_count
 from .serving.events import StreamChunk
 from .serving.requests import check_batch, sampling_params, stop_strings
 from .serving.stops import cut_at_stop
@@ -52,7 +52,8 @@ class Llama:
         Raises:
             InvalidRequestError: a prompt_lookup that is not a non-negative integer.
         """
-        _check_prompt_lookup(prompt_lookup)
+        if prompt_lookup is not None:
+            check_count("prompt_lookup", prompt_lookup)
         self.loaded = model
         self.runner: ModelRunner = model.runner
         self.tokenizer = model.tokenizer
@@ -137,7 +138,8 @@ class Llama:
                 or, on one device (the CPU or a GPU), a model whose weights and KV cache would not fit in the
                 memory free there now (the message names the arguments that would).
         """
-        _check_prompt_lookup(prompt_lookup)  # before the weights load
+        if prompt_lookup is not None:  # before the weights load
+            check_count("prompt_lookup", prompt_lookup)
         loaded = load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, device, dtype, device_map,
                       max_memory, tensor_parallel, compile, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
         return Llama(loaded, seed, prompt_lookup)
@@ -342,9 +344,3 @@ class Llama:
             result["tokens"] = [self.tokenizer.decode([t]) for t in tokens]
             result["logprobs"] = logprobs
         return result
-
-
-def _check_prompt_lookup(prompt_lookup: Optional[int]) -> None:
-    if prompt_lookup is not None and (isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int)
-                                      or prompt_lookup < 0):
-        raise InvalidRequestError(f"prompt_lookup must be a non-negative integer, got {prompt_lookup!r}")

@@ -4,17 +4,17 @@ every request the tokens, log-probabilities and endings it gets without drafts, 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama
+from llama_core import InvalidRequestError, Llama
 from llama_core.serving import Engine
 from llama_core.serving.lookup import NGRAM_SIZES, DraftPrice, PromptLookup
 from llama_core.serving.prefix_cache import MIN_SHARED_PREFIX
 
 from conftest import STORIES_DIR, needs_stories
+from test_engine import _model_dir
 
 
 # -- the drafts -------------------------------------------------------------------------------------------
@@ -109,14 +109,6 @@ def test_a_draft_is_no_longer_than_asked():
 
 
 # -- the engine -----------------------------------------------------------------------------------------------
-def _model_dir() -> Path:
-    if (DEFAULT_CKPT_DIR / "params.json").is_file():
-        return DEFAULT_CKPT_DIR
-    if STORIES_DIR.is_dir():
-        return STORIES_DIR
-    pytest.skip("neither the embedded default model nor ../shared/models/stories260K is present")
-
-
 @pytest.fixture(scope="module")
 def loaded():
     return Llama.build(_model_dir(), max_seq_len=256, max_batch_size=4, seed=0).loaded

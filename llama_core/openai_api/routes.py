@@ -29,7 +29,7 @@ from ..serving.requests import MAX_SEED, SamplingParams
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion
 from ..tokenizer import StreamDecoder
 from .errors import APIError, from_llama_error, from_validation_errors
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Prediction, SamplingFields
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Prediction, SamplingFields, TextPart
 from .streaming import Batch, merged_batches
 
 MAX_CHOICES = 16  # most choices (n x prompts) in one request
@@ -180,17 +180,7 @@ def _prediction(prediction: Optional[Prediction]) -> Optional[str]:
         return None
     if prediction.type != "content":
         raise APIError(400, f"prediction.type must be 'content', got {prediction.type!r}", param="prediction.type")
-    content = prediction.content
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise APIError(400, f"prediction.content[{j}] is a {part.type!r} part; a prediction is text",
-                               param=f"prediction.content[{j}]")
-        content = "".join(part.text for part in content)
-    try:
-        return requests.text(content, "prediction.content")
-    except LlamaError as exc:  # not text, or too long
-        raise APIError(400, str(exc), param="prediction.content") from None
+    return _text(prediction.content, "prediction.content")
 
 
 def _dialog(messages: list[ChatMessage]) -> Dialog:
@@ -204,21 +194,25 @@ def _dialog(messages: list[ChatMessage]) -> Dialog:
         if role not in ("system", "user", "assistant"):
             raise APIError(400, f"messages[{i}] has role {message.role!r}; this server takes system, developer, "
                            "user and assistant messages", param=f"messages[{i}].role")
-        content = message.content
-        if content is None:
+        if message.content is None:
             raise APIError(400, f"messages[{i}] has no content", param=f"messages[{i}].content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}].content[{j}] is a {part.type!r} part; this model reads text "
-                                   "parts only", param=f"messages[{i}].content[{j}]")
-            content = "".join(part.text for part in content)
-        try:
-            content = requests.text(content, f"messages[{i}].content")
-        except LlamaError as exc:
-            raise APIError(400, str(exc), param=f"messages[{i}].content") from None
-        dialog.append({"role": role, "content": content})
+        dialog.append({"role": role, "content": _text(message.content, f"messages[{i}].content")})
     return dialog
+
+
+def _text(content: str | list[TextPart], field: str) -> str:
+    """A content field's text: a string, or text parts joined; any other part (an image, audio), or text that
+    is not valid or too long, is refused naming the field."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"{field}[{j}] is a {part.type!r} part; this model reads text parts only",
+                               param=f"{field}[{j}]")
+        content = "".join(part.text for part in content)
+    try:
+        return requests.text(content, field)
+    except LlamaError as exc:
+        raise APIError(400, str(exc), param=field) from None
 
 
 def _prompts(prompt: Any) -> list[str]:

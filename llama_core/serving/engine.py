@@ -164,10 +164,9 @@ class Engine:
             prefill_chunk = GPU_PREFILL_CHUNK if model.runner.device.type == "cuda" else CPU_PREFILL_CHUNK
         if prompt_lookup is None:
             prompt_lookup = CPU_PROMPT_LOOKUP if model.runner.decodes_rows_alike else 0
-        for name, value in (("prefill_chunk", prefill_chunk), ("max_waiting", max_waiting),
-                            ("prompt_lookup", prompt_lookup)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "prefill_chunk" else 0):
-                raise InvalidRequestError(f"{name} must be a {'positive' if name == 'prefill_chunk' else 'non-negative'} integer, got {value!r}")
+        check_count("prefill_chunk", prefill_chunk, least=1)
+        check_count("max_waiting", max_waiting)
+        check_count("prompt_lookup", prompt_lookup)
         for name, value in (("prefix_caching", prefix_caching), ("overlap", overlap)):
             if not isinstance(value, bool) and not (name == "overlap" and value is None):
                 raise InvalidRequestError(f"{name} must be true or false, got {value!r}")
@@ -754,7 +753,7 @@ class Engine:
         longest = min(self.prompt_lookup, DRAFT_ROWS // len(active) - 1)
         if longest < 1 or any(s.params.penalized for s in active):
             return [[] for _ in active]
-        drafts = []
+        drafts, price = [], self.draft_price.price
         for sequence in active:
             if sequence.lookup is None:
                 prediction = sequence.request.prediction_tokens  # the caller's word: trusted more at first
@@ -763,7 +762,7 @@ class Engine:
                                                reply_start=len(sequence.prompt_tokens))
             room = min(self._token_limit(sequence) - sequence.generated - 1,  # tokens it may still have
                        self.runner.max_seq_len - 1 - sequence.next_pos)  # positions its slot has
-            drafts.append(sequence.lookup.draft(min(longest, room), self.draft_price.price))
+            drafts.append(sequence.lookup.draft(min(longest, room), price))
         return drafts
 
     @torch.inference_mode()
@@ -832,6 +831,13 @@ class Engine:
     def _finish(sequence: _Sequence, reason: str, message: str = "") -> None:
         sequence.channel.events.put(Finished(reason, message, time.perf_counter(), sequence.drafted, sequence.accepted))
         sequence.channel.finished.set()
+
+
+def check_count(name: str, value, least: int = 0) -> None:
+    """Raises InvalidRequestError unless value is an integer of at least `least` (an engine option)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidRequestError(f"{name} must be a {'positive' if least == 1 else 'non-negative'} integer, "
+                                  f"got {value!r}")
 
 
 def _copied_to_host(sampled: tuple) -> tuple[tuple, Optional[torch.cuda.Event]]:

@@ -342,7 +342,7 @@ def test_cancelling_a_stream_stops_its_request_in_the_engine(served, client):
     while engine.active_count and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.active_count == 0 and engine.waiting_count == 0
-    assert engine.steps - steps_before < full_steps // 2, "the request ran to the end instead of stopping"
+    assert engine.steps - steps_before < full_steps - 8, "the request ran to the end instead of stopping"
     assert client.predict(**chat_args(max_new_tokens=4), api_name="/chat").strip()
 
 

@@ -28,6 +28,7 @@ from llama_core.serving.engine_process import EngineProcess  # noqa: E402
 
 STORIES_DIR = REPO_ROOT.parent / "shared" / "models" / "stories260K"
 MAX_SEQ_LEN = 256  # short contexts keep the tests fast on CPU
+DRAFT_PRICE = 0.1  # fixed: how far each step drafts does not follow the machine's timings
 
 
 def model_dir() -> Optional[Path]:
@@ -61,7 +62,8 @@ def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8, engine_pr
     its Gradio API and the OpenAI-compatible API; closes both afterwards. The engine runs in a process of its
     own, as `llama-chat` runs it, unless engine_process is False (`--single-process`). port 0: a free one."""
     build = engine_build(max_seq_len, max_batch_size)
-    engine = EngineProcess(dict(build, seed=0), threads=1).start() if engine_process else Engine(load(**build), seed=0).start()
+    engine = (EngineProcess(dict(build, seed=0), threads=1, draft_price=DRAFT_PRICE) if engine_process
+              else Engine(load(**build), seed=0, draft_price=DRAFT_PRICE)).start()
     try:
         demo = ui.build_demo(engine, load_prompts())
         running = server.launch(demo, engine, listen_socket("127.0.0.1", port), api_keys=api_keys, auth=auth)

@@ -78,19 +78,35 @@ def test_drafts_are_longer_where_drafted_tokens_cost_less():
     assert (len(cheap.draft(7, price=0.05)), len(dear.draft(7, price=0.5))) == (4, 1)
 
 
-def test_the_price_of_a_drafted_token_is_learned_from_the_steps_times():
-    price = DraftPrice(prior=0.3, weight=0.5)
+def test_the_price_of_a_drafted_token_is_learned_from_each_width_s_fastest_recent_forward():
+    price = DraftPrice(prior=0.3, window=10, least=2)
     assert price.price == 0.3
-    price.record(3, 0.012)
-    assert price.price == 0.3  # no one-token step to compare with yet
+    for width, seconds in ((3, 0.012), (3, 0.012), (1, 0.010)):
+        price.record(width, seconds)
+    assert price.price == 0.3  # one one-token forward is too few to compare with
     price.record(1, 0.010)
     assert price.price == pytest.approx(0.1)  # 2 drafted tokens added 20 % of a step
+    price.record(5, 0.018)
+    assert price.price == pytest.approx(0.1)  # a width timed once does not count yet
     price.record(5, 0.018)  # 4 drafted tokens added 80 %
     assert price.price == pytest.approx((0.1 + 0.2) / 2)
-    price.record(1, 0.008)  # one-token steps got faster: a running average of 0.009
-    assert price.price == pytest.approx(((0.012 / 0.009 - 1) / 2 + (0.018 / 0.009 - 1) / 4) / 2)
-    price.record(2, 0.001)
+    for width, seconds in ((3, 0.5), (1, 0.25), (3, 0.5), (1, 0.25)):  # a busy moment: slow forwards change nothing
+        price.record(width, seconds)
+    assert price.price == pytest.approx((0.1 + 0.2) / 2)
+    for _ in range(5):  # forwards got slower for good (a longer context): the last 10 alone count
+        price.record(1, 0.020)
+        price.record(3, 0.028)
+    assert price.price == pytest.approx(0.2)
+    for _ in range(2):
+        price.record(2, 0.001)
     assert price.price == 0.03  # never below the floor
+
+
+def test_a_fixed_price_is_never_learned():
+    price = DraftPrice(prior=0.2, fixed=True)
+    for width, seconds in [(1, 0.01), (4, 0.5)] * 5:
+        price.record(width, seconds)
+    assert price.price == 0.2
 
 
 def test_a_sequence_that_stopped_drafting_starts_again_when_its_guesses_come_true():
@@ -119,6 +135,8 @@ def _needs_rows_alike(loaded) -> None:
         pytest.skip("a drafted reply is the undrafted one bit for bit only where a row's logits do not depend on "
                     "the forward it is in: llama_core's CPU kernels, which are not built or not used here")
 
+
+PRICE = 0.1  # fixed, so that how far each step drafts does not follow the machine's timings
 
 KINDS = [dict(temperature=0), dict(temperature=0.8, top_p=0.95, seed=3), dict(temperature=0, top_logprobs=3),
          dict(temperature=1.0, top_p=1.0, seed=5, stop=["the"]), dict(temperature=0.6, top_k=20, min_p=0.05, seed=9),
@@ -151,7 +169,7 @@ def test_drafted_replies_are_the_undrafted_ones_in_fewer_steps(loaded, together)
     _needs_rows_alike(loaded)
     prompts, runs = _prompts(loaded), {}
     for prompt_lookup in (0, 7):
-        engine = Engine(loaded, seed=0, prompt_lookup=prompt_lookup)
+        engine = Engine(loaded, seed=0, prompt_lookup=prompt_lookup, draft_price=PRICE)
         runs[prompt_lookup] = _replies(engine, prompts, KINDS, 120, together)
         runs[prompt_lookup, "steps"] = engine.steps
         runs[prompt_lookup, "accepted"] = engine.accepted_tokens
@@ -169,7 +187,7 @@ def test_drafts_stop_at_the_token_limit_and_the_end_of_the_context():
     prompt = llama.tokenizer.encode("the king and the queen and the king and the queen", bos=True, eos=False)
     runs = {}
     for prompt_lookup in (0, 7):
-        engine = Engine(llama.loaded, seed=0, prompt_lookup=prompt_lookup)
+        engine = Engine(llama.loaded, seed=0, prompt_lookup=prompt_lookup, draft_price=PRICE)
         runs[prompt_lookup] = _replies(engine, [prompt] * 3, [dict(temperature=0)] * 3, 64 - len(prompt))
         runs[prompt_lookup] += _replies(engine, [prompt], [dict(temperature=0)], 13)
         runs[prompt_lookup, "accepted"] = engine.accepted_tokens
@@ -187,7 +205,7 @@ def test_a_conversation_goes_on_from_the_prefix_cache_after_drafted_steps(loaded
     turn = loaded.tokenizer.encode("\n\nJULIET:", bos=False, eos=False)
     runs = {}
     for prompt_lookup in (0, 7):
-        engine = Engine(loaded, seed=0, prompt_lookup=prompt_lookup)
+        engine = Engine(loaded, seed=0, prompt_lookup=prompt_lookup, draft_price=PRICE)
         runs[prompt_lookup] = []
         for i, conversation in enumerate(_prompts(loaded) * 2):
             held = 0
@@ -234,7 +252,7 @@ def test_drafted_replies_of_quantized_weights_are_the_undrafted_ones(quantize):
     prompts = _prompts(llama.loaded)[:3]
     runs = {}
     for prompt_lookup in (0, 7):
-        engine = Engine(llama.loaded, seed=0, prompt_lookup=prompt_lookup)
+        engine = Engine(llama.loaded, seed=0, prompt_lookup=prompt_lookup, draft_price=PRICE)
         runs[prompt_lookup] = _replies(engine, prompts, KINDS[:3], 100)
         runs[prompt_lookup, "accepted"] = engine.accepted_tokens
         engine.close()
@@ -248,7 +266,7 @@ def test_drafted_replies_of_the_real_stories260k_model_are_the_undrafted_ones():
     prompts = [[1], [1, 403, 407], [1, 48]]
     runs = {}
     for prompt_lookup in (0, 7):
-        engine = Engine(llama.loaded, seed=0, prompt_lookup=prompt_lookup)
+        engine = Engine(llama.loaded, seed=0, prompt_lookup=prompt_lookup, draft_price=PRICE)
         runs[prompt_lookup] = _replies(engine, prompts * 2, [KINDS[0]] * 3 + [KINDS[1]] * 3, 200, together=2)
         runs[prompt_lookup, "accepted"] = engine.accepted_tokens
         engine.close()
@@ -266,6 +284,12 @@ def test_the_default_drafts_on_the_cpu_kernels_only(loaded):
 def test_a_bad_prompt_lookup_is_refused_naming_it(loaded, value):
     with pytest.raises(InvalidRequestError, match="prompt_lookup must be a non-negative integer"):
         Engine(loaded, prompt_lookup=value)
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), True, "0.1"])
+def test_a_bad_draft_price_is_refused_naming_it(loaded, value):
+    with pytest.raises(InvalidRequestError, match="draft_price must be a number of 0 or more"):
+        Engine(loaded, draft_price=value)
 
 
 def test_llama_build_refuses_a_bad_prompt_lookup_before_reading_a_checkpoint(tmp_path):

@@ -138,7 +138,7 @@ class Engine:
     def __init__(self, model: LoadedModel, seed: Optional[int] = None, max_waiting: int = 64,
                  prefill_chunk: Optional[int] = None, after_turn: Optional[Callable[[], None]] = None,
                  prefix_caching: bool = True, overlap: Optional[bool] = None,
-                 prompt_lookup: Optional[int] = None) -> None:
+                 prompt_lookup: Optional[int] = None, draft_price: Optional[float] = None) -> None:
         """seed: seeds sampling; None draws a random seed.
         max_waiting: requests queued beyond the busy slots before submit answers busy.
         prefill_chunk: a prompt longer than this is prefilled this many tokens at a time, a decode step of
@@ -155,9 +155,17 @@ class Engine:
         overlap: deliver decode steps a turn late, launching the next one first (see the module's docstring);
         None: on CUDA, where the device runs ahead of the host. On the CPU the model runs in the host's own
         thread, so there is nothing to overlap and each token would only come a step later.
+        prompt_lookup: the most tokens a decode step drafts for a request from its own earlier text (or its
+        prediction) and verifies in the same forward (see lookup); 0: none. None: CPU_PROMPT_LOOKUP where a
+        row's logits do not depend on the forward it is in (llama_core's CPU kernels), else 0.
+        draft_price: what each drafted token adds to a step's time, as a share of a one-token step's (0.1:
+        a step feeding 5 drafted tokens takes 1.5 steps' time); it decides how far a request drafts at its
+        recent acceptance. None: learned from this engine's own forwards. A fixed price drafts the same in
+        every run.
 
         Raises:
-            InvalidRequestError: a bad prefill_chunk, max_waiting, prefix_caching or overlap.
+            InvalidRequestError: a bad prefill_chunk, max_waiting, prefix_caching, overlap, prompt_lookup or
+                draft_price.
             LlamaError: another engine owns this model's KV cache.
         """
         if prefill_chunk is None:
@@ -167,6 +175,9 @@ class Engine:
         check_count("prefill_chunk", prefill_chunk, least=1)
         check_count("max_waiting", max_waiting)
         check_count("prompt_lookup", prompt_lookup)
+        if draft_price is not None and (isinstance(draft_price, bool) or not isinstance(draft_price, (int, float))
+                                        or not 0 <= draft_price < math.inf):
+            raise InvalidRequestError(f"draft_price must be a number of 0 or more, got {draft_price!r}")
         for name, value in (("prefix_caching", prefix_caching), ("overlap", overlap)):
             if not isinstance(value, bool) and not (name == "overlap" and value is None):
                 raise InvalidRequestError(f"{name} must be true or false, got {value!r}")
@@ -195,8 +206,11 @@ class Engine:
         self._after_turn = after_turn or (lambda: None)
         self.prefix_cache = PrefixCache(self.runner.max_batch_size, enabled=prefix_caching)
         self.prompt_lookup = prompt_lookup
-        self.draft_price = DraftPrice(DRAFT_PRICE_STREAMED if self.runner.rows_read_as_one >= DRAFT_ROWS
-                                      else DRAFT_PRICE_TILED)
+        if draft_price is None:
+            self.draft_price = DraftPrice(DRAFT_PRICE_STREAMED if self.runner.rows_read_as_one >= DRAFT_ROWS
+                                          else DRAFT_PRICE_TILED)
+        else:
+            self.draft_price = DraftPrice(float(draft_price), fixed=True)
         self.overlap = self.runner.device.type == "cuda" and not prompt_lookup if overlap is None else overlap
         self._in_flight: Optional[_InFlight] = None
         self._cache_version: Optional[int] = None  # the KV cache's version after this engine's last turn

@@ -40,8 +40,8 @@ RESTARTS_FORGIVEN_AFTER = 300.0  # seconds of serving after which earlier restar
 
 class EngineProcess:
     """An Engine serving a model that a child process loads with `llama_core.loader.load(**build)` (build
-    may also hold the engine's `seed`); max_waiting, prefill_chunk, prefix_caching and prompt_lookup are the
-    Engine's.
+    may also hold the engine's `seed`); max_waiting, prefill_chunk, prefix_caching, prompt_lookup and
+    draft_price are the Engine's.
 
     Use as a context manager, or start() and shutdown(). start() raises what loading raised.
 
@@ -53,10 +53,11 @@ class EngineProcess:
 
     def __init__(self, build: dict[str, Any], max_waiting: int = 64, prefill_chunk: Optional[int] = None,
                  threads: Optional[int] = None, prefix_caching: bool = True, max_restarts: int = 3,
-                 prompt_lookup: Optional[int] = None) -> None:
+                 prompt_lookup: Optional[int] = None, draft_price: Optional[float] = None) -> None:
         self._build = dict(build)
         self._engine_options = dict(max_waiting=max_waiting, prefill_chunk=prefill_chunk,
-                                    prefix_caching=prefix_caching, prompt_lookup=prompt_lookup)
+                                    prefix_caching=prefix_caching, prompt_lookup=prompt_lookup,
+                                    draft_price=draft_price)
         self._threads = threads
         self.max_restarts = max_restarts
         self.state = "stopped"  # "starting", "running", "restarting", "failed" or "stopped"

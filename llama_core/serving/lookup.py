@@ -20,6 +20,7 @@ prediction (OpenAI's predicted outputs): drafts come from it first, and the repl
 from __future__ import annotations
 
 import bisect
+import collections
 from typing import Iterable, Sequence
 
 NGRAM_SIZES = (3, 2)  # the longest of these suffixes found earlier decides the draft
@@ -122,25 +123,41 @@ class PromptLookup:
 
 
 class DraftPrice:
-    """What a drafted token adds to a step's time, as a share of a one-token step's, learned from the times of
-    the steps of one sequence (with and without drafts); `prior` until both kinds have run, and never below
-    `floor` (a price of 0 would draft as far as any acceptance allows, and the times are noisy)."""
+    """What a drafted token adds to a step's time, as a share of a one-token step's, learned from the forwards
+    of one sequence with and without drafts.
 
-    def __init__(self, prior: float, weight: float = 0.2, floor: float = 0.03) -> None:
-        self.prior, self.floor = prior, floor
-        self._weight = weight  # of each new time in its width's running average
-        self._seconds: dict[int, float] = {}  # tokens fed in a step of one sequence -> its running average time
+    Each width's estimate is its fastest forward among the last `window` timed: a busy machine only ever
+    slows a forward, so the fastest is nearest the model's own cost, one slow step cannot price drafts out
+    (after which no drafted step would run to correct it), and every width's fastest comes from the same
+    stretch of time. `prior` stands until one-token forwards and some drafted width each have `least` times
+    in the window; the price is never below `floor` (a price of 0 would draft as far as any acceptance
+    allows). A `fixed` price is the prior, never learned: the same drafts in every run.
+    """
+
+    def __init__(self, prior: float, window: int = 128, least: int = 3, floor: float = 0.03,
+                 fixed: bool = False) -> None:
+        self.prior, self.floor, self.fixed = prior, floor, fixed
+        self._window, self._least = window, least
+        self._timed = 0  # forwards recorded so far
+        self._seconds: dict[int, collections.deque[tuple[int, float]]] = {}  # tokens fed -> (index, time)
 
     def record(self, width: int, seconds: float) -> None:
         """A step fed one sequence `width` tokens (its last and width - 1 drafted) in `seconds`."""
-        before = self._seconds.get(width)
-        self._seconds[width] = seconds if before is None else before + self._weight * (seconds - before)
+        if not self.fixed:
+            self._seconds.setdefault(width, collections.deque()).append((self._timed, seconds))
+            self._timed += 1
 
     @property
     def price(self) -> float:
         """The mean over the drafted widths timed of what each drafted token added to a one-token step."""
-        one = self._seconds.get(1)
-        if one is None or len(self._seconds) < 2:
+        fastest = {}
+        for width, times in self._seconds.items():
+            while times and times[0][0] < self._timed - self._window:
+                times.popleft()
+            if len(times) >= self._least:
+                fastest[width] = min(seconds for _, seconds in times)
+        one = fastest.pop(1, None)
+        if one is None or not fastest:
             return self.prior
-        shares = [(seconds / one - 1) / (width - 1) for width, seconds in self._seconds.items() if width > 1]
+        shares = [(seconds / one - 1) / (width - 1) for width, seconds in fastest.items()]
         return max(self.floor, sum(shares) / len(shares))

@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import random
+import signal
 import sys
 from pathlib import Path
 
@@ -50,6 +51,12 @@ TINY_VOCAB = 384  # 256 byte pieces + 3 specials + the corpus's 78 characters, l
 WEIGHT_STD = 0.2  # large enough that logits are peaky and greedy decoding has no near-ties
 MAX_SEQ_LEN = 128
 LAYOUTS = ("meta", "meta_sharded", "hf", "hf_bin")
+
+
+def interruptible() -> None:
+    """Popen's preexec_fn for an app a test stops with Ctrl-C: SIGINT handled as in a terminal. Tests run as a
+    background job inherit it ignored, and so would the app, which then never hears the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from gradio_client.exceptions import AppError
 
 import app_server
 from app_server import MAX_SEQ_LEN, REPO_ROOT, free_port, serve_app
+from conftest import interruptible
 
 from llama_core import UNSAFE_ERROR, cpu_kernels
 from llama_core.app import server, ui
@@ -460,7 +461,7 @@ def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_c
     port = free_port()
     process = subprocess.Popen([sys.executable, "app.py", "--port", str(port), "--max-seq-len", str(MAX_SEQ_LEN),
                                 "--threads", "1"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True, preexec_fn=interruptible)
     try:
         url = f"http://127.0.0.1:{port}/"
         deadline = time.monotonic() + 120

@@ -27,6 +27,8 @@ from llama_core.checkpoint_files import read_model_args
 from llama_core.cpu_kernels.build import expected
 from llama_core import generate_cli
 
+from conftest import interruptible
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAT, GENERATE = "llama_core.app.cli", "llama_core.generate_cli"
 HEAVY = ("torch", "gradio", "llama_core.loader")
@@ -227,7 +229,7 @@ def _app_completes(*flags: str, prompt: str = "ROMEO:", max_tokens: int = 12):
         port = probe.getsockname()[1]
     process = subprocess.Popen([sys.executable, "app.py", *flags, "--port", str(port), "--threads", "1"],
                                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=interruptible)
     try:
         url, deadline, answer = f"http://127.0.0.1:{port}", time.monotonic() + 180, None
         while answer is None and time.monotonic() < deadline and process.poll() is None:

@@ -112,10 +112,12 @@ class ModelRunner:
     @property
     def rows_read_as_one(self) -> int:
         """How many tokens a forward can take for about the cost of one, where the weights' reading dominates:
-        on llama_core's CPU kernels, the rows a float product streams at once (AVX-512: 6); else 1."""
-        if not self.decodes_rows_alike or any(isinstance(m, (Int8Linear, Int4Linear)) for m in self.model.modules()):
+        on llama_core's CPU kernels, the rows a float or int8 product streams at once (AVX-512: 6); else 1
+        (int4's products go in tiles)."""
+        kinds = {type(m) for m in self.model.modules()}
+        if not self.decodes_rows_alike or any(issubclass(kind, Int4Linear) for kind in kinds):
             return 1
-        return max(1, streamed_rows())
+        return max(1, streamed_rows(int8=any(issubclass(kind, Int8Linear) for kind in kinds)))
 
     @property
     def mixes_prompts(self) -> bool:

@@ -111,7 +111,7 @@ def test_float16_panels_widen_exactly_without_f16c(tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, 33])
 @pytest.mark.parametrize("shape", [(96, 64), (100, 7), (31, 34), (2304, 768)], ids=str)
 def test_int8_product_is_the_exact_sum_of_each_row_rounded_on_its_own_scale(rows, shape):
     torch.manual_seed(rows)

@@ -8,8 +8,9 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from llama_core import InvalidRequestError, Llama
+from llama_core import InvalidRequestError, Llama, cpu_kernels
 from llama_core.serving import Engine
+from llama_core.serving.engine import DRAFT_PRICE_STREAMED, DRAFT_PRICE_TILED, DRAFT_ROWS
 from llama_core.serving.lookup import NGRAM_SIZES, DraftPrice, PromptLookup
 from llama_core.serving.prefix_cache import MIN_SHARED_PREFIX
 
@@ -271,6 +272,17 @@ def test_drafted_replies_of_the_real_stories260k_model_are_the_undrafted_ones():
         runs[prompt_lookup, "accepted"] = engine.accepted_tokens
         engine.close()
     assert runs[7] == runs[0] and runs[7, "accepted"] > 0
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_drafts_are_priced_low_where_the_products_read_a_few_rows_for_one(quantize):
+    llama = Llama.build(_model_dir(), max_seq_len=64, max_batch_size=1, seed=0, quantize=quantize)
+    _needs_rows_alike(llama.loaded)
+    streamed = {None: cpu_kernels.streamed_rows(), "int8": cpu_kernels.streamed_rows(int8=True), "int4": 1}[quantize]
+    assert llama.loaded.runner.rows_read_as_one == streamed
+    engine = Engine(llama.loaded)
+    assert engine.draft_price.prior == (DRAFT_PRICE_STREAMED if streamed >= DRAFT_ROWS else DRAFT_PRICE_TILED)
+    engine.close()
 
 
 def test_the_default_drafts_on_the_cpu_kernels_only(loaded):

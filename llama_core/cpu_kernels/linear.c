@@ -244,15 +244,31 @@ DEFINE_ROWS(rows_times_panels_f16, uint16_t, load_row_f16)
 #else
 #define TEAM_SHARE int64_t team = 1, me = 0;
 #endif
-#define PANELS_IN_STREAMS(ROW_FN, ROWS, streams)                                                       \
+#define PANELS_IN_STREAMS(ROWS, streams, ROW_FN, ...)                                                  \
   _Pragma("omp parallel num_threads(threads)") {                                                       \
     TEAM_SHARE                                                                                         \
     int64_t p = panels * me / team, end = panels * (me + 1) / team;                                    \
-    for (; p + (streams) <= end; p += (streams)) ROW_FN(x, w, y, K, N, p, streams, ROWS);              \
+    for (; p + (streams) <= end; p += (streams)) ROW_FN(__VA_ARGS__, p, streams, ROWS);                \
     switch (end - p) {                                                                                 \
-      case 3: ROW_FN(x, w, y, K, N, p, BELOW_TILE(3, streams), ROWS); break;                           \
-      case 2: ROW_FN(x, w, y, K, N, p, BELOW_TILE(2, streams), ROWS); break;                           \
-      case 1: ROW_FN(x, w, y, K, N, p, 1, ROWS); break;                                                \
+      case 3: ROW_FN(__VA_ARGS__, p, BELOW_TILE(3, streams), ROWS); break;                             \
+      case 2: ROW_FN(__VA_ARGS__, p, BELOW_TILE(2, streams), ROWS); break;                             \
+      case 1: ROW_FN(__VA_ARGS__, p, 1, ROWS); break;                                                  \
+      default: break;                                                                                  \
+    }                                                                                                  \
+  }
+/* Rows [0, M) (M <= MOST_ROWS) read as streams, `STREAMS_OF(rows)` panels at a time per thread, by
+ * ROW_FN(args..., first panel, panels, rows); threads no more than the panels. */
+#define ALL_ROWS_IN_STREAMS(M, MOST_ROWS, STREAMS_OF, ROW_FN, ...)                                     \
+  {                                                                                                    \
+    if (threads > panels) threads = (int)panels;                                                       \
+    if (threads < 1) threads = 1;                                                                      \
+    switch (M) {                                                                                       \
+      case 1: PANELS_IN_STREAMS(1, STREAMS_OF(1), ROW_FN, __VA_ARGS__) break;                          \
+      case 2: PANELS_IN_STREAMS(BELOW_TILE(2, MOST_ROWS), STREAMS_OF(2), ROW_FN, __VA_ARGS__) break;   \
+      case 3: PANELS_IN_STREAMS(BELOW_TILE(3, MOST_ROWS), STREAMS_OF(3), ROW_FN, __VA_ARGS__) break;   \
+      case 4: PANELS_IN_STREAMS(BELOW_TILE(4, MOST_ROWS), STREAMS_OF(4), ROW_FN, __VA_ARGS__) break;   \
+      case 5: PANELS_IN_STREAMS(BELOW_TILE(5, MOST_ROWS), STREAMS_OF(5), ROW_FN, __VA_ARGS__) break;   \
+      case 6: PANELS_IN_STREAMS(BELOW_TILE(6, MOST_ROWS), STREAMS_OF(6), ROW_FN, __VA_ARGS__) break;   \
       default: break;                                                                                  \
     }                                                                                                  \
   }
@@ -264,17 +280,7 @@ DEFINE_ROWS(rows_times_panels_f16, uint16_t, load_row_f16)
       return;                                                                                          \
     }                                                                                                  \
     int64_t panels = (N + PANEL - 1) / PANEL;                                                          \
-    if (threads > panels) threads = (int)panels;                                                       \
-    if (threads < 1) threads = 1;                                                                      \
-    switch (M) {                                                                                       \
-      case 1: PANELS_IN_STREAMS(ROW_FN, 1, STREAMS_FOR(1)) break;                                      \
-      case 2: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(2, STREAMED_ROWS), STREAMS_FOR(2)) break;           \
-      case 3: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(3, STREAMED_ROWS), STREAMS_FOR(3)) break;           \
-      case 4: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(4, STREAMED_ROWS), STREAMS_FOR(4)) break;           \
-      case 5: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(5, STREAMED_ROWS), STREAMS_FOR(5)) break;           \
-      case 6: PANELS_IN_STREAMS(ROW_FN, BELOW_TILE(6, STREAMED_ROWS), STREAMS_FOR(6)) break;           \
-      default: break;                                                                                  \
-    }                                                                                                  \
+    ALL_ROWS_IN_STREAMS(M, STREAMED_ROWS, STREAMS_FOR, ROW_FN, x, w, y, K, N)                          \
   }
 _Static_assert(STREAMS <= 4 && STREAMED_ROWS <= 6, "DEFINE_LINEAR dispatches up to 6 rows and the last panels in groups of up to 3");
 
@@ -386,6 +392,83 @@ static inline __attribute__((always_inline)) void tile_i8(
       y[m * N + n0 + j] = (float)(sums[m][j] - offset * weight_sums[n0 + j]) * x_scales[m] * scales[n0 + j];
 }
 
+/* ROWS rows of quantized x times `count` consecutive int8 panels (count <= MOST_INT_STREAMS), read side by
+ * side as DEFINE_ROWS reads float ones: one row is memory-bound, and a few rows cost little more. The int32
+ * sums are exact, so each output is the tile's. INT_STREAMED_ROWS: the most rows read so (AVX2's 16
+ * registers hold one row of 3 streams, 4 accumulators each); INT_STREAMS_FOR(rows): how many streams. */
+#if defined(__AVX512VNNI__)
+#define INT_STREAMED_ROWS 6
+#define INT_STREAMS_FOR(rows) ((rows) <= 2 ? 4 : (rows) == 3 ? 3 : 2)
+#elif defined(__AVX2__)
+#define INT_STREAMED_ROWS 1
+#define INT_STREAMS_FOR(rows) 3
+#else
+#define INT_STREAMED_ROWS 0
+#define INT_STREAMS_FOR(rows) 1
+#endif
+#define MOST_INT_STREAMS 4
+
+static inline __attribute__((always_inline)) void rows_times_panels_i8(
+    const uint8_t *xq, const float *x_scales, const int8_t *w, const float *scales, const int32_t *weight_sums,
+    float *y, int64_t K4, int64_t N, int64_t p0, int count, int rows) {
+  int32_t sums[MOST_INT_STREAMS][INT_STREAMED_ROWS > 0 ? INT_STREAMED_ROWS : 1][PANEL];
+  int32_t offset = 128;
+#if defined(__AVX512VNNI__)
+  __m512i low[MOST_INT_STREAMS][INT_STREAMED_ROWS], high[MOST_INT_STREAMS][INT_STREAMED_ROWS];
+  for (int s = 0; s < count; s++)
+    for (int m = 0; m < rows; m++) low[s][m] = high[s][m] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < K4 / 4; g++)
+    for (int s = 0; s < count; s++) {
+      const int8_t *panel = w + ((p0 + s) * K4 + g * 4) * PANEL;
+      __m512i w_low = _mm512_loadu_si512(panel), w_high = _mm512_loadu_si512(panel + 64);
+      for (int m = 0; m < rows; m++) {
+        int32_t four;
+        memcpy(&four, xq + m * K4 + g * 4, 4);
+        __m512i xs = _mm512_set1_epi32(four);
+        low[s][m] = _mm512_dpbusd_epi32(low[s][m], xs, w_low);
+        high[s][m] = _mm512_dpbusd_epi32(high[s][m], xs, w_high);
+      }
+    }
+  for (int s = 0; s < count; s++)
+    for (int m = 0; m < rows; m++) {
+      _mm512_storeu_si512(sums[s][m], low[s][m]);
+      _mm512_storeu_si512(sums[s][m] + 16, high[s][m]);
+    }
+#elif defined(__AVX2__)
+  __m256i acc[MOST_INT_STREAMS][1][4];
+  for (int s = 0; s < count; s++)
+    for (int c = 0; c < 4; c++) acc[s][0][c] = _mm256_setzero_si256();
+  const __m256i sign_bit = _mm256_set1_epi8((char)0x80);
+  for (int64_t g = 0; g < K4 / 4; g++) {
+    int32_t four;
+    memcpy(&four, xq + g * 4, 4);
+    __m256i xs = _mm256_xor_si256(_mm256_set1_epi32(four), sign_bit);
+    __m256i magnitude = _mm256_abs_epi8(xs);
+    for (int s = 0; s < count; s++) {
+      const int8_t *panel = w + ((p0 + s) * K4 + g * 4) * PANEL;
+      for (int c = 0; c < 4; c++)
+        acc[s][0][c] = dot_u8_s8(acc[s][0][c], magnitude,
+                                 _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(panel + c * 32)), xs));
+    }
+  }
+  for (int s = 0; s < count; s++)
+    for (int c = 0; c < 4; c++) _mm256_storeu_si256((__m256i *)(sums[s][0] + 8 * c), acc[s][0][c]);
+  offset = 0;
+  (void)rows;
+#else
+  (void)xq, (void)w, (void)K4, (void)rows;
+  for (int s = 0; s < count; s++) memset(sums[s], 0, sizeof sums[s]);
+#endif
+  for (int s = 0; s < count; s++) {
+    int64_t n0 = (p0 + s) * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int m = 0; m < rows; m++)
+      for (int64_t j = 0; j < width; j++)
+        y[m * N + n0 + j] = (float)(sums[s][m][j] - offset * weight_sums[n0 + j]) * x_scales[m] * scales[n0 + j];
+  }
+}
+_Static_assert(INT_STREAMED_ROWS <= 6 && INT_STREAMS_FOR(1) <= MOST_INT_STREAMS,
+               "ALL_ROWS_IN_STREAMS dispatches up to 6 rows, and a thread reads up to 4 panels at once");
+
 int panel_linear_i8(const float *x, const int8_t *w, const float *scales, const int32_t *weight_sums, float *y,
                     int64_t M, int64_t N, int64_t K, int threads) {
   int64_t K4 = (K + 3) / 4 * 4, panels = (N + PANEL - 1) / PANEL;
@@ -397,6 +480,13 @@ int panel_linear_i8(const float *x, const int8_t *w, const float *scales, const 
     return -1;
   }
   quantize_rows(x, M, K, K4, xq, x_scales);
+  if (M <= INT_STREAMED_ROWS) {
+    ALL_ROWS_IN_STREAMS(M, INT_STREAMED_ROWS, INT_STREAMS_FOR, rows_times_panels_i8, xq, x_scales, w, scales,
+                        weight_sums, y, K4, N)
+    free(xq);
+    free(x_scales);
+    return 0;
+  }
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < panels; p++) {
     const int8_t *panel = w + p * K4 * PANEL;
@@ -577,8 +667,9 @@ int panel_linear_i4(const float *x, const uint8_t *w, const float *scales, float
 /* The layout's constants, for the Python side to check against its own. */
 int panel_width(void) { return PANEL; }
 
-/* The most rows a float product reads as streams, at about one row's cost (DEFINE_LINEAR). */
+/* The most rows a float product reads as streams, at about one row's cost (DEFINE_LINEAR); an int8 one. */
 int streamed_rows(void) { return STREAMED_ROWS; }
+int int8_streamed_rows(void) { return INT_STREAMED_ROWS; }
 
 /* Whether the target has the vectors these kernels are written for: AVX-512F, or AVX2 with FMA (a v16 is then one
  * or two registers, and a tile's accumulators stay in registers). Elsewhere (NEON, x86 before AVX2) they have

@@ -50,10 +50,14 @@ def available() -> bool:
     return library is not None
 
 
-def streamed_rows() -> int:
-    """The most rows a float product of the kernels reads its weight for once, at about one row's cost (6 with
-    AVX-512; 1 with AVX2, whose registers hold one row's streams); 0 without the kernels."""
-    return build.load().streamed_rows() if available() else 0
+def streamed_rows(int8: bool = False) -> int:
+    """The most rows a float product of the kernels (an int8 one with int8) reads its weight for once, at about
+    one row's cost (6 with AVX-512, with VNNI for int8; 1 with AVX2, whose registers hold one row's streams);
+    0 without the kernels."""
+    if not available():
+        return 0
+    library = build.load()
+    return library.int8_streamed_rows() if int8 else library.streamed_rows()
 
 
 # The panel dtypes linear.c multiplies, and block.c's number for each.

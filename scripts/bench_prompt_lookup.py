@@ -11,9 +11,10 @@ Then predicted outputs: one greedy reply without drafts, with itself as the pred
 prediction that differs from it at every 16th token.
 
 The real models are the embedded tiny-shakespeare and, where ../shared has it, stories260K. The shapes are
-random weights stored in bfloat16 (as Llama-2's): "7b-4" is the 7B's width with 4 of its 32 blocks. Their
-greedy text falls into loops, which drafts follow (an upper bound: a reply copying its prompt); their
-sampled text never repeats (the lower bound: what drafting costs where nothing repeats).
+random weights stored in bfloat16 (as Llama-2's), or quantized with --quantize: "7b-4" is the 7B's width
+with 4 of its 32 blocks. Their greedy text falls into loops, which drafts follow (an upper bound: a reply
+copying its prompt); their sampled text never repeats (the lower bound: what drafting costs where nothing
+repeats).
 
 Per shape it also times one forward of 1 + k tokens of one sequence (k drafted) against one decode step
 at the same place (--depth tokens into the context): the price of a draft, from which the speedup at any
@@ -36,6 +37,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench import SHAPES, _Vocab, random_model  # noqa: E402
 from llama_core import DEFAULT_CKPT_DIR, Llama  # noqa: E402
 from llama_core.config import ModelArgs  # noqa: E402
+from llama_core.int4 import quantize_int4  # noqa: E402
+from llama_core.quantize import quantize_int8  # noqa: E402
 from llama_core.serving import Engine  # noqa: E402
 
 STORIES_DIR = ROOT.parent / "shared" / "models" / "stories260K"
@@ -52,6 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape-new-tokens", type=int, default=64, help="tokens per reply of the shapes (default: 64)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--depth", type=int, default=300, help="context before the timed forwards (default: 300)")
+    p.add_argument("--skip-models", action="store_true", help="the shapes only")
+    p.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
+                   help="the shapes' weights quantized so (the real models stay float32)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     return p.parse_args()
 
@@ -144,13 +150,15 @@ def speedup_at(prices: dict[int, float], acceptance: float) -> float:
     return max(sum(acceptance ** j for j in range(k + 1)) / price for k, price in prices.items())
 
 
-def shape_model(name: str) -> Llama:
+def shape_model(name: str, quantize: str = "none") -> Llama:
     base, _, blocks = name.partition("-")
     shape = dict(SHAPES[base])
     if blocks:
         shape["n_layers"] = int(blocks)
     args = ModelArgs(**shape, max_seq_len=1024)
     model = random_model(args, torch.device("cpu"), torch.float32, "bfloat16")
+    if quantize != "none":
+        model = {"int8": quantize_int8, "int4": quantize_int4}[quantize](model)
     return Llama.from_model(model, _Vocab(args.vocab_size), 1024, 2)
 
 
@@ -158,9 +166,10 @@ def main() -> None:
     a = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    report = {"threads": torch.get_num_threads(), "prompt_lookup": a.prompt_lookup, "models": {}, "shapes": {}}
-    models = {"tiny-shakespeare (embedded)": DEFAULT_CKPT_DIR}
-    if (STORIES_DIR / "params.json").is_file():
+    report = {"threads": torch.get_num_threads(), "prompt_lookup": a.prompt_lookup, "quantize": a.quantize,
+              "models": {}, "shapes": {}}
+    models = {} if a.skip_models else {"tiny-shakespeare (embedded)": DEFAULT_CKPT_DIR}
+    if (STORIES_DIR / "params.json").is_file() and not a.skip_models:
         models["stories260K"] = STORIES_DIR
     for name, folder in models.items():
         llama = Llama.build(folder, max_seq_len=512, max_batch_size=2, device="cpu", seed=0)
@@ -172,7 +181,7 @@ def main() -> None:
         llama.engine.close()
         print(name, json.dumps(report["models"][name]), flush=True)
     for name in filter(None, a.shapes.split(",")):
-        llama = shape_model(name)
+        llama = shape_model(name, a.quantize)
         prompts = [torch.randint(3, llama.args.vocab_size, (32,), generator=torch.Generator().manual_seed(i)).tolist()
                    for i in range(2)]
         result = compare(llama.loaded, prompts, a.shape_new_tokens, a.prompt_lookup, a.runs)

@@ -112,12 +112,13 @@ class ModelRunner:
     @property
     def rows_read_as_one(self) -> int:
         """How many tokens a forward can take for about the cost of one, where the weights' reading dominates:
-        on llama_core's CPU kernels, the rows a float or int8 product streams at once (AVX-512: 6); else 1
-        (int4's products go in tiles)."""
-        kinds = {type(m) for m in self.model.modules()}
-        if not self.decodes_rows_alike or any(issubclass(kind, Int4Linear) for kind in kinds):
+        on llama_core's CPU kernels, the fewest rows any of its products reads its weight for once (AVX-512:
+        6 or more; see cpu_kernels.streamed_rows); else 1."""
+        if not self.decodes_rows_alike:
             return 1
-        return max(1, streamed_rows(int8=any(issubclass(kind, Int8Linear) for kind in kinds)))
+        kinds = {"int4" if isinstance(m, Int4Linear) else "int8" if isinstance(m, Int8Linear) else "float"
+                 for m in self.model.modules() if isinstance(m, (Int4Linear, Int8Linear, PanelLinear))}
+        return max(1, min((streamed_rows(kind) for kind in kinds), default=1))
 
     @property
     def mixes_prompts(self) -> bool:

@@ -278,7 +278,8 @@ def test_drafted_replies_of_the_real_stories260k_model_are_the_undrafted_ones():
 def test_drafts_are_priced_low_where_the_products_read_a_few_rows_for_one(quantize):
     llama = Llama.build(_model_dir(), max_seq_len=64, max_batch_size=1, seed=0, quantize=quantize)
     _needs_rows_alike(llama.loaded)
-    streamed = {None: cpu_kernels.streamed_rows(), "int8": cpu_kernels.streamed_rows(int8=True), "int4": 1}[quantize]
+    streamed = {None: cpu_kernels.streamed_rows(), "int8": cpu_kernels.streamed_rows("int8"),  # int4's output is int8
+                "int4": min(cpu_kernels.streamed_rows("int4"), cpu_kernels.streamed_rows("int8"))}[quantize]
     assert llama.loaded.runner.rows_read_as_one == streamed
     engine = Engine(llama.loaded)
     assert engine.draft_price.prior == (DRAFT_PRICE_STREAMED if streamed >= DRAFT_ROWS else DRAFT_PRICE_TILED)

@@ -180,6 +180,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.panel_width.restype = ctypes.c_int
     library.streamed_rows.restype = ctypes.c_int
     library.int8_streamed_rows.restype = ctypes.c_int
+    library.int4_tile_rows.restype = ctypes.c_int
     library.native_vectors.restype = ctypes.c_int
     library.vector_instructions.restype = ctypes.c_char_p
     library.rms_norm.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_float, ctypes.c_int]

@@ -667,9 +667,11 @@ int panel_linear_i4(const float *x, const uint8_t *w, const float *scales, float
 /* The layout's constants, for the Python side to check against its own. */
 int panel_width(void) { return PANEL; }
 
-/* The most rows a float product reads as streams, at about one row's cost (DEFINE_LINEAR); an int8 one. */
+/* The most rows a float product reads as streams, at about one row's cost (DEFINE_LINEAR); an int8 one; and the
+ * rows of an int4 tile, which unpacks the 4-bit weights once for all of them. */
 int streamed_rows(void) { return STREAMED_ROWS; }
 int int8_streamed_rows(void) { return INT_STREAMED_ROWS; }
+int int4_tile_rows(void) { return INT_TILE_ROWS; }
 
 /* Whether the target has the vectors these kernels are written for: AVX-512F, or AVX2 with FMA (a v16 is then one
  * or two registers, and a tile's accumulators stay in registers). Elsewhere (NEON, x86 before AVX2) they have

@@ -50,14 +50,15 @@ def available() -> bool:
     return library is not None
 
 
-def streamed_rows(int8: bool = False) -> int:
-    """The most rows a float product of the kernels (an int8 one with int8) reads its weight for once, at about
-    one row's cost (6 with AVX-512, with VNNI for int8; 1 with AVX2, whose registers hold one row's streams);
-    0 without the kernels."""
+def streamed_rows(kind: str = "float") -> int:
+    """The most rows a product of the kernels reads its weight for once, at about one row's cost: "float" and
+    "int8" products read up to 6 rows as streams with AVX-512 (int8: with VNNI), 1 with AVX2, whose registers
+    hold one row's streams; "int4" ones unpack the 4-bit weights once for a tile of 8 rows with AVX-512 and
+    VNNI, 2 with AVX2. 0 without the kernels."""
     if not available():
         return 0
     library = build.load()
-    return library.int8_streamed_rows() if int8 else library.streamed_rows()
+    return {"float": library.streamed_rows, "int8": library.int8_streamed_rows, "int4": library.int4_tile_rows}[kind]()
 
 
 # The panel dtypes linear.c multiplies, and block.c's number for each.

@@ -27,7 +27,7 @@ from torch import nn
 from .devices import execution_device, on_one_device, to_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer, TransformerBlock
-from .cpu_kernels import PanelLinear, available as cpu_kernels_available, streamed_rows
+from .cpu_kernels import PanelLinear, available as cpu_kernels_available, rows_read_as_one
 from .cpu_kernels import build as cpu_kernels_build
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
 from .int4 import Int4Linear, keep_int4_in_panels
@@ -113,12 +113,12 @@ class ModelRunner:
     def rows_read_as_one(self) -> int:
         """How many tokens a forward can take for about the cost of one, where the weights' reading dominates:
         on llama_core's CPU kernels, the fewest rows any of its products reads its weight for once (AVX-512:
-        6 or more; see cpu_kernels.streamed_rows); else 1."""
+        8; see cpu_kernels.rows_read_as_one); else 1."""
         if not self.decodes_rows_alike:
             return 1
         kinds = {"int4" if isinstance(m, Int4Linear) else "int8" if isinstance(m, Int8Linear) else "float"
                  for m in self.model.modules() if isinstance(m, (Int4Linear, Int8Linear, PanelLinear))}
-        return max(1, min((streamed_rows(kind) for kind in kinds), default=1))
+        return max(1, min((rows_read_as_one(kind) for kind in kinds), default=1))
 
     @property
     def mixes_prompts(self) -> bool:

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from llama_core import InvalidRequestError, Llama, cpu_kernels
 from llama_core.serving import Engine
-from llama_core.serving.engine import DRAFT_PRICE_STREAMED, DRAFT_PRICE_TILED, DRAFT_ROWS
+from llama_core.serving.engine import DRAFT_PRICE_ROWS_AS_ONE, DRAFT_PRICE_ROWS_APART, DRAFT_ROWS
 from llama_core.serving.lookup import NGRAM_SIZES, DraftPrice, PromptLookup
 from llama_core.serving.prefix_cache import MIN_SHARED_PREFIX
 
@@ -278,11 +278,10 @@ def test_drafted_replies_of_the_real_stories260k_model_are_the_undrafted_ones():
 def test_drafts_are_priced_low_where_the_products_read_a_few_rows_for_one(quantize):
     llama = Llama.build(_model_dir(), max_seq_len=64, max_batch_size=1, seed=0, quantize=quantize)
     _needs_rows_alike(llama.loaded)
-    streamed = {None: cpu_kernels.streamed_rows(), "int8": cpu_kernels.streamed_rows("int8"),  # int4's output is int8
-                "int4": min(cpu_kernels.streamed_rows("int4"), cpu_kernels.streamed_rows("int8"))}[quantize]
-    assert llama.loaded.runner.rows_read_as_one == streamed
+    rows = cpu_kernels.rows_read_as_one("float" if quantize is None else quantize)
+    assert llama.loaded.runner.rows_read_as_one == rows
     engine = Engine(llama.loaded)
-    assert engine.draft_price.prior == (DRAFT_PRICE_STREAMED if streamed >= DRAFT_ROWS else DRAFT_PRICE_TILED)
+    assert engine.draft_price.prior == (DRAFT_PRICE_ROWS_AS_ONE if rows >= DRAFT_ROWS else DRAFT_PRICE_ROWS_APART)
     engine.close()
 
 

@@ -12,7 +12,7 @@ thread takes over the model's work (threads.c says why that matters).
 from . import layer_ops, threads
 from .build import enabled, load
 from .panels import (PANEL, PanelLinear, available, exact_storage, from_int8_panels, from_panels, kernel_for,
-                     panel_product, streamed_rows, to_int8_panels, to_panels)
+                     panel_product, rows_read_as_one, to_int8_panels, to_panels)
 
 __all__ = ["layer_ops", "threads", "PANEL", "PanelLinear", "available", "enabled", "exact_storage", "from_int8_panels",
-           "from_panels", "kernel_for", "load", "panel_product", "streamed_rows", "to_int8_panels", "to_panels"]
+           "from_panels", "kernel_for", "load", "panel_product", "rows_read_as_one", "to_int8_panels", "to_panels"]

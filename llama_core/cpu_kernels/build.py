@@ -178,9 +178,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.panel_linear_i4.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     library.panel_linear_i4.restype = ctypes.c_int
     library.panel_width.restype = ctypes.c_int
-    library.streamed_rows.restype = ctypes.c_int
-    library.int8_streamed_rows.restype = ctypes.c_int
-    library.int4_tile_rows.restype = ctypes.c_int
+    library.tile_rows.restype = ctypes.c_int
+    library.int_tile_rows.restype = ctypes.c_int
     library.native_vectors.restype = ctypes.c_int
     library.vector_instructions.restype = ctypes.c_char_p
     library.rms_norm.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_float, ctypes.c_int]

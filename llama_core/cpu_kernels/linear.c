@@ -6,9 +6,10 @@
  *
  * One panel is read as a single sequential stream and every row of x in a tile of rows is multiplied with it
  * while it is in registers; a block of up to ROW_BLOCK rows takes the panel K_BLOCK inputs at a time, so the
- * weight leaves memory once per block and L1 once per tile: a few rows cost about what one does. A single row
- * (decoding one sequence) reads STREAMS panels side by side, to keep more of memory's bandwidth busy, and runs
- * at the memory's speed. Built by build.py with -O3 -march=native -fopenmp.
+ * weight leaves memory once per block and L1 once per tile, and a tile asks for the weights it will read a
+ * little ahead of reading them: a few rows cost about what one does. One or two rows (decoding one sequence or
+ * two) read STREAMS panels side by side instead, to keep more of memory's bandwidth busy, and run at the
+ * memory's speed. Built by build.py with -O3 -march=native -fopenmp.
  *
  * The code is written in the target's own vectors, LANES floats each (widen.h): 16 with AVX-512, 8 with AVX2; a
  * panel row is VECS of them. Tile and stream counts are sized so that the accumulators and the weights they
@@ -202,9 +203,9 @@ DEFINE_PRODUCT_16(panel_product_f16, tile_f16, load_row_f16)
 
 /* ROWS rows of x times `count` consecutive panels at once (count <= STREAMS): that many weight streams in
  * flight per thread. Decoding one sequence is this product, at the memory's speed; on a 2026 Intel Xeon one
- * stream at a time per core read 18 GB/s with 2 threads and four at a time 26. A few rows (a few sequences, or
- * one with drafted tokens) read the same streams: a tile's single stream would hold them to the slower rate.
- * Each output sums over k in the same order as the tiles, so a row gets the same values alone as in a batch. */
+ * stream at a time per core read 18 GB/s with 2 threads and four at a time 26 (before the tiles asked for their
+ * weights ahead, which brought them to about the streams' rate). Each output sums over k in the same order as
+ * the tiles, so a row gets the same values alone as in a batch. */
 #define DEFINE_ROWS(NAME, WEIGHT_T, LOAD_ROW)                                                          \
   static inline __attribute__((always_inline)) void NAME(const float *x, const WEIGHT_T *w, float *y,  \
                                                          int64_t K, int64_t N, int64_t p0, int count,  \
@@ -229,15 +230,14 @@ DEFINE_PRODUCT_16(panel_product_f16, tile_f16, load_row_f16)
     }                                                                                                  \
   }
 
-/* STREAMED_ROWS: the most rows read as streams rather than in tiles; STREAMS_FOR(rows): how many streams, so that
- * the accumulators (streams x rows x VECS) and a stream's weights fit the registers (32 with AVX-512; AVX2's
- * 16 hold one row of 3 streams, and more rows go to the tiles). */
+/* STREAMED_ROWS: the most rows read as streams rather than in tiles, as many as the registers hold STREAMS
+ * streams' accumulators for (32 with AVX-512; AVX2's 16 hold one row's). From 3 rows on, the tiles, asking for
+ * their weights ahead, were as fast or faster (at the 7B's width, 4 and 6 rows 1.06x and 1.09x one row's time,
+ * where 2 and 4 streams took 1.16x and 1.25x). */
 #if LANES == 16
-#define STREAMED_ROWS 6
-#define STREAMS_FOR(rows) ((rows) <= 2 ? 4 : (rows) == 3 ? 3 : 2)
+#define STREAMED_ROWS 2
 #else
 #define STREAMED_ROWS 1
-#define STREAMS_FOR(rows) STREAMS
 #endif
 
 DEFINE_ROWS(rows_times_panels_f32, float, load_row_f32)
@@ -251,31 +251,15 @@ DEFINE_ROWS(rows_times_panels_f16, uint16_t, load_row_f16)
 #else
 #define TEAM_SHARE int64_t team = 1, me = 0;
 #endif
-#define PANELS_IN_STREAMS(ROWS, streams, ROW_FN, ...)                                                  \
+#define PANELS_IN_STREAMS(ROW_FN, ROWS)                                                                \
   _Pragma("omp parallel num_threads(threads)") {                                                       \
     TEAM_SHARE                                                                                         \
     int64_t p = panels * me / team, end = panels * (me + 1) / team;                                    \
-    for (; p + (streams) <= end; p += (streams)) ROW_FN(__VA_ARGS__, p, streams, ROWS);                \
+    for (; p + STREAMS <= end; p += STREAMS) ROW_FN(x, w, y, K, N, p, STREAMS, ROWS);                  \
     switch (end - p) {                                                                                 \
-      case 3: ROW_FN(__VA_ARGS__, p, BELOW_TILE(3, streams), ROWS); break;                             \
-      case 2: ROW_FN(__VA_ARGS__, p, BELOW_TILE(2, streams), ROWS); break;                             \
-      case 1: ROW_FN(__VA_ARGS__, p, 1, ROWS); break;                                                  \
-      default: break;                                                                                  \
-    }                                                                                                  \
-  }
-/* Rows [0, M) (M <= MOST_ROWS) read as streams, `STREAMS_OF(rows)` panels at a time per thread, by
- * ROW_FN(args..., first panel, panels, rows); threads no more than the panels. */
-#define ALL_ROWS_IN_STREAMS(M, MOST_ROWS, STREAMS_OF, ROW_FN, ...)                                     \
-  {                                                                                                    \
-    if (threads > panels) threads = (int)panels;                                                       \
-    if (threads < 1) threads = 1;                                                                      \
-    switch (M) {                                                                                       \
-      case 1: PANELS_IN_STREAMS(1, STREAMS_OF(1), ROW_FN, __VA_ARGS__) break;                          \
-      case 2: PANELS_IN_STREAMS(BELOW_TILE(2, MOST_ROWS), STREAMS_OF(2), ROW_FN, __VA_ARGS__) break;   \
-      case 3: PANELS_IN_STREAMS(BELOW_TILE(3, MOST_ROWS), STREAMS_OF(3), ROW_FN, __VA_ARGS__) break;   \
-      case 4: PANELS_IN_STREAMS(BELOW_TILE(4, MOST_ROWS), STREAMS_OF(4), ROW_FN, __VA_ARGS__) break;   \
-      case 5: PANELS_IN_STREAMS(BELOW_TILE(5, MOST_ROWS), STREAMS_OF(5), ROW_FN, __VA_ARGS__) break;   \
-      case 6: PANELS_IN_STREAMS(BELOW_TILE(6, MOST_ROWS), STREAMS_OF(6), ROW_FN, __VA_ARGS__) break;   \
+      case 3: ROW_FN(x, w, y, K, N, p, BELOW_TILE(3, STREAMS), ROWS); break;                           \
+      case 2: ROW_FN(x, w, y, K, N, p, BELOW_TILE(2, STREAMS), ROWS); break;                           \
+      case 1: ROW_FN(x, w, y, K, N, p, 1, ROWS); break;                                                \
       default: break;                                                                                  \
     }                                                                                                  \
   }
@@ -287,9 +271,14 @@ DEFINE_ROWS(rows_times_panels_f16, uint16_t, load_row_f16)
       return;                                                                                          \
     }                                                                                                  \
     int64_t panels = (N + PANEL - 1) / PANEL;                                                          \
-    ALL_ROWS_IN_STREAMS(M, STREAMED_ROWS, STREAMS_FOR, ROW_FN, x, w, y, K, N)                          \
+    if (threads > panels) threads = (int)panels;                                                       \
+    if (threads < 1) threads = 1;                                                                      \
+    if (M == 1)                                                                                        \
+      PANELS_IN_STREAMS(ROW_FN, 1)                                                                     \
+    else                                                                                               \
+      PANELS_IN_STREAMS(ROW_FN, STREAMED_ROWS)                                                         \
   }
-_Static_assert(STREAMS <= 4 && STREAMED_ROWS <= 6, "DEFINE_LINEAR dispatches up to 6 rows and the last panels in groups of up to 3");
+_Static_assert(STREAMS <= 4 && STREAMED_ROWS <= 2, "DEFINE_LINEAR dispatches up to 2 rows and the last panels in groups of up to 3");
 
 DEFINE_LINEAR(panel_linear_f32, float, rows_times_panels_f32, panel_product_f32)
 DEFINE_LINEAR(panel_linear_bf16, uint16_t, rows_times_panels_bf16, panel_product_bf16)
@@ -403,83 +392,6 @@ static inline __attribute__((always_inline)) void tile_i8(
       y[m * N + n0 + j] = (float)(sums[m][j] - offset * weight_sums[n0 + j]) * x_scales[m] * scales[n0 + j];
 }
 
-/* ROWS rows of quantized x times `count` consecutive int8 panels (count <= MOST_INT_STREAMS), read side by
- * side as DEFINE_ROWS reads float ones: one row is memory-bound, and a few rows cost little more. The int32
- * sums are exact, so each output is the tile's. INT_STREAMED_ROWS: the most rows read so (AVX2's 16
- * registers hold one row of 3 streams, 4 accumulators each); INT_STREAMS_FOR(rows): how many streams. */
-#if defined(__AVX512VNNI__)
-#define INT_STREAMED_ROWS 6
-#define INT_STREAMS_FOR(rows) ((rows) <= 2 ? 4 : (rows) == 3 ? 3 : 2)
-#elif defined(__AVX2__)
-#define INT_STREAMED_ROWS 1
-#define INT_STREAMS_FOR(rows) 3
-#else
-#define INT_STREAMED_ROWS 0
-#define INT_STREAMS_FOR(rows) 1
-#endif
-#define MOST_INT_STREAMS 4
-
-static inline __attribute__((always_inline)) void rows_times_panels_i8(
-    const uint8_t *xq, const float *x_scales, const int8_t *w, const float *scales, const int32_t *weight_sums,
-    float *y, int64_t K4, int64_t N, int64_t p0, int count, int rows) {
-  int32_t sums[MOST_INT_STREAMS][INT_STREAMED_ROWS > 0 ? INT_STREAMED_ROWS : 1][PANEL];
-  int32_t offset = 128;
-#if defined(__AVX512VNNI__)
-  __m512i low[MOST_INT_STREAMS][INT_STREAMED_ROWS], high[MOST_INT_STREAMS][INT_STREAMED_ROWS];
-  for (int s = 0; s < count; s++)
-    for (int m = 0; m < rows; m++) low[s][m] = high[s][m] = _mm512_setzero_si512();
-  for (int64_t g = 0; g < K4 / 4; g++)
-    for (int s = 0; s < count; s++) {
-      const int8_t *panel = w + ((p0 + s) * K4 + g * 4) * PANEL;
-      __m512i w_low = _mm512_loadu_si512(panel), w_high = _mm512_loadu_si512(panel + 64);
-      for (int m = 0; m < rows; m++) {
-        int32_t four;
-        memcpy(&four, xq + m * K4 + g * 4, 4);
-        __m512i xs = _mm512_set1_epi32(four);
-        low[s][m] = _mm512_dpbusd_epi32(low[s][m], xs, w_low);
-        high[s][m] = _mm512_dpbusd_epi32(high[s][m], xs, w_high);
-      }
-    }
-  for (int s = 0; s < count; s++)
-    for (int m = 0; m < rows; m++) {
-      _mm512_storeu_si512(sums[s][m], low[s][m]);
-      _mm512_storeu_si512(sums[s][m] + 16, high[s][m]);
-    }
-#elif defined(__AVX2__)
-  __m256i acc[MOST_INT_STREAMS][1][4];
-  for (int s = 0; s < count; s++)
-    for (int c = 0; c < 4; c++) acc[s][0][c] = _mm256_setzero_si256();
-  const __m256i sign_bit = _mm256_set1_epi8((char)0x80);
-  for (int64_t g = 0; g < K4 / 4; g++) {
-    int32_t four;
-    memcpy(&four, xq + g * 4, 4);
-    __m256i xs = _mm256_xor_si256(_mm256_set1_epi32(four), sign_bit);
-    __m256i magnitude = _mm256_abs_epi8(xs);
-    for (int s = 0; s < count; s++) {
-      const int8_t *panel = w + ((p0 + s) * K4 + g * 4) * PANEL;
-      for (int c = 0; c < 4; c++)
-        acc[s][0][c] = dot_u8_s8(acc[s][0][c], magnitude,
-                                 _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(panel + c * 32)), xs));
-    }
-  }
-  for (int s = 0; s < count; s++)
-    for (int c = 0; c < 4; c++) _mm256_storeu_si256((__m256i *)(sums[s][0] + 8 * c), acc[s][0][c]);
-  offset = 0;
-  (void)rows;
-#else
-  (void)xq, (void)w, (void)K4, (void)rows;
-  for (int s = 0; s < count; s++) memset(sums[s], 0, sizeof sums[s]);
-#endif
-  for (int s = 0; s < count; s++) {
-    int64_t n0 = (p0 + s) * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
-    for (int m = 0; m < rows; m++)
-      for (int64_t j = 0; j < width; j++)
-        y[m * N + n0 + j] = (float)(sums[s][m][j] - offset * weight_sums[n0 + j]) * x_scales[m] * scales[n0 + j];
-  }
-}
-_Static_assert(INT_STREAMED_ROWS <= 6 && INT_STREAMS_FOR(1) <= MOST_INT_STREAMS,
-               "ALL_ROWS_IN_STREAMS dispatches up to 6 rows, and a thread reads up to 4 panels at once");
-
 int panel_linear_i8(const float *x, const int8_t *w, const float *scales, const int32_t *weight_sums, float *y,
                     int64_t M, int64_t N, int64_t K, int threads) {
   int64_t K4 = (K + 3) / 4 * 4, panels = (N + PANEL - 1) / PANEL;
@@ -491,13 +403,6 @@ int panel_linear_i8(const float *x, const int8_t *w, const float *scales, const 
     return -1;
   }
   quantize_rows(x, M, K, K4, xq, x_scales);
-  if (M <= INT_STREAMED_ROWS) {
-    ALL_ROWS_IN_STREAMS(M, INT_STREAMED_ROWS, INT_STREAMS_FOR, rows_times_panels_i8, xq, x_scales, w, scales,
-                        weight_sums, y, K4, N)
-    free(xq);
-    free(x_scales);
-    return 0;
-  }
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t p = 0; p < panels; p++) {
     const int8_t *panel = w + p * K4 * PANEL;
@@ -678,11 +583,10 @@ int panel_linear_i4(const float *x, const uint8_t *w, const float *scales, float
 /* The layout's constants, for the Python side to check against its own. */
 int panel_width(void) { return PANEL; }
 
-/* The most rows a float product reads as streams, at about one row's cost (DEFINE_LINEAR); an int8 one; and the
- * rows of an int4 tile, which unpacks the 4-bit weights once for all of them. */
-int streamed_rows(void) { return STREAMED_ROWS; }
-int int8_streamed_rows(void) { return INT_STREAMED_ROWS; }
-int int4_tile_rows(void) { return INT_TILE_ROWS; }
+/* The rows of a tile over 16-bit panels (float32 ones take at least as many), and of an int8 or int4 one: rows
+ * that read the weight once, at about one row's cost. */
+int tile_rows(void) { return TILE_ROWS; }
+int int_tile_rows(void) { return INT_TILE_ROWS; }
 
 /* Whether the target has the vectors these kernels are written for: AVX-512F, or AVX2 with FMA (a v16 is then one
  * or two registers, and a tile's accumulators stay in registers). Elsewhere (NEON, x86 before AVX2) they have

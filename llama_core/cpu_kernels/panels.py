@@ -50,15 +50,14 @@ def available() -> bool:
     return library is not None
 
 
-def streamed_rows(kind: str = "float") -> int:
-    """The most rows a product of the kernels reads its weight for once, at about one row's cost: "float" and
-    "int8" products read up to 6 rows as streams with AVX-512 (int8: with VNNI), 1 with AVX2, whose registers
-    hold one row's streams; "int4" ones unpack the 4-bit weights once for a tile of 8 rows with AVX-512 and
-    VNNI, 2 with AVX2. 0 without the kernels."""
+def rows_read_as_one(kind: str = "float") -> int:
+    """The rows a product of the kernels reads its weight for once, at about one row's cost: a tile's ("float":
+    over 16-bit panels, 8 with AVX-512 and 3 with AVX2; "int8" and "int4": 8 with AVX-512 and VNNI, else 2).
+    0 without the kernels."""
     if not available():
         return 0
     library = build.load()
-    return {"float": library.streamed_rows, "int8": library.int8_streamed_rows, "int4": library.int4_tile_rows}[kind]()
+    return library.tile_rows() if kind == "float" else library.int_tile_rows()
 
 
 # The panel dtypes linear.c multiplies, and block.c's number for each.

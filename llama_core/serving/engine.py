@@ -53,13 +53,13 @@ from .streams import TokenStream
 CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 512, 2048  # Engine's default prefill_chunk
 CPU_PROMPT_LOOKUP = 5  # Engine's default prompt_lookup on the CPU kernels (off elsewhere)
 # A step drafts only while it feeds at most this many rows in all: the CPU kernels read the weights for up to
-# 6 rows at about one's cost with AVX-512, and a batch of more sequences than half of this already uses what
+# 8 rows at about one's cost with AVX-512, and a batch of more sequences than half of this already uses what
 # drafts would.
 DRAFT_ROWS = 6
 # What a drafted token adds to a step's time, as a share of a one-token step, until the engine has timed its
-# own steps (docs/benchmarks.md, "Prompt-lookup decoding"): where the rows are read as one, 0.05-0.1 (a 7B's
-# width, the 110m shape); in tiles (AVX2, int8, int4), 0.2-0.4 for the first drafted token.
-DRAFT_PRICE_STREAMED, DRAFT_PRICE_TILED = 0.1, 0.3
+# own forwards (docs/benchmarks.md, "Prompt-lookup decoding"): where DRAFT_ROWS rows are read as one, 0.05-0.15
+# (the 7B's width in bf16, int8 and int4; the 110m shape); else (AVX2's tiles of 3 or 2 rows) more.
+DRAFT_PRICE_ROWS_AS_ONE, DRAFT_PRICE_ROWS_APART = 0.1, 0.3
 
 
 @dataclass(eq=False)
@@ -207,8 +207,8 @@ class Engine:
         self.prefix_cache = PrefixCache(self.runner.max_batch_size, enabled=prefix_caching)
         self.prompt_lookup = prompt_lookup
         if draft_price is None:
-            self.draft_price = DraftPrice(DRAFT_PRICE_STREAMED if self.runner.rows_read_as_one >= DRAFT_ROWS
-                                          else DRAFT_PRICE_TILED)
+            self.draft_price = DraftPrice(DRAFT_PRICE_ROWS_AS_ONE if self.runner.rows_read_as_one >= DRAFT_ROWS
+                                          else DRAFT_PRICE_ROWS_APART)
         else:
             self.draft_price = DraftPrice(float(draft_price), fixed=True)
         self.overlap = self.runner.device.type == "cuda" and not prompt_lookup if overlap is None else overlap

@@ -103,6 +103,21 @@ def test_the_price_of_a_drafted_token_is_learned_from_each_width_s_fastest_recen
     assert price.price == 0.03  # never below the floor
 
 
+@settings(max_examples=200, deadline=None)
+@given(records=st.lists(st.tuples(st.integers(1, 4), st.floats(0.001, 1.0)), max_size=40))
+def test_the_learned_price_is_the_mean_share_of_each_width_s_fastest_forward_in_the_window(records):
+    price = DraftPrice(prior=0.3, window=8, least=2)
+    for i, (width, seconds) in enumerate(records):
+        price.record(width, seconds)
+        recent = records[max(0, i + 1 - 8) : i + 1]
+        fastest = {w: min(s for v, s in recent if v == w) for w, _ in recent
+                   if sum(v == w for v, _ in recent) >= 2}
+        one = fastest.pop(1, None)
+        expected = 0.3 if one is None or not fastest else max(
+            0.03, sum((s / one - 1) / (w - 1) for w, s in fastest.items()) / len(fastest))
+        assert price.price == pytest.approx(expected)
+
+
 def test_a_fixed_price_is_never_learned():
     price = DraftPrice(prior=0.2, fixed=True)
     for width, seconds in [(1, 0.01), (4, 0.5)] * 5:

@@ -139,23 +139,34 @@ class DraftPrice:
         self.prior, self.floor, self.fixed = prior, floor, fixed
         self._window, self._least = window, least
         self._timed = 0  # forwards recorded so far
-        self._seconds: dict[int, collections.deque[tuple[int, float]]] = {}  # tokens fed -> (index, time)
+        # per width (tokens fed): the indices of its forwards in the window, and its candidates for the fastest,
+        # (index, seconds) with both increasing, so that the first one left in the window is the fastest
+        self._indices: dict[int, collections.deque[int]] = {}
+        self._fastest: dict[int, collections.deque[tuple[int, float]]] = {}
 
     def record(self, width: int, seconds: float) -> None:
         """A step fed one sequence `width` tokens (its last and width - 1 drafted) in `seconds`."""
-        if not self.fixed:
-            self._seconds.setdefault(width, collections.deque()).append((self._timed, seconds))
-            self._timed += 1
+        if self.fixed:
+            return
+        self._indices.setdefault(width, collections.deque()).append(self._timed)
+        fastest = self._fastest.setdefault(width, collections.deque())
+        while fastest and fastest[-1][1] >= seconds:  # never again the fastest while this one is in the window
+            fastest.pop()
+        fastest.append((self._timed, seconds))
+        self._timed += 1
 
     @property
     def price(self) -> float:
         """The mean over the drafted widths timed of what each drafted token added to a one-token step."""
-        fastest = {}
-        for width, times in self._seconds.items():
-            while times and times[0][0] < self._timed - self._window:
-                times.popleft()
-            if len(times) >= self._least:
-                fastest[width] = min(seconds for _, seconds in times)
+        oldest, fastest = self._timed - self._window, {}
+        for width, indices in self._indices.items():
+            while indices and indices[0] < oldest:
+                indices.popleft()
+            candidates = self._fastest[width]
+            while candidates and candidates[0][0] < oldest:
+                candidates.popleft()
+            if len(indices) >= self._least:
+                fastest[width] = candidates[0][1]
         one = fastest.pop(1, None)
         if one is None or not fastest:
             return self.prior

@@ -25,6 +25,7 @@ _MODULES = {
     "ChatPrediction": ".generation",
     "CompletionPrediction": ".generation",
     "Llama": ".generation",
+    "Grammar": ".grammar",
     "LoadedModel": ".loader",
     "ModelInfo": ".loader",
     "load": ".loader",

@@ -9,10 +9,11 @@ import json
 import re
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 import app_server
@@ -208,6 +209,55 @@ def test_completion_stream_equals_non_stream(client, model_id):
     streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert streamed == whole.choices[0].logprobs.tokens
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+# -- structured outputs ---------------------------------------------------------------------------------
+class Verse(pydantic.BaseModel):
+    speaker: Literal["ROMEO", "JULIET", "NURSE"]
+    act: int = pydantic.Field(ge=1, le=5)
+    words: list[pydantic.constr(max_length=12)] = pydantic.Field(max_length=3)
+
+
+def test_the_sdk_parses_a_reply_into_its_pydantic_model(client, model_id):
+    for seed in range(3):
+        reply = client.chat.completions.parse(model=model_id, messages=HELLO, response_format=Verse, seed=seed,
+                                              temperature=1.0, max_completion_tokens=120)
+        verse = reply.choices[0].message.parsed
+        assert isinstance(verse, Verse) and reply.choices[0].finish_reason == "stop"
+        assert json.loads(reply.choices[0].message.content) == verse.model_dump()
+
+
+def test_json_object_replies_are_json_streamed_or_not(client, model_id):
+    ask = dict(model=model_id, messages=HELLO, response_format={"type": "json_object"}, seed=7, temperature=0.9,
+               max_tokens=100)
+    whole = client.chat.completions.create(**ask)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True)
+                       if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == "stop" and isinstance(json.loads(streamed), dict)
+
+
+def test_completions_take_a_response_format_too(client, model_id):
+    reply = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=12, n=3, seed=1, temperature=1.0,
+                                      extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                          "name": "line", "schema": {"type": "integer", "maximum": 99999}}}})
+    for choice in reply.choices:
+        assert re.fullmatch(r"-?\d{1,5}", choice.text) and choice.finish_reason == "stop", choice
+
+
+@pytest.mark.parametrize("response_format, param", [
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "foo"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}}, "response_format.json_schema.schema"),
+    ("json", "response_format"),
+])
+def test_a_bad_response_format_is_a_400_naming_it(served, response_format, param):
+    for path, body in (("/chat/completions", {"messages": HELLO}), ("/completions", {"prompt": "x"})):
+        response = raw(served, "POST", path, {**body, "response_format": response_format})
+        assert response.status_code == 400 and error_of(response)["param"] == param, response.text
 
 
 # -- errors -----------------------------------------------------------------------------------------------
@@ -524,12 +574,19 @@ _SAMPLING = {
     "logit_bias": (st.none(), st.one_of(st.dictionaries(st.text(max_size=6), _ANY_SCALAR, min_size=1, max_size=3),
                                         _ANY_SCALAR)),
     "model": (st.just("tiny-shakespeare"), _ANY_SCALAR),
+    "response_format": (st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), st.fixed_dictionaries(
+        {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+            {"name": st.just("answer"), "schema": st.sampled_from([{"type": "integer"}, {"enum": ["yes", "no"]}, True])},
+            optional={"strict": st.booleans()})})),
+                        st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "grammar", 1, None])}),
+                                  st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.one_of(
+                                      _ANY_SCALAR, st.fixed_dictionaries({"name": st.just("x"), "schema": st.one_of(
+                                          _ANY_SCALAR, st.sampled_from([{"type": "foo"}, {"$ref": "#/no"},
+                                                                        {"pattern": "(("}]))}))}), _ANY_SCALAR)),
 }
 _CHAT_FIELDS = {
     **_SAMPLING, "logprobs": (st.booleans(), _ANY_SCALAR), "top_logprobs": (st.none(), _ODD_NUMBERS),
     "max_completion_tokens": (st.integers(1, 8), _ODD_NUMBERS),
-    "response_format": (st.just({"type": "text"}), st.one_of(st.fixed_dictionaries(
-        {"type": st.sampled_from(["json_object", 1])}), _ANY_SCALAR)),
     "tools": (st.just([]), st.one_of(st.lists(st.dictionaries(st.text(max_size=4), _ANY_SCALAR, max_size=2),
                                               min_size=1, max_size=2), _ANY_SCALAR)),
 }

@@ -23,13 +23,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..dialog import UNSAFE_ERROR, Dialog
 from ..errors import LlamaError
+from ..grammar import Grammar
 from ..serving import aio, requests
 from ..serving.events import StreamChunk
 from ..serving.requests import MAX_SEED, SamplingParams
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion
 from ..tokenizer import StreamDecoder
 from .errors import APIError, from_llama_error, from_validation_errors
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, Prediction, SamplingFields, TextPart
+from .schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, Prediction, ResponseFormat, SamplingFields,
+                      TextPart)
 from .streaming import Batch, merged_batches
 
 MAX_CHOICES = 16  # most choices (n x prompts) in one request
@@ -167,9 +169,6 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     if body.tools or body.functions or body.tool_choice not in (None, "none"):
         field = "tools" if body.tools else "functions" if body.functions else "tool_choice"
         raise APIError(400, "tools and function calling are not supported by this server", param=field)
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError(400, f"response_format {body.response_format.get('type')!r} is not supported; only 'text'",
-                       param="response_format")
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
@@ -234,10 +233,33 @@ def _choices(n: Optional[int], prompts: int = 1) -> int:
     return n
 
 
+def _grammar(response_format: Optional[ResponseFormat]) -> Optional[Grammar]:
+    """What response_format asks the reply to match: nothing for "text", any JSON object for "json_object", JSON
+    matching json_schema.schema for "json_schema" (OpenAI's structured outputs; `strict` or not, the schema is
+    followed)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return Grammar.json()
+    if response_format.type != "json_schema":
+        raise APIError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
+                       f"{response_format.type!r}", param="response_format.type")
+    if response_format.json_schema is None:
+        raise APIError(400, "response_format of type 'json_schema' needs a json_schema object (with its name and "
+                       "schema)", param="response_format.json_schema")
+    schema = response_format.json_schema.schema_
+    try:
+        return Grammar.json({} if schema is None else schema, name="response_format.json_schema.schema")
+    except LlamaError as exc:
+        raise APIError(400, str(exc), param="response_format.json_schema.schema") from None
+
+
 def _controls(body: SamplingFields, **extra: Any) -> dict[str, Any]:
-    """The request's sampling fields as llama_core's sampling controls (each absent one at its default)."""
+    """The request's sampling fields as llama_core's sampling controls (each absent one at its default), its
+    response_format as a grammar."""
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
-    controls = {**{name: getattr(SamplingParams, name) for name in SAMPLING_FIELDS}, **given, **extra}
+    controls = {**{name: getattr(SamplingParams, name) for name in SAMPLING_FIELDS}, **given, **extra,
+                "grammar": _grammar(body.response_format)}
     try:
         SamplingParams(**controls)  # judged once here, so that a bad value is refused before any choice runs
     except LlamaError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from typing import Annotated
 
 
@@ -43,6 +43,18 @@ class StreamOptions(_Request):
     include_usage: Optional[StrictBool] = None
 
 
+class JsonSchema(_Request):
+    name: StrictStr
+    description: Optional[StrictStr] = None
+    schema_: Optional[Union[dict[str, Any], StrictBool]] = Field(None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Request):
+    type: StrictStr  # "text", "json_object" or "json_schema"
+    json_schema: Optional[JsonSchema] = None
+
+
 class SamplingFields(_Request):
     """The fields both routes share."""
 
@@ -54,6 +66,7 @@ class SamplingFields(_Request):
     top_p: Optional[Number] = None
     stop: Union[StrictStr, list[StrictStr], None] = None
     seed: Optional[StrictInt] = None
+    response_format: Optional[ResponseFormat] = None  # on completions too, as vLLM takes it
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
     logit_bias: Optional[dict[str, Any]] = None
@@ -79,7 +92,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     functions: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(SamplingFields):

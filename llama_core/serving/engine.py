@@ -37,6 +37,7 @@ import torch
 from ..cpu_kernels import threads as cpu_threads
 from ..devices import to_device
 from ..errors import LlamaError, InvalidRequestError, ServerBusyError
+from .grammar_matcher import GrammarMatcher, allowed_tokens
 from ..loader import LoadedModel, ModelInfo
 from ..model import Span
 from ..runner import cache_rows, right_padded
@@ -90,6 +91,7 @@ class _Sequence:
     prompt_lps: list[float] = field(default_factory=list)  # chunked prefill with prompt_logprobs
     carried_logits: Optional[torch.Tensor] = None  # the previous chunk's last logits, scoring the next token
     stop_text: Optional[tuple[StreamDecoder, StopMatcher]] = None  # the reply's text, watched for stop strings
+    grammar: Optional[GrammarMatcher] = None  # where the reply is in the grammar it must match
     lookup: Optional[PromptLookup] = None  # its tokens, for drafts (prompt lookup), from its first decode step
     drafted: int = 0  # tokens drafted for it and checked
     accepted: int = 0  # of those, the ones kept
@@ -338,10 +340,13 @@ class Engine:
         """Queues a checked request whose events go to channel.
 
         Raises:
+            InvalidRequestError: its grammar cannot be followed with this model's tokenizer.
             LlamaError: the engine is closed.
             ServerBusyError: every slot is busy and the waiting queue is full.
         """
         sequence = _Sequence(request, channel, arrival=next(self._arrivals))
+        if request.params.grammar is not None:
+            sequence.grammar = GrammarMatcher(request.params.grammar, self.tokenizer)
         with self._wakeup:
             sequence.seed = request.params.seed
             if sequence.seed is None:
@@ -650,7 +655,7 @@ class Engine:
                 self._free(s.slot, "error", _failure_message(exc))
             return
         self.steps += 1
-        if self.overlap and not riders and not any(s.params.penalized for s in active):
+        if self.overlap and not riders and not any(s.params.penalized or s.grammar for s in active):
             self._in_flight = _InFlight(active, next_positions, sampled[0], *_copied_to_host(sampled))
             return
         for sequence, position in zip(active, next_positions):
@@ -671,6 +676,9 @@ class Engine:
         raw_logits = logits
         if any(p.penalized for p in params):
             logits = self._penalized(sequences, logits)
+        if any(s.grammar for s in sequences):  # what would break a request's grammar is never drawn
+            allowed = to_device(allowed_tokens([s.grammar for s in sequences], logits.shape[-1]), device)
+            logits = logits.masked_fill(~allowed, -math.inf)
         temperatures = [p.temperature for p in params]
         if not any(temperatures):  # all greedy: no softmax, no draw
             next_tokens = greedy_tokens(logits)
@@ -743,6 +751,9 @@ class Engine:
         if token == self.eos_id:
             self._free(sequence.slot, "eos")
             return False
+        if sequence.grammar is not None and not sequence.grammar.accept(token):
+            self._free(sequence.slot, "error", f"the reply left its grammar: {sequence.grammar.error}")
+            return False
         sequence.output.append(token)
         sequence.last_token = token
         if sequence.lookup is not None:
@@ -754,6 +765,8 @@ class Engine:
         sequence.channel.events.put(StreamChunk(token, logprob, top_logprobs=top))
         if sequence.stop_text is not None and self._reaches_stop(sequence, token):
             self._free(sequence.slot, "stop")
+        elif sequence.grammar is not None and sequence.grammar.complete:  # only the end of sequence may follow
+            self._free(sequence.slot, "eos")
         elif sequence.generated >= self._token_limit(sequence):
             self._free(sequence.slot, "length")
         else:
@@ -763,9 +776,10 @@ class Engine:
     # -- prompt lookup --------------------------------------------------------------------------
     def _drafts(self, active: list[_Sequence]) -> list[list[int]]:
         """Each request's draft for this step (see lookup): none where the step would feed more than
-        DRAFT_ROWS rows, or some request has penalties (each drafted token would change them)."""
+        DRAFT_ROWS rows, or some request has penalties (each drafted token would change them) or a grammar (each
+        would change what the next may be)."""
         longest = min(self.prompt_lookup, DRAFT_ROWS // len(active) - 1)
-        if longest < 1 or any(s.params.penalized for s in active):
+        if longest < 1 or any(s.params.penalized or s.grammar for s in active):
             return [[] for _ in active]
         drafts, price = [], self.draft_price.price
         for sequence in active:

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 
 from ..dialog import UNSAFE_ERROR, Dialog
 from ..errors import ContextLengthError, InvalidRequestError
+from ..grammar import Grammar
 
 MAX_INPUT_CHARS = 100_000  # longest message, system prompt or completion prompt accepted
 MAX_HISTORY_CHARS = 400_000  # longest chat history accepted, all messages together
@@ -42,6 +43,7 @@ class SamplingParams:
     seed: Optional[int] = None  # the same seed gives the same tokens, alone or batched with others
     logprobs: bool = True  # each generated token's log-probability (NaN without)
     top_logprobs: int = 0  # the most likely alternatives per position, with their log-probabilities
+    grammar: Optional[Grammar] = None  # what the reply must match (a JSON schema, a regex, a Lark grammar)
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_p)
@@ -60,6 +62,9 @@ class SamplingParams:
         set_field("logprobs", flag(self.logprobs, "logprobs"))
         set_field("top_logprobs", _integer(self.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS,
                                            f"an integer from 0 to {MAX_TOP_LOGPROBS}"))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidRequestError("grammar must be a llama_core.Grammar (Grammar.json(schema), Grammar.regex(pattern) "
+                                      f"or Grammar.lark(source)), got {type(self.grammar).__name__}")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -70,9 +75,12 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def with_stop(self, extra: Sequence[str]) -> "SamplingParams":
-        """These parameters with more stop strings (a chat's dialog tags), past the user's limit of four."""
+        """These parameters with more stop strings (a chat's dialog tags), past the user's limit of four. With a
+        grammar, the reply never writes them instead: a stop there would cut it short of its grammar."""
         params = copy.copy(self)
         object.__setattr__(params, "stop", tuple(dict.fromkeys(self.stop + tuple(extra))))
+        if self.grammar is not None:
+            object.__setattr__(params, "grammar", self.grammar.forbidding(tuple(extra)))
         return params
 
 

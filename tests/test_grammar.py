@@ -1,0 +1,184 @@
+"""Replies held to a grammar (llama_core.grammar): JSON schemas, regular expressions and Lark grammars, on the
+embedded trained model, through the facade and the engine."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+
+import pytest
+
+from llama_core import Grammar, InvalidRequestError, Llama, SamplingParams
+from llama_core.dialog import SPECIAL_TAGS
+from llama_core.serving.grammar_matcher import GrammarMatcher, allowed_tokens
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["merry", "sad", "wroth"]},
+        "lines": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 2},
+    },
+    "required": ["name", "age", "mood", "lines"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llama() -> Llama:
+    """The embedded trained model (tiny-shakespeare), four slots."""
+    return Llama.build(max_seq_len=384, max_batch_size=4, seed=0)
+
+
+def follows_person(value) -> bool:
+    return (isinstance(value, dict) and set(value) == {"name", "age", "mood", "lines"}
+            and isinstance(value["name"], str) and len(value["name"]) <= 24
+            and isinstance(value["age"], int) and 0 <= value["age"] <= 120
+            and value["mood"] in ("merry", "sad", "wroth")
+            and isinstance(value["lines"], list) and len(value["lines"]) <= 2
+            and all(isinstance(line, str) and len(line) <= 16 for line in value["lines"]))
+
+
+# -- making grammars -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make, named", [
+    (lambda: Grammar.json({"type": "foo"}), "schema is not valid: Invalid type: foo"),
+    (lambda: Grammar.json({"properties": {"x": {"$ref": "#/nowhere"}}}), "schema is not valid"),
+    (lambda: Grammar.json({"type": "string", "pattern": "(("}), "schema is not valid"),
+    (lambda: Grammar.json([1, 2]), "schema must be a JSON Schema object, got list"),
+    (lambda: Grammar.json({"enum": [{1, 2}]}), "schema must hold only JSON values"),
+    (lambda: Grammar.json({"type": "foo"}, name="response_format.json_schema.schema"),
+     "response_format.json_schema.schema is not valid"),
+    (lambda: Grammar.regex("(("), "pattern is not valid: regex parse error"),
+    (lambda: Grammar.regex(""), "pattern must be a non-empty string"),
+    (lambda: Grammar.lark("start: missing"), "grammar is not valid"),
+    (lambda: Grammar.lark(3), "grammar must be a non-empty string"),
+    (lambda: Grammar.regex("a" * 100_001), "pattern must be at most 100,000 characters"),
+    (lambda: SamplingParams(grammar='{"type": "object"}'), "grammar must be a llama_core.Grammar"),
+    (lambda: Grammar("xml", "{}"), "a Grammar is made by Grammar.json"),
+])
+def test_a_bad_grammar_is_refused_naming_what_is_wrong(make, named):
+    with pytest.raises(InvalidRequestError, match=re.escape(named)):
+        make()
+
+
+def test_a_grammar_travels_to_an_engine_process_intact():
+    grammar = Grammar.json(PERSON).forbidding(("[INST]",))
+    assert pickle.loads(pickle.dumps(SamplingParams(grammar=grammar))).grammar == grammar
+
+
+# -- masks -----------------------------------------------------------------------------------------------
+def token_ids(llama: Llama, text: str) -> list[int]:
+    """text's tokens as they follow other text (no leading space added)."""
+    newline = llama.tokenizer.encode("\n", bos=False, eos=False)
+    return llama.tokenizer.encode("\n" + text, bos=False, eos=False)[len(newline):]
+
+
+def test_the_mask_allows_exactly_the_tokens_that_keep_the_grammar(llama):
+    tokenizer = llama.tokenizer
+    matcher = GrammarMatcher(Grammar.regex("(ROMEO|JULIET): [a-z]+"), tokenizer)
+    allowed = matcher.allowed(llama.args.vocab_size)
+    for token in range(tokenizer.n_words):
+        text = tokenizer.sp_model.id_to_piece(token).replace("\u2581", " ")
+        fits = not tokenizer.sp_model.is_control(token) and not tokenizer.sp_model.is_byte(token) and any(
+            name.startswith(text) for name in ("ROMEO: ", "JULIET: ")) and text != ""
+        if fits:
+            assert allowed[token], text
+        elif not tokenizer.sp_model.is_byte(token):
+            assert not allowed[token], text
+    assert not allowed[tokenizer.eos_id]
+    for token in token_ids(llama, "ROMEO: a"):
+        assert matcher.allowed(llama.args.vocab_size)[token]
+        assert matcher.accept(token)
+    now = matcher.allowed(llama.args.vocab_size)
+    assert now[tokenizer.eos_id] and not matcher.complete  # "a" may end it, or go on
+    assert not now[token_ids(llama, " ")[-1]]
+
+
+def test_a_model_vocabulary_beyond_the_tokenizers_is_never_allowed(llama):
+    matcher = GrammarMatcher(Grammar.json({}), llama.tokenizer)
+    allowed = allowed_tokens([matcher, None], llama.tokenizer.n_words + 40)
+    assert not allowed[0, llama.tokenizer.n_words:].any() and allowed[0, : llama.tokenizer.n_words].any()
+    assert allowed[1].all()
+
+
+def test_a_forbidden_text_is_never_completed_even_where_the_grammar_allows_it(llama):
+    grammar = Grammar.regex(r"\[INST\] (hi|ho)")
+    vocab, eos = llama.args.vocab_size, llama.tokenizer.eos_id
+    plain, guarded = (GrammarMatcher(g, llama.tokenizer) for g in (grammar, grammar.forbidding(SPECIAL_TAGS)))
+    whole = token_ids(llama, "[INST]")  # this tokenizer spells the tag as one token
+    assert len(whole) == 1 and plain.allowed(vocab)[whole[0]] and not guarded.allowed(vocab)[whole[0]]
+    for character in "[INST":  # spelled a character at a time, the tag's last one is refused
+        (token,) = token_ids(llama, character)
+        assert plain.accept(token) and guarded.accept(token)
+    (close,) = token_ids(llama, "]")
+    assert plain.allowed(vocab)[close]
+    # the grammar's only way on writes the tag: the reply may only end
+    assert guarded.allowed(vocab).nonzero().flatten().tolist() == [eos]
+
+
+# -- replies ---------------------------------------------------------------------------------------------
+def test_a_grammar_the_free_reply_already_matches_changes_nothing(llama):
+    free = llama.generate([token_ids(llama, "ROMEO:")], 40, temperature=0)[0][0]
+    text = llama.tokenizer.decode(free)
+    held = llama.generate([token_ids(llama, "ROMEO:")], 40, temperature=0, grammar=Grammar.regex(re.escape(text)))
+    assert held[0][0] == free
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_json_replies_follow_their_schema(llama, seed):
+    reply = llama.text_completion(["Enter ROMEO."], temperature=1.0, top_p=1.0, max_gen_len=120, seed=seed,
+                                  grammar=Grammar.json(PERSON))[0]["generation"]
+    assert follows_person(json.loads(reply)), reply
+
+
+def test_any_json_object_without_a_schema(llama):
+    complete = 0
+    for seed in range(6):
+        reply = llama.chat_completion([[{"role": "user", "content": "Speak, in JSON."}]], temperature=1.0,
+                                      max_gen_len=80, seed=seed, grammar=Grammar.json(), logprobs=True)[0]
+        text = reply["generation"]["content"]
+        assert text.startswith("{"), text
+        if len(reply["tokens"]) < 80:  # not cut short by max_gen_len
+            assert isinstance(json.loads(text), dict), text
+            complete += 1
+    assert complete
+
+
+def test_a_reply_ends_where_its_grammar_is_complete(llama):
+    stream = llama.engine.submit(token_ids(llama, "Say yes or no:"), 50, temperature=1.0, seed=3,
+                                 grammar=Grammar.lark('start: ("yes" | "no" | "ay" | "nay") "!"'))
+    text = llama.tokenizer.decode([chunk.token for chunk in stream])
+    assert text in ("yes!", "no!", "ay!", "nay!") and stream.finish_reason == "eos"
+
+
+def test_a_chat_reply_with_a_grammar_never_writes_a_dialog_tag(llama):
+    for seed in range(4):
+        reply = llama.chat_completion([[{"role": "user", "content": "Who comes?"}]], temperature=1.0, seed=seed,
+                                      max_gen_len=60, grammar=Grammar.regex(r"[A-Za-z\[\]/<> ]{1,40}"))[0]
+        text = reply["generation"]["content"]
+        assert text and not any(tag in text for tag in SPECIAL_TAGS)
+
+
+def test_requests_without_a_grammar_are_untouched_by_one_beside_them(llama):
+    prompts = [token_ids(llama, "ROMEO:"), token_ids(llama, "JULIET:")]
+    alone = llama.generate(prompts[1:], 30, temperature=0.8, seed=5)[0][0]
+    engine = llama.engine
+    held = engine.submit(prompts[0], 30, temperature=0.8, seed=4, grammar=Grammar.json(PERSON))
+    free = engine.submit(prompts[1], 30, temperature=0.8, seed=5)
+    assert [chunk.token for chunk in free] == alone
+    list(held)
+
+
+def test_constrained_steps_do_not_draft(llama):
+    """Prompt lookup leaves a request with a grammar alone (each drafted token would change what may follow);
+    its reply is the same with lookup on or off."""
+    engine = llama.engine
+    before = engine.drafted_tokens
+    text = "ROMEO: ROMEO: ROMEO: ROMEO:"
+    grammar = Grammar.regex("(ROMEO: ){1,8}")
+    tokens = [chunk.token for chunk in engine.submit(token_ids(llama, text), 40, temperature=0, grammar=grammar)]
+    assert engine.drafted_tokens == before
+    assert llama.tokenizer.decode(tokens).strip().startswith("ROMEO:")
+

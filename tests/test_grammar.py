@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import re
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from llama_core import Grammar, InvalidRequestError, Llama, SamplingParams
 from llama_core.dialog import SPECIAL_TAGS
@@ -116,6 +118,27 @@ def test_a_forbidden_text_is_never_completed_even_where_the_grammar_allows_it(ll
     assert plain.allowed(vocab)[close]
     # the grammar's only way on writes the tag: the reply may only end
     assert guarded.allowed(vocab).nonzero().flatten().tolist() == [eos]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_no_walk_through_the_allowed_tokens_writes_a_forbidden_text(llama, seed):
+    """Any reply drawn from the allowed tokens alone, here uniformly at random over an alphabet that spells every
+    dialog tag, holds none of them."""
+    rng = random.Random(seed)
+    matcher = GrammarMatcher(Grammar.regex(r"[\[\]A-Z/<> ]{1,24}").forbidding(SPECIAL_TAGS), llama.tokenizer)
+    tokens = []
+    while not matcher.complete and len(tokens) < 24:
+        choices = matcher.allowed(llama.args.vocab_size).nonzero().flatten().tolist()
+        # lean towards the tags' own characters and tokens, so that most walks come near a tag
+        near = [t for t in choices if any(c in llama.tokenizer.token_text(t) for c in "[]<>/")]
+        token = rng.choice(near if near and rng.random() < 0.8 else choices)
+        if token == llama.tokenizer.eos_id:
+            break
+        assert matcher.accept(token)
+        tokens.append(token)
+    text = llama.tokenizer.decode(tokens)
+    assert not any(tag in text for tag in SPECIAL_TAGS), text
 
 
 # -- replies ---------------------------------------------------------------------------------------------

@@ -26,10 +26,9 @@ class GrammarMatcher:
             raise InvalidRequestError(f"the grammar cannot be followed: {first_lines(self._matcher.get_error())}")
         self.words = tokenizer.n_words
         self.eos = tokenizer.eos_id
-        self._forbidden = tuple(text.encode() for text in grammar.forbidden)
-        self._completing = vocabulary.completing(self._forbidden) if self._forbidden else ()
-        self._tail = b""  # the reply's last bytes, as long as the longest forbidden text less one
-        self._pieces = vocabulary.tokens
+        self._forbidden = tuple(text.encode() for text in grammar.forbidden if text)
+        self._tail = b""  # the reply's last bytes, as many as the longest forbidden text less one
+        self._vocabulary = vocabulary
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] bool: the tokens that may come next (the end of sequence only where the grammar is
@@ -41,9 +40,9 @@ class GrammarMatcher:
         allowed = torch.zeros(vocab_size, dtype=torch.bool)
         width = min(vocab_size, self.words)
         allowed[:width] = bits[:width]
-        for token, piece in self._completing:
-            if token < width and allowed[token] and any(text in self._tail + piece for text in self._forbidden):
-                allowed[token] = False
+        if self._forbidden:
+            writing = [t for t in self._vocabulary.writing(self._forbidden, self._tail) if t < width]
+            allowed[writing] = False
         if not allowed.any():
             allowed[self.eos] = True
         return allowed
@@ -52,7 +51,7 @@ class GrammarMatcher:
         """Moves past a drawn token; False if the grammar does not allow it (the matcher then stays failed)."""
         if self._forbidden:
             keep = max(map(len, self._forbidden)) - 1
-            self._tail = (self._tail + self._pieces[token])[-keep:] if keep else b""
+            self._tail = (self._tail + self._vocabulary.tokens[token])[-keep:] if keep else b""
         return self._matcher.consume_token(token)
 
     @property
@@ -78,7 +77,7 @@ def allowed_tokens(matchers: list[Optional[GrammarMatcher]], vocab_size: int) ->
 class _Vocabulary:
     """A SentencePiece tokenizer as the grammar sees it: each token's bytes (a control token's name marked with
     0xFF, as special), an encoder of text that starts mid-sequence (no leading space added), the LLTokenizer
-    llguidance builds from them, and the tokens that could complete a forbidden text. Made once per tokenizer
+    llguidance builds from them, and the tokens that would write a forbidden text. Made once per tokenizer
     (0.1 s for Llama-2's 32,000 tokens)."""
 
     _made: "weakref.WeakKeyDictionary[Tokenizer, _Vocabulary]" = weakref.WeakKeyDictionary()
@@ -102,7 +101,7 @@ class _Vocabulary:
         self._sp = sp
         self._newline = len(sp.encode("\n"))
         self.llguidance = LLTokenizer(TokenizerWrapper(self))
-        self._completing: dict[tuple[bytes, ...], tuple[tuple[int, bytes], ...]] = {}
+        self._found: dict = {}  # texts (a tuple) or a text's rest (bytes): the tokens holding or starting with it
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> "_Vocabulary":
@@ -116,11 +115,22 @@ class _Vocabulary:
         # SentencePiece starts a text with a space; after a newline it does not, so encode behind one.
         return self._sp.encode("\n" + text)[self._newline :]
 
-    def completing(self, texts: tuple[bytes, ...]) -> tuple[tuple[int, bytes], ...]:
-        """The tokens that could complete one of `texts` (their bytes hold its last byte), with their bytes."""
-        found = self._completing.get(texts)
-        if found is None:
-            ends = {text[-1:] for text in texts}
-            found = self._completing[texts] = tuple(
-                (token, piece) for token, piece in enumerate(self.tokens) if any(end in piece for end in ends))
-        return found
+    def writing(self, texts: tuple[bytes, ...], tail: bytes) -> list[int]:
+        """The tokens that would write one of `texts` after a reply ending in `tail`: those holding a whole one,
+        and those that start with the rest of one whose beginning `tail` ends with."""
+        found = set(self._holding(texts))
+        for text in texts:
+            for split in range(1, len(text)):
+                if tail.endswith(text[:split]):
+                    found.update(self._starting(text[split:]))
+        return sorted(found)
+
+    def _holding(self, texts: tuple[bytes, ...]) -> tuple[int, ...]:
+        if texts not in self._found:
+            self._found[texts] = tuple(t for t, piece in enumerate(self.tokens) if any(x in piece for x in texts))
+        return self._found[texts]
+
+    def _starting(self, start: bytes) -> tuple[int, ...]:
+        if start not in self._found:
+            self._found[start] = tuple(t for t, piece in enumerate(self.tokens) if piece.startswith(start))
+        return self._found[start]

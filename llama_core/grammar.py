@@ -110,3 +110,32 @@ def _matcher_class():
 def first_lines(message: str, lines: int = 3) -> str:
     """An llguidance message's first lines, on one line."""
     return " ".join(line.strip() for line in message.strip().splitlines()[:lines])
+
+
+# An output format as the app and the command line name it, and what its text box holds.
+FORMATS = {"text": "", "json": "", "json_schema": "a JSON Schema", "regex": "a regular expression",
+           "lark": "a Lark grammar"}
+
+
+def grammar_for(output_format: Any, spec: Any = "", name: str = "output_grammar") -> Optional[Grammar]:
+    """The grammar of an output format named as in FORMATS: None for "text", any JSON object for "json", else
+    `spec` read as a JSON Schema's text, a regular expression or a Lark grammar (refused naming `name`)."""
+    if output_format not in FORMATS:
+        raise InvalidRequestError(f"output_format must be one of {', '.join(FORMATS)}, got {output_format!r:.60}")
+    if output_format == "text":
+        return None
+    if output_format == "json":
+        return Grammar.json()
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidRequestError(f"output format {output_format!r} needs {FORMATS[output_format]} in {name}")
+    if output_format == "regex":
+        return Grammar.regex(spec, name)
+    if output_format == "lark":
+        return Grammar.lark(spec, name)
+    try:
+        schema = json.loads(spec)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{name} is not JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError(f"{name} must be a JSON Schema object, got {type(schema).__name__}")
+    return Grammar.json(schema, name)

@@ -139,7 +139,7 @@ def http_request(url: str, clients: int) -> Request:
     def request(i: int, prompt: str, a: argparse.Namespace) -> tuple[Optional[float], int]:
         http, session = pool[i]
         # Raw HTTP sends every parameter, the optional sampling controls at their defaults too.
-        arguments = [prompt, a.temperature, 0.95, a.max_new_tokens, False, False, 0, 0.0, 1.0, 0.0, 0.0, None, None]
+        arguments = [prompt, a.temperature, 0.95, a.max_new_tokens, False, False, 0, 0.0, 1.0, 0.0, 0.0, None, None, "text", ""]
         call = http.post(endpoint, json={"data": arguments, "session_hash": session})
         call.raise_for_status()
         first, event = None, None

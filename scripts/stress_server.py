@@ -27,14 +27,14 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-GOOD_COMPLETE = ["ROMEO:", 0.0, 0.9, 4, False, False, 0, 0.0, 1.0, 0.0, 0.0, None, None]
-GOOD_CHAT = ["Good morrow", [], "", 0.0, 0.9, 4, 0, 0.0, 1.0, 0.0, 0.0, None, None]
+GOOD_COMPLETE = ["ROMEO:", 0.0, 0.9, 4, False, False, 0, 0.0, 1.0, 0.0, 0.0, None, None, "text", ""]
+GOOD_CHAT = ["Good morrow", [], "", 0.0, 0.9, 4, 0, 0.0, 1.0, 0.0, 0.0, None, None, "text", ""]
 HUGE = 10**400
 
 # (route, data or body, what the answer must mention); Gradio routes take the data list.
 BAD_GRADIO = [
-    ("complete", ["ROMEO:"], "the /complete route takes 13 values (prompt, temperature, "),
-    ("complete", [], "takes 13 values"),
+    ("complete", ["ROMEO:"], "the /complete route takes 15 values (prompt, temperature, "),
+    ("complete", [], "takes 15 values"),
     ("complete", [123, *GOOD_COMPLETE[1:]], "prompt"),
     ("complete", ["", *GOOD_COMPLETE[1:]], "prompt"),
     ("complete", ["\ud800", *GOOD_COMPLETE[1:]], "prompt"),
@@ -47,11 +47,15 @@ BAD_GRADIO = [
     ("complete", ["ROMEO:", 0.5, 0.9, 4, "yes", *GOOD_COMPLETE[5:]], "echo"),
     ("complete", [*GOOD_COMPLETE[:6], -1, *GOOD_COMPLETE[7:]], "top_k"),
     ("complete", [*GOOD_COMPLETE[:8], 0, *GOOD_COMPLETE[9:]], "repetition_penalty"),
-    ("complete", [*GOOD_COMPLETE[:11], ["a", ""], None], "stop"),
-    ("complete", [*GOOD_COMPLETE[:12], HUGE], "seed"),
-    ("chat", ["hi"], "the /chat route takes 13 values (message, history, "),
-    ("chat", GOOD_CHAT[:6], "takes 13 values"),
-    ("chat", [*GOOD_CHAT, 0.5], "takes 13 values"),
+    ("complete", [*GOOD_COMPLETE[:11], ["a", ""], *GOOD_COMPLETE[12:]], "stop"),
+    ("complete", [*GOOD_COMPLETE[:12], HUGE, *GOOD_COMPLETE[13:]], "seed"),
+    ("complete", [*GOOD_COMPLETE[:13], "xml", ""], "output_format"),
+    ("complete", [*GOOD_COMPLETE[:13], "json_schema", '{"type": "foo"}'], "output_grammar"),
+    ("complete", [*GOOD_COMPLETE[:13], "regex", ""], "output_grammar"),
+    ("chat", ["hi"], "the /chat route takes 15 values (message, history, "),
+    ("chat", GOOD_CHAT[:6], "takes 15 values"),
+    ("chat", [*GOOD_CHAT, 0.5], "takes 15 values"),
+    ("chat", [*GOOD_CHAT[:13], "lark", "start: nowhere"], "output_grammar"),
     ("chat", [None, *GOOD_CHAT[1:]], "message"),
     ("chat", ["hi", "not a list", *GOOD_CHAT[2:]], "history"),
     ("chat", ["hi", [{"role": "user"}], *GOOD_CHAT[2:]], "history[0]"),
@@ -79,6 +83,10 @@ BAD_OPENAI = [
     ("completions", {"prompt": "a", "logprobs": 99}, "logprobs"),
     ("completions", {"prompt": "a", "seed": HUGE}, "seed"),
     ("completions", {"prompt": "a", "stop": ["a"] * 9}, "stop"),
+    ("completions", {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                        "schema": {"type": "foo"}}}}, "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}},
+     "response_format"),
 ]
 
 

@@ -27,7 +27,8 @@ from llama_core.app import server, ui
 from llama_core.serving import stream_completion
 from llama_core.app.address import listen_socket
 
-ADVANCED_PARAMETERS = ["top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed"]
+ADVANCED_PARAMETERS = ["top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed",
+                       "output_format", "output_grammar"]
 CHAT_PARAMETERS = ["message", "history", "system_prompt", "temperature", "top_p", "max_new_tokens", *ADVANCED_PARAMETERS]
 COMPLETE_PARAMETERS = ["prompt", "temperature", "top_p", "max_new_tokens", "echo", "show_probabilities",
                        *ADVANCED_PARAMETERS]
@@ -259,7 +260,7 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(client, api_n
 def test_nan_temperature_over_http_gets_a_clear_error(served, client):
     url = served[1]
     # JSON clients can't send NaN; raw HTTP can. Raw HTTP sends every parameter, the optional ones too.
-    body = '{"data": ["Good morrow", [], "", NaN, 0.9, 8, 0, 0.0, 1.0, 0.0, 0.0, null, null]}'
+    body = '{"data": ["Good morrow", [], "", NaN, 0.9, 8, 0, 0.0, 1.0, 0.0, 0.0, null, null, "text", ""]}'
     event = httpx.post(url + "gradio_api/call/chat", content=body, headers={"content-type": "application/json"})
     events = httpx.get(url + f"gradio_api/call/chat/{event.json()['event_id']}", timeout=30).text
     assert "event: error" in events
@@ -269,7 +270,7 @@ def test_nan_temperature_over_http_gets_a_clear_error(served, client):
 
 
 @pytest.mark.parametrize("route, parameters", [("chat", CHAT_PARAMETERS), ("complete", COMPLETE_PARAMETERS)])
-@pytest.mark.parametrize("sent", [6, 15])
+@pytest.mark.parametrize("sent", [6, 17])
 def test_miscounted_values_over_http_get_a_message_naming_the_route_and_its_parameters(served, client, route,
                                                                                       parameters, sent):
     """Raw HTTP sends every parameter; a client that sends fewer (the six gradio_client requires, say) or more is
@@ -278,7 +279,7 @@ def test_miscounted_values_over_http_get_a_message_naming_the_route_and_its_para
     expected = (f"the /{route} route takes {len(parameters)} values ({', '.join(parameters)}), got {sent}: send "
                 "exactly these, in this order")
     values = list((chat_args() if route == "chat" else complete_args()).values())  # the first six
-    values = values if sent == 6 else values + [0, 0.0, 1.0, 0.0, 0.0, None, None, 0.5, "extra"]
+    values = values if sent == 6 else values + [0, 0.0, 1.0, 0.0, 0.0, None, None, "text", "", 0.5, "extra"]
     event = httpx.post(url + f"gradio_api/call/{route}", json={"data": values}, timeout=30)
     events = httpx.get(url + f"gradio_api/call/{route}/{event.json()['event_id']}", timeout=30).text
     assert "event: error" in events
@@ -536,6 +537,35 @@ def test_a_bad_advanced_control_gets_a_message_naming_it(client):
     assert client.predict(**complete_args(max_new_tokens=4), api_name="/complete")[0]
 
 
+def test_reply_formats_hold_the_reply_to_json_a_schema_a_pattern_or_a_grammar(client):
+    schema = {"type": "object", "properties": {"who": {"enum": ["ROMEO", "JULIET"]}, "act": {"type": "integer",
+              "minimum": 1, "maximum": 5}}, "required": ["who", "act"], "additionalProperties": False}
+    reply = client.predict(**chat_args(max_new_tokens=60, output_format="json_schema",
+                                       output_grammar=json.dumps(schema)), api_name="/chat")
+    value = json.loads(reply)
+    assert value["who"] in ("ROMEO", "JULIET") and 1 <= value["act"] <= 5 and set(value) == {"who", "act"}
+    assert client.predict(**chat_args(max_new_tokens=8, output_format="json"), api_name="/chat").startswith("{")
+    text, _, stats = client.predict(**complete_args(output_format="regex", output_grammar="(ay|nay), my lord[.!]"),
+                                    api_name="/complete")
+    assert re.fullmatch("(ay|nay), my lord[.!]", text) and stats["finish_reason"] == "eos"
+    text, _, _ = client.predict(**complete_args(output_format="lark", output_grammar='start: "ROMEO" | "JULIET"'),
+                                api_name="/complete")
+    assert text in ("ROMEO", "JULIET")
+
+
+@pytest.mark.parametrize("output_format, output_grammar, message", [
+    ("yaml", "", "output_format must be one of text, json, json_schema, regex, lark"),
+    ("json_schema", "", "output format 'json_schema' needs a JSON Schema in output_grammar"),
+    ("json_schema", "{not json", "output_grammar is not JSON"),
+    ("json_schema", '{"type": "foo"}', "output_grammar is not valid: Invalid type: foo"),
+    ("regex", "((", "output_grammar is not valid: regex parse error"),
+])
+def test_a_reply_format_its_box_does_not_fit_gets_a_message_naming_it(client, output_format, output_grammar, message):
+    for route, args in (("/chat", chat_args), ("/complete", complete_args)):
+        with pytest.raises(AppError, match=re.escape(message)):
+            client.predict(**args(output_format=output_format, output_grammar=output_grammar), api_name=route)
+
+
 # -- bad input over raw HTTP, as any client can send it ------------------------------------------------
 def test_every_bad_input_class_over_raw_http_is_named_and_serving_goes_on(served):
     """The stress script's bad inputs (scripts/stress_server.py), to Gradio's routes and the OpenAI routes of
@@ -577,7 +607,7 @@ def test_a_gradio_api_call_runs_no_dependency_in_a_worker_thread(monkeypatch, se
     monkeypatch.setattr(dependencies, "run_in_threadpool", spy)
     endpoint = served[1] + "gradio_api/call/complete"
     with httpx.Client(timeout=60) as http:
-        data = ["ROMEO:", 0.0, 0.9, 4, False, False, 0, 0.0, 1.0, 0.0, 0.0, None, None]
+        data = ["ROMEO:", 0.0, 0.9, 4, False, False, 0, 0.0, 1.0, 0.0, 0.0, None, None, "text", ""]
         call = http.post(endpoint, json={"data": data})
         assert call.status_code == 200, call.text
         events = http.get(f"{endpoint}/{call.json()['event_id']}").text

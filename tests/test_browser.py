@@ -100,6 +100,30 @@ def test_completion_shows_tokens_coloured_by_probability(page):
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-completion.png"), full_page=True)
 
 
+def test_a_completion_held_to_a_json_schema_is_json_that_follows_it(served, browser):
+    page = browser.new_page(viewport={"width": 1280, "height": 1300})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(served[1])
+    schema = {"type": "object", "properties": {"speaker": {"enum": ["ROMEO", "JULIET", "NURSE"]},
+                                               "line": {"type": "string", "maxLength": 40}},
+              "required": ["speaker", "line"], "additionalProperties": False}
+    page.click("#completion-tab-button")
+    page.fill("#completion-prompt textarea", "Enter ROMEO and JULIET.")
+    page.click("#completion-advanced button")
+    page.click("#completion-output-format input")
+    page.get_by_role("option", name="JSON schema").click()
+    page.fill("#completion-output-grammar textarea", json.dumps(schema, indent=1))
+    page.click("#completion-generate")
+    expect(page.locator("#completion-stats")).to_contain_text("tokens/s")
+    settled(page, "#completion-stats")
+    value = json.loads(page.locator("#completion-output textarea").input_value())
+    assert set(value) == {"speaker", "line"} and value["speaker"] in ("ROMEO", "JULIET", "NURSE")
+    assert isinstance(value["line"], str) and len(value["line"]) <= 40
+    page.locator("#completion-output-format").scroll_into_view_if_needed()
+    page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-json.png"), full_page=True)
+    page.close()
+
+
 def test_continue_appends_the_completion_to_the_prompt_and_goes_on(page, served):
     tokenizer = served[0].tokenizer
     stats, box = page.locator("#completion-stats"), page.locator("#completion-prompt textarea")

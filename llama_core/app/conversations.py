@@ -35,7 +35,7 @@ MAX_IMPORT_BYTES = 2_000_000  # the largest export file accepted
 MAX_TITLE_CHARS = 80
 # The sampling controls a conversation keeps, as the chat tab's controls name them (stop: one string per line).
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "stop", "seed")
+            "frequency_penalty", "stop", "seed", "output_format", "output_grammar")
 NEW_TITLE = "New chat"
 
 

@@ -38,6 +38,7 @@ if importlib.util.find_spec("matplotlib") is None:
 import gradio as gr  # noqa: E402
 
 from ..errors import ContextLengthError, LlamaError  # noqa: E402
+from ..grammar import grammar_for  # noqa: E402
 from ..loader import ModelInfo  # noqa: E402
 from ..prompt_library import PromptLibrary  # noqa: E402
 from ..serving import aio, requests  # noqa: E402
@@ -54,7 +55,10 @@ STREAM_UPDATE_SECONDS = 0.1
 # fixed one lets them survive a server restart (it guards nothing: the data is the user's own, in their browser).
 STORAGE_KEY, STORAGE_SECRET = "llama-core-conversations", "llama-core-conversations-v1"
 TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
-ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed")
+ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed",
+            "output_format", "output_grammar")
+OUTPUT_FORMATS = [("Text", "text"), ("JSON", "json"), ("JSON schema", "json_schema"), ("Regular expression", "regex"),
+                  ("Lark grammar", "lark")]
 CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 #chat-prompt pre { max-height: 360px; overflow-y: auto; }
 #chat-prompt pre code { white-space: pre-wrap; overflow-wrap: anywhere; }
@@ -113,7 +117,7 @@ def start_chat(engine: TextEngine, message: Any, history: Any, system_prompt: An
     controls: the other sampling controls, named as in llama_core.SamplingParams."""
     with _user_errors():
         dialog = requests.chat_dialog(message, history, system_prompt)
-        return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **controls)
+        return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **_with_grammar(controls))
 
 
 def open_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
@@ -121,7 +125,7 @@ def open_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any
     """The chat tab's turn: as start_chat, its controls in the tab's order (conversations.SETTINGS), and
     llama_core's errors raised as they are, for the tab to show inside the chat."""
     dialog = requests.chat_dialog(message, history, system_prompt)
-    return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **_advanced(advanced))
+    return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **_with_grammar(_advanced(advanced)))
 
 
 async def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> AsyncIterator[str]:
@@ -152,7 +156,7 @@ async def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any
             echoed, probabilities = requests.flag(echo, "echo"), requests.flag(show_probabilities, "show_probabilities")
             return text, echoed, probabilities, stream_completion(
                 engine, text, temperature, top_p, max_new_tokens, prompt_logprobs=echoed and probabilities,
-                top_logprobs=TOP_ALTERNATIVES if probabilities else 0, **controls)
+                top_logprobs=TOP_ALTERNATIVES if probabilities else 0, **_with_grammar(controls))
 
     prompt_text, echoed, probabilities, stream = await aio.submitted(start, aio.text_size(prompt))
     text, generated, prompt_tokens = "", [], []
@@ -311,15 +315,27 @@ def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.components.Comp
                        "first", elem_id=f"{prefix}-stop-strings"),
             gr.Number(label="Seed", precision=0, info="the same seed and settings give the same reply; empty is "
                       "random", elem_id=f"{prefix}-seed"),
+            gr.Dropdown(OUTPUT_FORMATS, value="text", label="Reply format", info="JSON: any JSON object; the others "
+                        "follow the box below", elem_id=f"{prefix}-output-format"),
+            gr.Textbox(label="JSON schema, regular expression or Lark grammar", lines=3, max_lines=12,
+                       placeholder='{"type": "object", "properties": {"name": {"type": "string"}}}',
+                       elem_id=f"{prefix}-output-grammar"),
         ]
     return basic + advanced
 
 
 def _advanced(values: tuple) -> dict[str, Any]:
-    """The Advanced accordion's values as sampling controls (the stop box holds one string per line)."""
+    """The Advanced accordion's values as the requests' controls (the stop box holds one string per line)."""
     controls = dict(zip(ADVANCED, values))
     controls["stop"] = [line for line in (controls["stop"] or "").splitlines() if line]
     return controls
+
+
+def _with_grammar(controls: dict[str, Any]) -> dict[str, Any]:
+    """Sampling controls from the requests' controls: output_format and output_grammar made into the grammar
+    they name. Raises InvalidRequestError for a format its box does not fit."""
+    output_format, spec = controls.pop("output_format", None), controls.pop("output_grammar", None)
+    return dict(controls, grammar=grammar_for(output_format or "text", spec or ""))
 
 
 def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
@@ -334,14 +350,16 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     async def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
                    max_new_tokens: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
-                   seed: Optional[int] = None) -> AsyncIterator[str]:
-        """Streams the assistant's reply to message after history: yields the reply so far."""
+                   seed: Optional[int] = None, output_format: str = "text",
+                   output_grammar: str = "") -> AsyncIterator[str]:
+        """Streams the assistant's reply to message after history: yields the reply so far. output_format:
+        text, json (any JSON object), json_schema, regex or lark, the last three held to output_grammar."""
         stream = await aio.submitted(
             lambda: start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens,
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
-                               seed=seed),
-            aio.text_size(message, history, system_prompt))
+                               seed=seed, output_format=output_format, output_grammar=output_grammar),
+            aio.text_size(message, history, system_prompt, output_grammar))
         async for reply in replies(stream):
             yield reply
 
@@ -349,12 +367,14 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                            show_probabilities: bool, top_k: int = 0, min_p: float = 0.0,
                            repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                            frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
-                           seed: Optional[int] = None) -> AsyncIterator[tuple[str, list[dict], dict]]:
-        """Streams a completion of prompt: yields (text, tokens with probabilities, stats)."""
+                           seed: Optional[int] = None, output_format: str = "text",
+                           output_grammar: str = "") -> AsyncIterator[tuple[str, list[dict], dict]]:
+        """Streams a completion of prompt: yields (text, tokens with probabilities, stats). output_format: as
+        for /chat."""
         async for update in complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
                                      top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
-                                     seed=seed):
+                                     seed=seed, output_format=output_format, output_grammar=output_grammar):
             yield update
 
     # -- the chat tab: conversations kept in the browser (llama_core.app.conversations) ------------------

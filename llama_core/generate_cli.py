@@ -3,6 +3,7 @@
     llama-generate "ROMEO:" --max-new-tokens 64
     echo "Who goes there?" | llama-generate --chat --system "You are Juliet."
     llama-generate --ckpt-dir ~/llama/llama-2-7b-chat --chat "What is a KV cache?" --temperature 0
+    llama-generate --chat "Name a play and its year." --json-schema '{"type": "object", "properties": ...}'
 
 The prompt is the argument, or stdin read whole when there is none (or it is -). Only the generated text
 goes to stdout; the model's summary, the loading bar and the closing figures go to stderr (none with
@@ -13,6 +14,7 @@ line naming the flag and the fix, and the exit status is 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Optional, TextIO
@@ -21,6 +23,7 @@ from .cli_options import (ArgumentParser, ModelPlan, OptionError, add_model_opti
                           positive_int)
 from .dialog import SPECIAL_TAGS, Dialog, has_special_tags
 from .errors import InvalidRequestError, LlamaError
+from .grammar import Grammar
 from .serving import requests  # the request checks: no torch
 from .serving.requests import SamplingParams
 
@@ -49,6 +52,12 @@ def build_parser() -> ArgumentParser:
                           "or less where the context is shorter)")
     sampling.add_argument("--stop", action="append", help="end the text before this string; up to 4 times")
     sampling.add_argument("--seed", type=int, help="the same seed and settings give the same text (default: random)")
+    output = p.add_argument_group("reply format (at most one)").add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="the text is a JSON object")
+    output.add_argument("--json-schema", metavar="SCHEMA", help="the text is JSON following this JSON Schema: its "
+                        "text, or a file holding it")
+    output.add_argument("--regex", metavar="PATTERN", help="the text matches this regular expression, whole")
+    output.add_argument("--grammar", metavar="FILE", help="the text follows this Lark grammar (its rule start)")
     model = p.add_argument_group("model")
     add_model_options(model)
     model.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's own choice)")
@@ -92,7 +101,39 @@ def check_sampling_options(args: argparse.Namespace) -> SamplingParams:
             SamplingParams(**{name: value})
         except LlamaError as exc:
             raise OptionError(f"--{name.replace('_', '-')}: {exc}") from exc
-    return SamplingParams(**given)
+    return SamplingParams(**given, grammar=check_output_options(args))
+
+
+def check_output_options(args: argparse.Namespace) -> Optional[Grammar]:
+    """The grammar --json, --json-schema, --regex or --grammar holds the text to, or None."""
+    try:
+        if args.json:
+            return Grammar.json()
+        if args.json_schema is not None:
+            text = args.json_schema if args.json_schema.lstrip().startswith("{") else _read(args.json_schema,
+                                                                                           "--json-schema")
+            try:
+                schema = json.loads(text)
+            except ValueError as exc:
+                raise OptionError(f"--json-schema is not JSON: {exc}") from None
+            return Grammar.json(schema, name="--json-schema")
+        if args.regex is not None:
+            return Grammar.regex(args.regex, name="--regex")
+        if args.grammar is not None:
+            return Grammar.lark(_read(args.grammar, "--grammar"), name="--grammar")
+    except OptionError:
+        raise
+    except LlamaError as exc:
+        raise OptionError(str(exc)) from exc
+    return None
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptionError(f"{flag}: cannot read {path!r}: {exc}") from None
 
 
 def check_max_new_tokens(max_new_tokens: Optional[int], max_seq_len: int) -> Optional[int]:

@@ -360,6 +360,23 @@ def test_generate_streams_its_text_piece_by_piece(llama):
     assert "".join(out.writes).strip() == expected.strip()
 
 
+def test_generate_holds_its_text_to_a_reply_format(tmp_path):
+    schema = {"type": "object", "properties": {"play": {"type": "string", "maxLength": 30},
+              "year": {"type": "integer", "minimum": 1590, "maximum": 1613}}, "required": ["play", "year"],
+              "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    sampled = ["--temperature", "0.8", "--seed", "3", "-q", "--device", "cpu"]
+    for given in (json.dumps(schema), str(tmp_path / "schema.json")):
+        reply = json.loads(run(GENERATE, "--chat", "Name a play.", "--json-schema", given, *sampled).stdout)
+        assert set(reply) == {"play", "year"} and 1590 <= reply["year"] <= 1613 and len(reply["play"]) <= 30
+    assert run(GENERATE, "ROMEO:", "--regex", "(ay|nay), my lord!", *sampled).stdout.strip() in (
+        "ay, my lord!", "nay, my lord!")
+    (tmp_path / "answer.lark").write_text('start: ("yes" | "no") "."')
+    assert run(GENERATE, "ROMEO:", "--grammar", str(tmp_path / "answer.lark"), *sampled).stdout.strip() in (
+        "yes.", "no.")
+    assert run(GENERATE, "ROMEO:", "--json", "--max-new-tokens", "3", *sampled).stdout.startswith("{")
+
+
 def test_generate_seed_reproduces_a_sampled_text():
     sampled = ["ROMEO:", "--temperature", "1", "--top-p", "0.95", "--max-new-tokens", "24", "-q", "--device", "cpu"]
     first = run(GENERATE, *sampled, "--seed", "7")
@@ -386,6 +403,13 @@ BAD_GENERATE_ARGUMENTS = {
     "more context than memory": (["x", "--max-seq-len", "400000000", "--allow-longer-context"], [
         "needs at least", "1 requests x 400,000,000 tokens in float32", "pass --max-seq-len "]),
     "kv cache dtype unknown": (["x", "--kv-cache-dtype", "int8"], ["argument --kv-cache-dtype", "'int8'", "'float16'"]),
+    "schema not json": (["x", "--json-schema", "{type: object}"], ["--json-schema is not JSON"]),
+    "schema unknown type": (["x", "--json-schema", '{"type": "foo"}'], ["--json-schema is not valid: Invalid type: foo"]),
+    "schema file missing": (["x", "--json-schema", "no-such-schema.json"], ["--json-schema: cannot read",
+                                                                           "no-such-schema.json"]),
+    "regex broken": (["x", "--regex", "(("], ["--regex is not valid: regex parse error"]),
+    "grammar broken": (["x", "--grammar", str(DEFAULT_CKPT_DIR / "params.json")], ["--grammar is not valid"]),
+    "two formats": (["x", "--json", "--regex", "a"], ["argument --regex: not allowed with argument --json"]),
 }
 
 

@@ -678,7 +678,7 @@ class Engine:
             logits = self._penalized(sequences, logits)
         if any(s.grammar for s in sequences):  # what would break a request's grammar is never drawn
             allowed = to_device(allowed_tokens([s.grammar for s in sequences], logits.shape[-1]), device)
-            logits = logits.masked_fill(~allowed, -math.inf)
+            logits = torch.where(allowed, logits, -math.inf)
         temperatures = [p.temperature for p in params]
         if not any(temperatures):  # all greedy: no softmax, no draw
             next_tokens = greedy_tokens(logits)

@@ -31,21 +31,12 @@ class GrammarMatcher:
         self._vocabulary = vocabulary
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
-        """[vocab_size] bool: the tokens that may come next (the end of sequence only where the grammar is
-        complete, or where the only ways on write a forbidden text; none past the tokenizer's words, which a
-        model's padded vocabulary may have)."""
-        words = torch.empty((self.words + 31) // 32, dtype=torch.int32)
-        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
-        bits = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
-        allowed = torch.zeros(vocab_size, dtype=torch.bool)
-        width = min(vocab_size, self.words)
-        allowed[:width] = bits[:width]
-        if self._forbidden:
-            writing = [t for t in self._vocabulary.writing(self._forbidden, self._tail) if t < width]
-            allowed[writing] = False
-        if not allowed.any():
-            allowed[self.eos] = True
-        return allowed
+        """[vocab_size] bool: the tokens that may come next (see allowed_tokens)."""
+        return allowed_tokens([self], vocab_size)[0]
+
+    def banned(self) -> list[int]:
+        """The tokens the grammar allows that would write a forbidden text now."""
+        return self._vocabulary.writing(self._forbidden, self._tail) if self._forbidden else []
 
     def accept(self, token: int) -> bool:
         """Moves past a drawn token; False if the grammar does not allow it (the matcher then stays failed)."""
@@ -65,15 +56,40 @@ class GrammarMatcher:
 
 
 def allowed_tokens(matchers: list[Optional[GrammarMatcher]], vocab_size: int) -> torch.Tensor:
-    """[rows, vocab_size] bool on the CPU: the tokens each row may draw next (all of them for a row without a
-    grammar; none of those past the tokenizer's words, which a model's padded vocabulary may have)."""
-    allowed = torch.ones(len(matchers), vocab_size, dtype=torch.bool)
-    for i, matcher in enumerate(matchers):
-        if matcher is not None:
-            allowed[i] = matcher.allowed(vocab_size)
+    """[rows, vocab_size] bool on the CPU: the tokens each row may draw next. A row without a grammar may draw
+    any; one with a grammar, the tokens the grammar allows (the end of sequence only where it is complete) less
+    those that would write a forbidden text, and none past the tokenizer's words (a model's padded vocabulary);
+    where that leaves none, the end of sequence."""
+    held = [(i, matcher) for i, matcher in enumerate(matchers) if matcher is not None]
+    if not held:
+        return torch.ones(len(matchers), vocab_size, dtype=torch.bool)
+    words = max(matcher.words for _, matcher in held)
+    masks = torch.zeros((len(matchers), (words + 31) // 32), dtype=torch.int32)
+    for i, matcher in held:  # each releases the interpreter's lock while it computes
+        matcher._matcher.unsafe_compute_mask_ptr(masks[i].data_ptr(), masks.shape[1] * 4)
+    bits = ((masks[:, :, None] >> _BITS) & 1).view(len(matchers), -1).bool()
+    if bits.shape[1] >= vocab_size:
+        allowed = bits[:, :vocab_size].contiguous()
+    else:
+        allowed = torch.zeros(len(matchers), vocab_size, dtype=torch.bool)
+        allowed[:, : bits.shape[1]] = bits
+    free = [i for i, matcher in enumerate(matchers) if matcher is None]
+    if free:
+        allowed[free] = True
+    for i, matcher in held:
+        if matcher.words < vocab_size:
+            allowed[i, matcher.words :] = False  # a model's padded vocabulary, past its tokenizer's words
+        banned = [token for token in matcher.banned() if token < vocab_size]
+        if banned:
+            allowed[i, banned] = False
+    any_allowed = allowed.view(torch.uint8).amax(dim=1).tolist()
+    for i, matcher in held:
+        if not any_allowed[i]:
+            allowed[i, matcher.eos] = True
     return allowed
 
 
+_BITS = torch.arange(32, dtype=torch.int32)
 class _Vocabulary:
     """A SentencePiece tokenizer as the grammar sees it: each token's bytes (a control token's name marked with
     0xFF, as special), an encoder of text that starts mid-sequence (no leading space added), the LLTokenizer

@@ -29,7 +29,8 @@ def build_demo() -> gr.Blocks:
     async def complete(prompt: str, temperature: float, top_p: float, max_new_tokens: int, echo: bool,
                        show_probabilities: bool, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                        presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
-                       seed: Optional[int] = None) -> AsyncIterator[tuple[str, list[dict], dict]]:
+                       seed: Optional[int] = None, output_format: str = "text",
+                       output_grammar: str = "") -> AsyncIterator[tuple[str, list[dict], dict]]:
         yield "x", [], {"generated_tokens": 1}
         await asyncio.sleep(SECONDS_PER_TOKEN * (max_new_tokens - 1))
         yield "x" * max_new_tokens, [], {"generated_tokens": max_new_tokens}

@@ -194,14 +194,27 @@ def test_requests_without_a_grammar_are_untouched_by_one_beside_them(llama):
     list(held)
 
 
-def test_constrained_steps_do_not_draft(llama):
-    """Prompt lookup leaves a request with a grammar alone (each drafted token would change what may follow);
-    its reply is the same with lookup on or off."""
-    engine = llama.engine
-    before = engine.drafted_tokens
-    text = "ROMEO: ROMEO: ROMEO: ROMEO:"
-    grammar = Grammar.regex("(ROMEO: ){1,8}")
-    tokens = [chunk.token for chunk in engine.submit(token_ids(llama, text), 40, temperature=0, grammar=grammar)]
-    assert engine.drafted_tokens == before
-    assert llama.tokenizer.decode(tokens).strip().startswith("ROMEO:")
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=11)])
+def test_drafts_of_a_reply_held_to_a_grammar_change_nothing_but_its_steps(sampling):
+    """Prompt lookup drafts for a request with a grammar (the tokens its grammar accepts) and each drafted
+    position is masked as the grammar stands after the draft before it: the reply is the one decoded without
+    drafts, in fewer steps where the prediction is right."""
+    from llama_core.serving import Engine
 
+    llama = Llama.build(max_seq_len=384, max_batch_size=2, seed=0)
+    grammar = Grammar.json({"type": "object", "properties": {"lines": {"type": "array", "maxItems": 6, "items": {
+        "type": "string", "maxLength": 30}}}, "required": ["lines"], "additionalProperties": False})
+    prompt = token_ids(llama, "ROMEO:")
+    plain = Engine(llama.loaded, prompt_lookup=0)
+    reply = [c.token for c in plain.submit(prompt, 120, grammar=grammar, **sampling)]
+    steps = plain.steps
+    plain.close()
+    edited = list(reply)
+    edited[len(edited) // 2] = token_ids(llama, "x")[0]  # a prediction off at one token
+    for prediction in (reply, edited):
+        drafting = Engine(llama.loaded, prompt_lookup=5, draft_price=0.1)
+        tokens = [c.token for c in drafting.submit(prompt, 120, grammar=grammar, prediction_tokens=prediction,
+                                                   **sampling)]
+        assert tokens == reply and drafting.accepted_tokens > 0 and drafting.steps < steps
+        drafting.close()
+    assert json.loads(llama.tokenizer.decode(reply))

@@ -37,7 +37,7 @@ import torch
 from ..cpu_kernels import threads as cpu_threads
 from ..devices import to_device
 from ..errors import LlamaError, InvalidRequestError, ServerBusyError
-from .grammar_matcher import GrammarMatcher, allowed_tokens
+from .grammar_matcher import GrammarMatcher, allowed_along_drafts, allowed_tokens
 from ..loader import LoadedModel, ModelInfo
 from ..model import Span
 from ..runner import cache_rows, right_padded
@@ -664,21 +664,23 @@ class Engine:
             self._prompt_written(sequence, len(sequence.prompt_tokens))
         self._deliver(sequences, *sampled)
 
-    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor,
-                ahead: int | list[int] = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
+    def _sample(self, sequences: list[_Sequence], logits: torch.Tensor, ahead: int | list[int] = 0,
+                allowed: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, Optional[tuple]]:
         """Each row's next token, drawn with its request's parameters; its log-probability under the model
         (NaN where no request of the batch asked for them); and, where some request asked for them, the
         model's most likely alternatives (log-probabilities, token ids). ahead: tokens each row (or every
-        row) has sampled or drafted beyond those delivered (a seeded draw depends on the token's index)."""
+        row) has sampled or drafted beyond those delivered (a seeded draw depends on the token's index).
+        allowed: [rows, vocab] the tokens each row may draw; None: as the requests' grammars allow now."""
         device = self.runner.device
         params = [s.params for s in sequences]
         aheads = ahead if isinstance(ahead, list) else [ahead] * len(sequences)
         raw_logits = logits
         if any(p.penalized for p in params):
             logits = self._penalized(sequences, logits)
-        if any(s.grammar for s in sequences):  # what would break a request's grammar is never drawn
-            allowed = to_device(allowed_tokens([s.grammar for s in sequences], logits.shape[-1]), device)
-            logits = torch.where(allowed, logits, -math.inf)
+        if allowed is None and any(s.grammar for s in sequences):
+            allowed = allowed_tokens([s.grammar for s in sequences], logits.shape[-1])
+        if allowed is not None:  # what would break a request's grammar is never drawn
+            logits = torch.where(to_device(allowed, device), logits, -math.inf)
         temperatures = [p.temperature for p in params]
         if not any(temperatures):  # all greedy: no softmax, no draw
             next_tokens = greedy_tokens(logits)
@@ -776,10 +778,10 @@ class Engine:
     # -- prompt lookup --------------------------------------------------------------------------
     def _drafts(self, active: list[_Sequence]) -> list[list[int]]:
         """Each request's draft for this step (see lookup): none where the step would feed more than
-        DRAFT_ROWS rows, or some request has penalties (each drafted token would change them) or a grammar (each
-        would change what the next may be)."""
+        DRAFT_ROWS rows, or some request has penalties (each drafted token would change them). A request with a
+        grammar drafts only the tokens its grammar would accept."""
         longest = min(self.prompt_lookup, DRAFT_ROWS // len(active) - 1)
-        if longest < 1 or any(s.params.penalized or s.grammar for s in active):
+        if longest < 1 or any(s.params.penalized for s in active):
             return [[] for _ in active]
         drafts, price = [], self.draft_price.price
         for sequence in active:
@@ -790,7 +792,10 @@ class Engine:
                                                reply_start=len(sequence.prompt_tokens))
             room = min(self._token_limit(sequence) - sequence.generated - 1,  # tokens it may still have
                        self.runner.max_seq_len - 1 - sequence.next_pos)  # positions its slot has
-            drafts.append(sequence.lookup.draft(min(longest, room), price))
+            draft = sequence.lookup.draft(min(longest, room), price)
+            if sequence.grammar is not None:
+                draft = draft[: sequence.grammar.valid_prefix(draft)]
+            drafts.append(draft)
         return drafts
 
     @torch.inference_mode()
@@ -809,7 +814,11 @@ class Engine:
             if len(active) == 1 and device.type == "cpu":
                 self.draft_price.record(width, time.perf_counter() - started)
             rows = [s for s in active for _ in range(width)]
-            drawn, logprobs, alternatives = self._sample(rows, logits.flatten(0, 1), list(range(width)) * len(active))
+            allowed = None
+            if any(s.grammar for s in active):  # each position as its grammar stands after the draft before it
+                allowed = allowed_along_drafts([s.grammar for s in active], drafts, width, logits.shape[-1])
+            drawn, logprobs, alternatives = self._sample(rows, logits.flatten(0, 1), list(range(width)) * len(active),
+                                                         allowed)
         except Exception as exc:
             for s in active:
                 self._free(s.slot, "error", _failure_message(exc))

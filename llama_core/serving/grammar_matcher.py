@@ -3,9 +3,10 @@ vocabulary, from llguidance; and the texts a chat reply must never write, kept o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
@@ -29,6 +30,7 @@ class GrammarMatcher:
         self._forbidden = tuple(text.encode() for text in grammar.forbidden if text)
         self._tail = b""  # the reply's last bytes, as many as the longest forbidden text less one
         self._vocabulary = vocabulary
+        self._tried: Optional[int] = None  # tokens accepted inside trying(), to take back
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] bool: the tokens that may come next (see allowed_tokens)."""
@@ -43,7 +45,25 @@ class GrammarMatcher:
         if self._forbidden:
             keep = max(map(len, self._forbidden)) - 1
             self._tail = (self._tail + self._vocabulary.tokens[token])[-keep:] if keep else b""
-        return self._matcher.consume_token(token)
+        accepted = self._matcher.consume_token(token)
+        if accepted and self._tried is not None:
+            self._tried += 1
+        return accepted
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, from the start, the grammar would accept now (nothing is consumed)."""
+        return self._matcher.validate_tokens(tokens) if tokens else 0
+
+    @contextlib.contextmanager
+    def trying(self) -> Iterator[None]:
+        """Tokens accepted inside are taken back at its end (masks for a draft's positions)."""
+        tail, self._tried = self._tail, 0
+        try:
+            yield
+        finally:
+            if self._tried:
+                self._matcher.rollback(self._tried)
+            self._tail, self._tried = tail, None
 
     @property
     def complete(self) -> bool:
@@ -86,6 +106,27 @@ def allowed_tokens(matchers: list[Optional[GrammarMatcher]], vocab_size: int) ->
     for i, matcher in held:
         if not any_allowed[i]:
             allowed[i, matcher.eos] = True
+    return allowed
+
+
+def allowed_along_drafts(matchers: list[Optional[GrammarMatcher]], drafts: list[list[int]], width: int,
+                         vocab_size: int) -> torch.Tensor:
+    """[len(matchers) * width, vocab_size] bool: for a forward over each request's last token and its draft
+    (width positions each), the tokens each position may draw: position j after the draft's first j tokens.
+    Each draft must be one its grammar accepts (valid_prefix); positions past a draft may draw any token."""
+    allowed = torch.ones(len(matchers) * width, vocab_size, dtype=torch.bool)
+    with contextlib.ExitStack() as trials:
+        for matcher in matchers:
+            if matcher is not None:
+                trials.enter_context(matcher.trying())
+        for j in range(width):
+            at = [m if m is not None and j <= len(d) else None for m, d in zip(matchers, drafts)]
+            if not any(at):
+                break
+            allowed[j::width] = allowed_tokens(at, vocab_size)
+            for matcher, draft in zip(at, drafts):
+                if matcher is not None and j < len(draft):
+                    matcher.accept(draft[j])
     return allowed
 
 

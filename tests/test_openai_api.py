@@ -41,7 +41,7 @@ def serve_api(engine, api_keys=(KEY, OTHER_KEY)) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def served():
     """(engine, base URL of the API): the app's server (page and API together) on the test model."""
-    with app_server.serve_app(max_seq_len=256, api_keys=(KEY, OTHER_KEY)) as (engine, url):
+    with app_server.serve_app(max_seq_len=512, api_keys=(KEY, OTHER_KEY)) as (engine, url):  # room for tools
         yield engine, url + "v1"
 
 
@@ -261,6 +261,144 @@ def test_a_predicted_json_reply_is_drafted_and_the_same(client, model_id, served
     assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 0
 
 
+# -- tools --------------------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+SUMMON = {"type": "function", "function": {"name": "summon", "parameters": {
+    "type": "object", "properties": {"who": {"enum": ["ROMEO", "JULIET", "NURSE"]}}, "required": ["who"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Verona?"}]
+
+
+def called(choice) -> tuple[str, dict]:
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and re.fullmatch(r"call_[0-9a-f]{24}", call.id)
+    return call.function.name, json.loads(call.function.arguments)
+
+
+def test_a_required_tool_call_follows_its_function_and_its_parameters(client, model_id):
+    for seed in range(3):
+        reply = client.chat.completions.create(model=model_id, messages=ASK, tools=[WEATHER, SUMMON], seed=seed,
+                                               tool_choice="required", temperature=1.0, max_tokens=80)
+        name, arguments = called(reply.choices[0])
+        if name == "get_weather":
+            assert set(arguments) == {"city"} and len(arguments["city"]) <= 20
+        else:
+            assert name == "summon" and arguments in ({"who": "ROMEO"}, {"who": "JULIET"}, {"who": "NURSE"})
+
+
+def test_a_named_tool_is_the_one_called_and_none_calls_nothing(client, model_id):
+    reply = client.chat.completions.create(model=model_id, messages=ASK, tools=[WEATHER, SUMMON], max_tokens=80,
+                                           tool_choice={"type": "function", "function": {"name": "summon"}})
+    assert called(reply.choices[0])[0] == "summon"
+    plain = client.chat.completions.create(model=model_id, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=20, temperature=0)
+    alone = client.chat.completions.create(model=model_id, messages=ASK, max_tokens=20, temperature=0)
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].message.content == alone.choices[0].message.content
+
+
+def test_a_streamed_tool_call_is_the_unstreamed_one(client, model_id):
+    ask = dict(model=model_id, messages=ASK, tools=[WEATHER, SUMMON], tool_choice="required", seed=5,
+               temperature=1.0, max_tokens=80)
+    whole = client.chat.completions.create(**ask)
+    chunks = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    deltas = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [called(whole.choices[0])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+
+
+def test_a_conversation_goes_on_after_a_tool_result(client, model_id):
+    """The call and its result go back into the dialog; with tool_choice auto the reply is text or another
+    call, and a text reply streams as it is written."""
+    first = client.chat.completions.create(model=model_id, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=80, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                      {"role": "tool", "tool_call_id": call.id, "content": "Sunny, and 24 degrees"}]
+    for seed in range(3):
+        reply = client.chat.completions.create(model=model_id, messages=messages, tools=[WEATHER], seed=seed,
+                                               temperature=1.0, max_tokens=40)
+        choice = reply.choices[0]
+        if choice.message.tool_calls:
+            assert called(choice)[0] == "get_weather"
+        else:
+            assert choice.message.content and not choice.message.content.lstrip().startswith("{")
+            streamed = [c for c in client.chat.completions.create(model=model_id, messages=messages, tools=[WEATHER],
+                                                                  seed=seed, temperature=1.0, max_tokens=40,
+                                                                  stream=True) if c.choices]
+            assert "".join(c.choices[0].delta.content or "" for c in streamed) == choice.message.content
+
+
+def test_with_tools_a_text_reply_streams_as_written_and_a_call_is_sent_whole_at_its_end():
+    from llama_core.openai_api.routes import _ChatReply
+    from llama_core.openai_api.schemas import Tool
+    from llama_core.openai_api.streaming import Batch
+    from llama_core.openai_api.tools import check_tools
+    from llama_core.serving.events import StreamChunk
+
+    class Ended:
+        finish_reason = "eos"
+
+    reply = _ChatReply(None, "m", [Ended(), Ended()], 2, False, False, check_tools([Tool(**WEATHER)]))
+
+    def event(index, *texts, done=False):
+        found = reply.event(Batch(index, [StreamChunk(1, 0.0, text) for text in texts], done))
+        return None if found is None else (found["choices"][0]["delta"], found["choices"][0]["finish_reason"])
+
+    assert event(0, " ") is None  # not yet known to be text
+    assert event(0, "Sunny") == ({"content": " Sunny"}, None)
+    assert event(0, ", in", " Verona") == ({"content": ", in Verona"}, None)
+    assert event(0, done=True) == ({}, "stop")
+    assert event(1, '{"name": "get_weather", ') is None
+    assert event(1, '"arguments": {"city": "Verona"}}') is None
+    delta, finish = event(1, done=True)
+    assert finish == "tool_calls" and delta["content"] is None
+    (call,) = delta["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Verona"}'}
+
+
+def test_tool_turns_are_written_into_the_dialog_as_the_model_reads_them():
+    from llama_core.openai_api.routes import _dialog
+    from llama_core.openai_api.schemas import ChatMessage
+
+    messages = [ChatMessage(**m) for m in [
+        {"role": "system", "content": "Be brief."}, *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Verona"}'}},
+            {"id": "c2", "function": {"name": "get_weather", "arguments": '{"city": "Mantua"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "Rain"}]]
+    dialog = _dialog(messages, "TOOLS")
+    assert [m["role"] for m in dialog] == ["system", "user", "assistant", "user"]
+    assert dialog[0]["content"] == "Be brief.\n\nTOOLS"
+    assert dialog[2]["content"] == ('{"name": "get_weather", "arguments": {"city": "Verona"}}\n'
+                                    '{"name": "get_weather", "arguments": {"city": "Mantua"}}')
+    assert dialog[3]["content"] == "get_weather returned: Sunny\nget_weather returned: Rain"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "tools[0].type"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "foo"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "x"}]}, "functions"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{"}}]},
+                   {"role": "tool", "tool_call_id": "1", "content": "x"}]}, "messages[1].tool_calls[0].function.arguments"),
+])
+def test_a_bad_tool_request_is_a_400_naming_the_field(served, body, param):
+    response = raw(served, "POST", "/chat/completions", {"messages": ASK, **body})
+    assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+
+
 @pytest.mark.parametrize("response_format, param", [
     ({"type": "xml"}, "response_format.type"),
     ({"type": "json_schema"}, "response_format.json_schema"),
@@ -303,7 +441,7 @@ def test_the_sdk_raises_bad_request_naming_the_field(client, model_id):
     ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content"),
     ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
      "messages[0].content[0]"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', "tools"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', "tools[0].function"),
     ('{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}', "top_logprobs"),
     ('{"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": true}}', "stream_options"),
 ])
@@ -603,8 +741,11 @@ _SAMPLING = {
 _CHAT_FIELDS = {
     **_SAMPLING, "logprobs": (st.booleans(), _ANY_SCALAR), "top_logprobs": (st.none(), _ODD_NUMBERS),
     "max_completion_tokens": (st.integers(1, 8), _ODD_NUMBERS),
-    "tools": (st.just([]), st.one_of(st.lists(st.dictionaries(st.text(max_size=4), _ANY_SCALAR, max_size=2),
-                                              min_size=1, max_size=2), _ANY_SCALAR)),
+    "tools": (st.sampled_from([[], [WEATHER], [WEATHER, SUMMON]]), st.one_of(st.lists(st.dictionaries(
+        st.text(max_size=4), _ANY_SCALAR, max_size=2), min_size=1, max_size=2), _ANY_SCALAR)),
+    "tool_choice": (st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "summon"}}]),
+                    st.one_of(_ANY_SCALAR, st.fixed_dictionaries({"type": st.just("function"), "function": st.just(
+                        {"name": "nope"})}))),
 }
 _COMPLETION_FIELDS = {
     **_SAMPLING, "echo": (st.booleans(), _ANY_SCALAR), "logprobs": (st.integers(0, 5), _ODD_NUMBERS),

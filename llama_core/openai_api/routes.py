@@ -29,6 +29,7 @@ from ..serving.events import StreamChunk
 from ..serving.requests import MAX_SEED, SamplingParams
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion
 from ..tokenizer import StreamDecoder
+from . import tools
 from .errors import APIError, from_llama_error, from_validation_errors
 from .schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, Prediction, ResponseFormat, SamplingFields,
                       TextPart)
@@ -95,7 +96,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         served_model(body.model)
         _refuse_unsupported_chat(body)
-        dialog = _dialog(body.messages)
+        functions, required = _tools(body)
+        dialog = _dialog(body.messages, tools.tools_prompt(functions, required) if functions else "")
         prediction = _prediction(body.prediction)
         fields = set(body.model_fields_set) | {"messages"}
         rename = {"max_new_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
@@ -103,6 +105,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         controls = _controls(body, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0)
+        if functions:
+            controls["grammar"] = tools.call_grammar(functions, required)
         max_new_tokens = _max_new_tokens(max_tokens, engine, "max_completion_tokens" if rename else "max_tokens")
         refusal = [False]
 
@@ -117,7 +121,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                                     aio.text_size(*(message["content"] for message in dialog)))
         if refusal[0]:
             raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
-        reply = _ChatReply(engine, model_id, streams, len(streams), _include_usage(body), bool(body.logprobs))
+        reply = _ChatReply(engine, model_id, streams, len(streams), _include_usage(body), bool(body.logprobs),
+                           functions)
         if body.stream:
             return _event_stream(reply.events(request))
         return await reply.whole(request)
@@ -166,11 +171,23 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 
 # -- reading a request -------------------------------------------------------------------------------------
 def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
-    if body.tools or body.functions or body.tool_choice not in (None, "none"):
-        field = "tools" if body.tools else "functions" if body.functions else "tool_choice"
-        raise APIError(400, "tools and function calling are not supported by this server", param=field)
+    if body.functions:
+        raise APIError(400, "functions is OpenAI's older form of tools: send tools instead", param="functions")
+    if body.tools and body.response_format is not None and body.response_format.type != "text" and (
+            body.tool_choice != "none"):
+        raise APIError(400, "response_format and tools cannot hold one reply together: send one of them",
+                       param="response_format")
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _tools(body: ChatCompletionRequest) -> tuple[list[tools.Function], bool]:
+    """The tools the reply may call, and whether it must call one."""
+    if not body.tools:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
+        return [], False
+    return tools.callable_now(tools.check_tools(body.tools), body.tool_choice)
 
 
 def _prediction(prediction: Optional[Prediction]) -> Optional[str]:
@@ -182,20 +199,31 @@ def _prediction(prediction: Optional[Prediction]) -> Optional[str]:
     return _text(prediction.content, "prediction.content")
 
 
-def _dialog(messages: list[ChatMessage]) -> Dialog:
-    """OpenAI's messages as a Llama-2 dialog ("developer" is OpenAI's newer name for "system"); the order of
-    roles is then checked by the dialog layout itself."""
+def _dialog(messages: list[ChatMessage], tools_note: str = "") -> Dialog:
+    """OpenAI's messages as a Llama-2 dialog ("developer" is OpenAI's newer name for "system"; an assistant's
+    tool calls and the tools' results as tools.history_turns writes them), tools_note at the end of the system
+    prompt; the order of roles is then checked by the dialog layout itself."""
     if not messages:
         raise APIError(400, "messages is empty: send at least one user message", param="messages")
     dialog: Dialog = []
-    for i, message in enumerate(messages):
-        role = "system" if message.role == "developer" else message.role
+    for i, role, written in tools.history_turns(messages):
+        message = messages[i]
+        role = {"developer": "system", "tool": "user"}.get(role, role)
         if role not in ("system", "user", "assistant"):
             raise APIError(400, f"messages[{i}] has role {message.role!r}; this server takes system, developer, "
-                           "user and assistant messages", param=f"messages[{i}].role")
-        if message.content is None:
+                           "user, assistant and tool messages", param=f"messages[{i}].role")
+        if written is None and message.content is None:
             raise APIError(400, f"messages[{i}] has no content", param=f"messages[{i}].content")
-        dialog.append({"role": role, "content": _text(message.content, f"messages[{i}].content")})
+        content = "" if message.content is None or message.role == "tool" else _text(message.content,
+                                                                                   f"messages[{i}].content")
+        if written is not None:
+            content = f"{content}\n{written}" if content else _text(written, f"messages[{i}]")
+        dialog.append({"role": role, "content": content})
+    if tools_note:
+        if dialog[0]["role"] == "system":
+            dialog[0] = {"role": "system", "content": f"{dialog[0]['content']}\n\n{tools_note}".strip()}
+        else:
+            dialog.insert(0, {"role": "system", "content": tools_note})
     return dialog
 
 
@@ -390,16 +418,24 @@ class _ChatReply(_Reply):
     id_prefix = "chatcmpl"
 
     def __init__(self, engine: TextEngine, model_id: str, streams: list[TextStream], per_prompt: int,
-                 include_usage: bool, logprobs: bool) -> None:
+                 include_usage: bool, logprobs: bool, functions: Sequence[tools.Function] = ()) -> None:
+        """functions: the tools a choice may call; a choice that is a call comes back as tool_calls (streamed:
+        a choice whose text starts with "{" is held back to its end, then sent as its call)."""
         super().__init__(engine, model_id, streams, per_prompt, include_usage)
         self.logprobs = logprobs
+        self.functions = list(functions)
+        self.held: list[Optional[list[StreamChunk]]] = [[] if functions else None for _ in streams]
 
     def whole_body(self, parts: list[list[StreamChunk]]) -> dict[str, Any]:
         choices = []
         for i, chunks in enumerate(parts):
-            choices.append({"index": i, "message": {"role": "assistant", "content": "".join(c.text for c in chunks),
-                                                    "refusal": None},
-                            "logprobs": self._logprobs(chunks), "finish_reason": self.finish_reason(i)})
+            text = "".join(c.text for c in chunks)
+            message, finish = {"role": "assistant", "content": text, "refusal": None}, self.finish_reason(i)
+            call = self._call(i, text)
+            if call is not None:
+                message, finish = {**message, "content": None, "tool_calls": [tools.tool_call(call)]}, "tool_calls"
+            choices.append({"index": i, "message": message, "logprobs": self._logprobs(chunks),
+                            "finish_reason": finish})
         return {"choices": choices}
 
     async def first_events(self) -> AsyncIterator[dict[str, Any]]:
@@ -407,13 +443,33 @@ class _ChatReply(_Reply):
             yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
 
     def event(self, batch: Batch) -> Optional[dict[str, Any]]:
-        text = "".join(c.text for c in batch.chunks)
-        logprobs = self._logprobs(batch.chunks)
+        chunks, held = batch.chunks, self.held[batch.index]
+        if held is not None:  # with tools: text before its first character is known to start no call is held
+            held += chunks
+            text = "".join(c.text for c in held)
+            if not batch.done and (not text.strip() or text.lstrip().startswith("{")):
+                return None
+            self.held[batch.index] = None
+            call = self._call(batch.index, text) if batch.done else None
+            if call is not None:
+                delta = {"content": None, "tool_calls": [{"index": 0, **tools.tool_call(call)}]}
+                return self._chunk(batch.index, delta, self._logprobs(held), "tool_calls")
+            chunks = held
+        text = "".join(c.text for c in chunks)
+        logprobs = self._logprobs(chunks)
         if batch.done:
+            if text or (logprobs and logprobs["content"]):  # held text, sent with the end
+                return self._chunk(batch.index, {"content": text}, logprobs, self.finish_reason(batch.index))
             return self._chunk(batch.index, {}, None, self.finish_reason(batch.index))
         if not text and not (logprobs and logprobs["content"]):
             return None
         return self._chunk(batch.index, {"content": text}, logprobs, None)
+
+    def _call(self, index: int, text: str) -> Optional[dict[str, Any]]:
+        """The tool call choice `index` makes, where it ended by itself with one."""
+        if not self.functions or self.streams[index].finish_reason not in ("eos", "stop"):
+            return None
+        return tools.parse_call(text, self.functions)
 
     def _chunk(self, index: int, delta: dict, logprobs: Optional[dict], finish: Optional[str]) -> dict[str, Any]:
         event = self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})

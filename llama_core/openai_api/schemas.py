@@ -33,10 +33,40 @@ class TextPart(_Request):
     text: Optional[StrictStr] = None
 
 
+class FunctionCall(_Request):
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as text
+
+
+class ToolCall(_Request):
+    id: Optional[StrictStr] = None
+    type: Optional[StrictStr] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: StrictStr  # system, developer (OpenAI's newer name for system), user or assistant
+    role: StrictStr  # system, developer (OpenAI's newer name for system), user, assistant or tool
     content: Union[StrictStr, list[TextPart], None] = None
     name: Optional[StrictStr] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls
+    tool_call_id: Optional[StrictStr] = None  # a tool message: the call it answers
+
+
+class Function(_Request):
+    name: StrictStr
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class Tool(_Request):
+    type: StrictStr  # "function"
+    function: Function
+
+
+class NamedTool(_Request):
+    type: StrictStr  # "function"
+    function: dict[str, Any]  # {"name": ...}
 
 
 class StreamOptions(_Request):
@@ -89,8 +119,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[StrictInt] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[StrictStr, NamedTool, None] = None  # "none", "auto", "required", or a function by name
+    parallel_tool_calls: Optional[StrictBool] = None
     functions: Optional[list[Any]] = None
 
 

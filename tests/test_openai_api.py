@@ -391,6 +391,9 @@ def test_tool_turns_are_written_into_the_dialog_as_the_model_reads_them():
     ({"functions": [{"name": "x"}]}, "functions"),
     ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "1", "content": "x"}, {"role": "assistant", "content": "y"},
+                   {"role": "tool", "tool_call_id": "1", "content": "x"}]}, "messages[4].role"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{"}}]},
                    {"role": "tool", "tool_call_id": "1", "content": "x"}]}, "messages[1].tool_calls[0].function.arguments"),
 ])

@@ -140,10 +140,12 @@ def history_turns(messages: list[ChatMessage]) -> list[tuple[int, str, Optional[
     content the caller's own checks read (every other message)."""
     turns: list[tuple[int, str, Optional[str]]] = []
     names: dict[str, str] = {}  # tool_call_id -> the function called
+    answering = False  # the message before was an assistant's calls, or a result of them
     for i, message in enumerate(messages):
-        if message.role == "tool" and not (turns and turns[-1][1] in ("tool", "assistant") and names):
+        if message.role == "tool" and not answering:
             raise APIError(400, f"messages[{i}] has role 'tool' but answers no call: a tool message follows an "
                            "assistant message with tool_calls", param=f"messages[{i}].role")
+        answering = message.role == "tool" or (message.role == "assistant" and bool(message.tool_calls))
         if message.role == "assistant" and message.tool_calls:
             calls = []
             for j, call in enumerate(message.tool_calls):

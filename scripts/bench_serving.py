@@ -394,6 +394,10 @@ def main() -> None:
         for _ in range(a.runs):
             runs.append({name: {"slots": slots, **run_clients(requests[name], a)} for name, slots in configurations})
     (base, _), (measured, _) = configurations
+    for run in runs:
+        for name, _ in configurations:
+            if not run[name]["tokens"]:
+                sys.exit(f"{name} served no tokens; its errors: {run[name]['errors'][:3]}")
     ratios = [run[measured]["aggregate_tokens_per_s"] / run[base]["aggregate_tokens_per_s"] for run in runs]
     for name, _ in configurations:  # the figures of the run whose ratio is the median
         report[name] = runs[ratios.index(statistics.median_low(ratios))][name]

@@ -261,6 +261,18 @@ def test_a_predicted_json_reply_is_drafted_and_the_same(client, model_id, served
     assert predicted.usage.completion_tokens_details.accepted_prediction_tokens > 0
 
 
+def test_logit_bias_bans_tokens_streamed_or_not(client, model_id, served):
+    tokenizer = served[0].tokenizer
+    ask = dict(model=model_id, prompt="ROMEO:", max_tokens=12, temperature=0)
+    free = client.completions.create(**ask).choices[0].text
+    first = tokenizer.encode("ROMEO:" + free, bos=True, eos=False)[len(tokenizer.encode("ROMEO:", bos=True,
+                                                                                        eos=False))]
+    banned = client.completions.create(**ask, logit_bias={str(first): -100}).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**ask, logit_bias={str(first): -100},
+                                                                           stream=True))
+    assert banned != free and streamed == banned
+
+
 # -- tools --------------------------------------------------------------------------------------------------
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}

@@ -168,6 +168,23 @@ def test_top_logprobs_list_the_models_alternatives(llama, tokenizer):
     assert all(c.top_logprobs is None for c in plain)
 
 
+def test_logit_bias_bans_a_token_or_all_but_forces_one(llama, tokenizer):
+    prompt = tokenizer.encode("Once upon a time", bos=True, eos=False)
+    with llama.serve() as engine:
+        (first,) = list(engine.submit(prompt, 1, temperature=0, top_logprobs=2))
+        best, runner_up = first.top_logprobs[0][0], first.top_logprobs[1][0]
+        banned = [c.token for c in engine.submit(prompt, 12, temperature=0, logit_bias={str(best): -100})]
+        assert banned[0] == runner_up and best not in banned
+        forced = [c for c in engine.submit(prompt, 6, temperature=0.8, seed=3, logit_bias={runner_up: 100})]
+        assert [c.token for c in forced] == [runner_up] * 6
+        assert forced[0].logprob == pytest.approx(first.top_logprobs[1][1], abs=1e-5)  # the model's own
+        # beside a biased request, another is untouched
+        alone = [c.token for c in engine.submit(prompt, 12, temperature=0.8, seed=9)]
+        biased = engine.submit(prompt, 12, temperature=0.8, seed=9, logit_bias={best: -100, runner_up: -100})
+        beside = engine.submit(prompt, 12, temperature=0.8, seed=9)
+        assert [c.token for c in beside] == alone and not {best, runner_up} & {c.token for c in biased}
+
+
 def test_the_app_facing_streams_take_every_control(llama):
     with llama.serve() as engine:
         stream = stream_completion(engine, "Once upon", temperature=0.8, max_new_tokens=10, top_k=5, min_p=0.05,
@@ -197,6 +214,11 @@ def test_the_app_facing_streams_take_every_control(llama):
     (dict(top_logprobs=21), "top_logprobs must be an integer from 0 to 20"),
     (dict(temperature=10**400), "temperature must be a finite number"),
     (dict(bogus=1), "unknown sampling parameter"),
+    (dict(logit_bias={5: 101}), r"logit_bias\[5\] must be a number from -100 to 100"),
+    (dict(logit_bias={"x": 1}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={10**6: 1}), r"logit_bias has token 1000000, outside the model's vocabulary"),
+    (dict(logit_bias=[1, 2]), "logit_bias must map token ids to numbers"),
+    (dict(logit_bias={t: 1 for t in range(301)}), "logit_bias takes at most 300 tokens"),
 ])
 def test_bad_controls_are_refused_with_the_field_and_range(llama, tokenizer, controls, message):
     prompt = tokenizer.encode("Once upon", bos=True, eos=False)

@@ -37,7 +37,7 @@ from .streaming import Batch, merged_batches
 
 MAX_CHOICES = 16  # most choices (n x prompts) in one request
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "stop", "seed")
+                   "frequency_penalty", "stop", "seed", "logit_bias")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
 
 log = logging.getLogger(__name__)
@@ -135,8 +135,6 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                            param="suffix")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported; use n for several completions", param="best_of")
-        if body.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         prompts = _prompts(body.prompt)
         n = _choices(body.n, len(prompts))
         top = body.logprobs
@@ -177,8 +175,6 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
             body.tool_choice != "none"):
         raise APIError(400, "response_format and tools cannot hold one reply together: send one of them",
                        param="response_format")
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
 
 def _tools(body: ChatCompletionRequest) -> tuple[list[tools.Function], bool]:

@@ -20,6 +20,7 @@ MAX_HISTORY_CHARS = 400_000  # longest chat history accepted, all messages toget
 MAX_STOP_STRINGS = 4  # as the OpenAI API allows
 MAX_STOP_CHARS = 200  # longest stop string
 MAX_TOP_LOGPROBS = 20  # alternatives per position
+MAX_LOGIT_BIAS = 300  # tokens a request may bias, as the OpenAI API allows
 MAX_SEED = 2**63 - 1
 # Hotter than this is the same draw from the nucleus, near uniform; the devices divide in float32, where 1e300
 # would overflow.
@@ -44,6 +45,7 @@ class SamplingParams:
     logprobs: bool = True  # each generated token's log-probability (NaN without)
     top_logprobs: int = 0  # the most likely alternatives per position, with their log-probabilities
     grammar: Optional[Grammar] = None  # what the reply must match (a JSON schema, a regex, a Lark grammar)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit): -100 bans it, 100 all but forces it
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_p)
@@ -62,6 +64,7 @@ class SamplingParams:
         set_field("logprobs", flag(self.logprobs, "logprobs"))
         set_field("top_logprobs", _integer(self.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS,
                                            f"an integer from 0 to {MAX_TOP_LOGPROBS}"))
+        set_field("logit_bias", logit_bias(self.logit_bias))
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise InvalidRequestError("grammar must be a llama_core.Grammar (Grammar.json(schema), Grammar.regex(pattern) "
                                       f"or Grammar.lark(source)), got {type(self.grammar).__name__}")
@@ -82,6 +85,30 @@ class SamplingParams:
         if self.grammar is not None:
             object.__setattr__(params, "grammar", self.grammar.forbidding(tuple(extra)))
         return params
+
+
+def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A logit bias as (token, bias) pairs sorted by token: None, a mapping of token ids (ints, or their
+    decimal text as JSON sends them) to numbers from -100 to 100, or such pairs; at most MAX_LOGIT_BIAS tokens.
+    Token ids are checked against the model's vocabulary with the request (GenerationRequest.checked)."""
+    if value is None:
+        return ()
+    pairs = value.items() if isinstance(value, dict) else value
+    if not isinstance(pairs, (list, tuple, type({}.items()))):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers from -100 to 100, got {_show(value)}")
+    bias: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidRequestError(f"logit_bias must map token ids to numbers from -100 to 100, got {_show(value)}")
+        token, amount = pair
+        if isinstance(token, str) and token.isascii() and token.isdigit():
+            token = int(token)
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers of 0 or more), got {_show(token)}")
+        bias[token] = _number(amount, f"logit_bias[{token}]", -100.0, 100.0, "from -100 to 100")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    return tuple(sorted(bias.items()))
 
 
 def stop_strings(value: Any) -> tuple[str, ...]:
@@ -126,6 +153,10 @@ class GenerationRequest:
         if not isinstance(prediction_tokens, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prediction_tokens):
             raise InvalidRequestError(f"prediction_tokens must be token ids in [0, {vocab_size})")
+        outside = [token for token, _ in params.logit_bias if token >= vocab_size]
+        if outside:
+            raise InvalidRequestError(f"logit_bias has token {outside[0]}, outside the model's vocabulary "
+                                      f"[0, {vocab_size})")
         return cls(tokens, max_new_tokens, params, flag(prompt_logprobs, "prompt_logprobs"),
                    tuple(prediction_tokens[:max_seq_len]))
 

@@ -740,7 +740,8 @@ _SAMPLING = {
                                                     _ANY_SCALAR)),
     "stream": (st.booleans(), _ANY_SCALAR),
     "stream_options": (st.none(), st.one_of(st.fixed_dictionaries({"include_usage": _ANY_SCALAR}), _ANY_SCALAR)),
-    "logit_bias": (st.none(), st.one_of(st.dictionaries(st.text(max_size=6), _ANY_SCALAR, min_size=1, max_size=3),
+    "logit_bias": (st.one_of(st.none(), st.dictionaries(st.integers(0, 2047).map(str), st.floats(-100, 100),
+                                                       max_size=3)), st.one_of(st.dictionaries(st.text(max_size=6), _ANY_SCALAR, min_size=1, max_size=3),
                                         _ANY_SCALAR)),
     "model": (st.just("tiny-shakespeare"), _ANY_SCALAR),
     "response_format": (st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), st.fixed_dictionaries(

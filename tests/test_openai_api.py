@@ -414,6 +414,89 @@ def test_a_bad_tool_request_is_a_400_naming_the_field(served, body, param):
     assert response.status_code == 400 and error_of(response)["param"] == param, response.text
 
 
+# -- the Responses API ------------------------------------------------------------------------------------
+def test_a_response_is_the_chat_reply_to_the_same_dialog(client, model_id):
+    response = client.responses.create(model=model_id, input="Good morrow, what news?", instructions="You are Juliet.",
+                                       max_output_tokens=30, temperature=0)
+    chat = client.chat.completions.create(model=model_id, max_tokens=30, temperature=0, messages=[
+        {"role": "system", "content": "You are Juliet."}, {"role": "user", "content": "Good morrow, what news?"}])
+    assert response.status == "completed" and response.output[0].type == "message"
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_streamed_response_sends_its_events_in_order_and_the_same_text(client, model_id):
+    ask = dict(model=model_id, input=[{"role": "user", "content": [{"type": "input_text", "text": "Speak."}]}],
+               max_output_tokens=24, temperature=0.9, extra_body={"seed": 4})
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{whole.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(client, model_id):
+    ask = dict(model=model_id, input="Tell me of the king and his court.", max_output_tokens=3, temperature=0)
+    whole = client.responses.create(**ask)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert list(client.responses.create(**ask, stream=True))[-1].type == "response.incomplete"
+
+
+def test_the_sdk_parses_a_response_into_its_pydantic_model_whole_or_streamed(client, model_id):
+    parsed = client.responses.parse(model=model_id, input="Who speaks?", text_format=Verse, max_output_tokens=120,
+                                    extra_body={"seed": 1}, temperature=1.0)
+    assert isinstance(parsed.output_parsed, Verse)
+    with client.responses.stream(model=model_id, input="Who speaks?", text_format=Verse, max_output_tokens=120,
+                                 extra_body={"seed": 1}, temperature=1.0) as stream:
+        for _ in stream:
+            pass
+        assert stream.get_final_response().output_parsed == parsed.output_parsed
+
+
+def test_a_response_calls_a_function_and_goes_on_from_its_output(client, model_id):
+    weather = {"type": "function", **WEATHER["function"]}
+    first = client.responses.create(model=model_id, input="Weather in Verona?", tools=[weather],
+                                    tool_choice="required", max_output_tokens=60, temperature=0)
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    events = list(client.responses.create(model=model_id, input="Weather in Verona?", tools=[weather],
+                                          tool_choice="required", max_output_tokens=60, temperature=0, stream=True))
+    assert [e.type for e in events][2:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                            "response.function_call_arguments.done", "response.output_item.done",
+                                            "response.completed"]
+    assert events[-1].response.output[0].arguments == call.arguments
+    then = client.responses.create(model=model_id, tools=[weather], max_output_tokens=20, temperature=0, input=[
+        {"role": "user", "content": "Weather in Verona?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    assert then.status in ("completed", "incomplete") and then.output
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"type": "input_image", "role": "user"}]}, "input[0].type"),
+    ({"input": [{"type": "message", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "input[1].role"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "foo"}}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"input": 5}, "input"),
+])
+def test_a_bad_response_request_is_a_400_naming_the_field(served, body, param):
+    response = raw(served, "POST", "/responses", {"input": "hi", **body})
+    assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+
+
 @pytest.mark.parametrize("response_format, param", [
     ({"type": "xml"}, "response_format.type"),
     ({"type": "json_schema"}, "response_format.json_schema"),
@@ -810,6 +893,39 @@ def test_any_chat_body_gets_an_answer_or_an_error_naming_the_problem(served, bod
 @given(body=_COMPLETION_BODIES)
 def test_any_completion_body_gets_an_answer_or_an_error_naming_the_problem(served, body):
     _answers_any_body(served, "/completions", body)
+
+
+_RESPONSE_FIELDS = {
+    "instructions": (st.one_of(st.none(), _TEXT), st.one_of(_ODD_TEXT, _ANY_SCALAR)),
+    "max_output_tokens": (st.integers(1, 8), _ODD_NUMBERS),
+    "temperature": (st.floats(0, 2), _ODD_NUMBERS), "top_p": (st.floats(0.01, 1), _ODD_NUMBERS),
+    "stream": (st.booleans(), _ANY_SCALAR),
+    "text": (st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {
+        "type": "json_schema", "name": "n", "schema": {"type": "integer"}}}]), st.one_of(_ANY_SCALAR, st.fixed_dictionaries(
+            {"format": st.one_of(_ANY_SCALAR, st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "x", 1])}))}))),
+    "tools": (st.sampled_from([[], [{"type": "function", **WEATHER["function"]}]]), st.one_of(_ANY_SCALAR, st.lists(
+        st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search", 2]), "name": _ODD_TEXT}), max_size=2))),
+    "tool_choice": (st.sampled_from(["auto", "none"]), st.one_of(_ANY_SCALAR, st.just({"type": "function"}))),
+    "store": (st.booleans(), _ANY_SCALAR),
+}
+_RESPONSE_BODIES = _bodies({"input": (st.one_of(_TEXT, _dialogs()), st.one_of(_ODD_MESSAGES, st.lists(
+    st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]),
+                           "role": st.sampled_from(["user", "assistant", "tool", None])}), max_size=3)))},
+                           _RESPONSE_FIELDS)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(body=_RESPONSE_BODIES)
+def test_any_responses_body_gets_a_response_or_an_error_naming_the_problem(served, body):
+    response = raw(served, "POST", "/responses", json.dumps(body, allow_nan=True))
+    assert response.status_code in (200, 400, 404), (body, response.status_code, response.text[:500])
+    if response.status_code != 200:
+        assert error_of(response)["type"] == "invalid_request_error", (body, response.text[:500])
+    elif body.get("stream"):
+        last = json.loads(response.text.rstrip().rsplit("data: ", 1)[1])
+        assert last["type"] in ("response.completed", "response.incomplete"), response.text[-500:]
+    else:
+        assert response.json()["object"] == "response" and response.json()["output"]
 
 
 def test_the_server_still_serves_after_every_kind_of_bad_body(client, model_id):

@@ -29,10 +29,10 @@ from ..serving.events import StreamChunk
 from ..serving.requests import MAX_SEED, SamplingParams
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion
 from ..tokenizer import StreamDecoder
-from . import tools
+from . import responses, tools
 from .errors import APIError, from_llama_error, from_validation_errors
-from .schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, Prediction, ResponseFormat, SamplingFields,
-                      TextPart)
+from .schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, Prediction, ResponseFormat,
+                      ResponsesRequest, SamplingFields, TextPart)
 from .streaming import Batch, merged_batches
 
 MAX_CHOICES = 16  # most choices (n x prompts) in one request
@@ -127,6 +127,44 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             return _event_stream(reply.events(request))
         return await reply.whole(request)
 
+    @api.post("/v1/responses", dependencies=v1)
+    async def create_response(body: ResponsesRequest, request: Request) -> Any:
+        served_model(body.model)
+        if body.previous_response_id is not None:
+            raise APIError(400, "previous_response_id: this server stores no responses; send the conversation as "
+                           "input", param="previous_response_id")
+        messages, origin = responses.chat_messages(body)
+        try:
+            chat_tools, tool_choice = responses.chat_tools(body)
+            chat = ChatCompletionRequest(
+                messages=messages, max_tokens=body.max_output_tokens, response_format=responses.response_format(
+                    body.text.format if body.text else None), tools=chat_tools, tool_choice=tool_choice,
+                **{name: getattr(body, name) for name in SAMPLING_FIELDS if name != "logit_bias"})
+            _refuse_unsupported_chat(chat)
+            functions, required = _tools(chat)
+            note = "\n\n".join(part for part in (body.instructions or "", tools.tools_prompt(functions, required)
+                                                  if functions else "") if part)
+            dialog = _dialog(chat.messages, note)
+            controls = _controls(chat, logprobs=False)
+            if functions:
+                controls["grammar"] = tools.call_grammar(functions, required)
+            max_new_tokens = _max_new_tokens(chat.max_tokens, engine, "max_tokens")
+
+            def submit(_: None) -> TextStream:
+                stream = stream_chat(engine, dialog, max_new_tokens=max_new_tokens, drop_old_turns=False, **controls)
+                if stream.refusal is not None:
+                    raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
+                return stream
+
+            (stream,) = await _submit_all(submit, [None], set(chat.model_fields_set) | {"messages"}, {},
+                                          aio.text_size(*(message["content"] for message in dialog)))
+        except APIError as exc:
+            raise responses.renamed(exc, origin) from None
+        writer = responses.ResponseWriter(stream, model_id, body, functions)
+        if body.stream:
+            return _event_stream(writer.events(request), done=False)
+        return await writer.whole(request)
+
     @api.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         served_model(body.model)
@@ -162,7 +200,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                    dependencies=v1)
     def unknown_route(path: str, request: Request) -> None:
         raise APIError(404, f"no route {request.method} /v1/{path}; this server has GET /v1/models, "
-                       "POST /v1/chat/completions and POST /v1/completions", code="unknown_url")
+                       "POST /v1/chat/completions, POST /v1/completions and POST /v1/responses", code="unknown_url")
 
     return api
 
@@ -569,11 +607,15 @@ def _token_bytes(text: str) -> bytes:
     return text.encode("utf-8")
 
 
-def _event_stream(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def _event_stream(events: AsyncIterator[dict[str, Any]], done: bool = True) -> StreamingResponse:
+    """Server-sent events; done: ending with `data: [DONE]` (the chat and completion routes; the Responses API
+    names each event instead, and ends with response.completed)."""
     async def lines() -> AsyncIterator[bytes]:
         async for event in events:
-            yield b"data: " + json.dumps(event).encode() + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            name = f"event: {event['type']}\n".encode() if not done and "type" in event else b""
+            yield name + b"data: " + json.dumps(event).encode() + b"\n\n"
+        if done:
+            yield b"data: [DONE]\n\n"
 
     return StreamingResponse(lines(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -134,3 +134,62 @@ class CompletionRequest(SamplingFields):
     best_of: Optional[StrictInt] = None
 
 
+
+
+# -- the Responses API ----------------------------------------------------------------------------------
+class InputItem(_Request):
+    type: Optional[StrictStr] = None  # "message" (or absent); "function_call", "function_call_output"
+    role: Optional[StrictStr] = None  # user, system, developer or assistant
+    content: Union[StrictStr, list[TextPart], None] = None  # text parts: input_text, output_text
+    call_id: Optional[StrictStr] = None  # a function call, or its output
+    name: Optional[StrictStr] = None
+    arguments: Optional[StrictStr] = None
+    output: Optional[StrictStr] = None
+
+
+class TextFormat(_Request):
+    type: StrictStr  # "text", "json_object" or "json_schema"
+    name: Optional[StrictStr] = None
+    schema_: Optional[Union[dict[str, Any], StrictBool]] = Field(None, alias="schema")
+    strict: Optional[StrictBool] = None
+    description: Optional[StrictStr] = None
+
+
+class TextOptions(_Request):
+    format: Optional[TextFormat] = None
+
+
+class ResponseTool(_Request):
+    type: StrictStr  # "function"
+    name: Optional[StrictStr] = None
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses: OpenAI's Responses API, without stored responses."""
+
+    model: Optional[StrictStr] = None
+    input: Union[StrictStr, list[InputItem]]
+    instructions: Optional[StrictStr] = None
+    max_output_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    stream: Optional[StrictBool] = False
+    text: Optional[TextOptions] = None
+    tools: Optional[list[ResponseTool]] = None
+    tool_choice: Union[StrictStr, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    store: Optional[StrictBool] = None  # taken; nothing is stored
+    previous_response_id: Optional[StrictStr] = None
+    metadata: Optional[dict[str, Any]] = None
+    user: Optional[StrictStr] = None
+    # Beyond OpenAI's fields, as on the other routes:
+    seed: Optional[StrictInt] = None
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    stop: Union[StrictStr, list[StrictStr], None] = None

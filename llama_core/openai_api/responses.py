@@ -1,0 +1,228 @@
+"""OpenAI's Responses API (POST /v1/responses) on the same engine as the chat route.
+
+Its input items become the chat route's messages (a message, an assistant's function call, a call's output),
+`instructions` the system prompt, `text.format` the grammar of `response_format`, and function tools the chat
+route's tools. The reply is a Response object, or its stream of events: response.created, the output item and
+its text (or its function call's arguments) as they come, then response.completed (or response.incomplete, where
+max_output_tokens ended it). Nothing is stored: `store` is answered false and previous_response_id is refused.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+
+from . import tools
+from .errors import APIError, from_llama_error
+from .schemas import (ChatMessage, FunctionCall, InputItem, NamedTool, ResponsesRequest, TextPart, Tool, ToolCall,
+                      TextFormat)
+from .streaming import merged_batches
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def chat_messages(body: ResponsesRequest) -> tuple[list[ChatMessage], list[int]]:
+    """The input as chat messages, and for each the input item it came from (an assistant's function calls in a
+    row make one message)."""
+    items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    messages: list[ChatMessage] = []
+    origin: list[int] = []
+    for i, item in enumerate(items):
+        kind = item.type or "message"
+        if kind == "message":
+            if item.role is None:
+                raise APIError(400, f"input[{i}] is a message without a role", param=f"input[{i}].role")
+            messages.append(ChatMessage(role=item.role, content=_content(item.content)))
+            origin.append(i)
+        elif kind == "function_call":
+            if item.name is None or item.arguments is None:
+                raise APIError(400, f"input[{i}] is a function_call: it needs name and arguments", param=f"input[{i}]")
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            if messages and messages[-1].role == "assistant" and messages[-1].tool_calls:
+                messages[-1].tool_calls.append(call)
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+                origin.append(i)
+        elif kind == "function_call_output":
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output or ""))
+            origin.append(i)
+        else:
+            raise APIError(400, f"input[{i}] is a {kind!r} item; this server reads message, function_call and "
+                           "function_call_output items", param=f"input[{i}].type")
+    return messages, origin
+
+
+def _content(content: Any) -> Any:
+    """A message's content with the Responses API's text parts as the chat route's."""
+    if not isinstance(content, list):
+        return content
+    return [TextPart(type="text", text=part.text) if part.type in TEXT_PARTS else part for part in content]
+
+
+def response_format(text: Optional[TextFormat]) -> Optional[dict[str, Any]]:
+    """text.format as the chat route's response_format."""
+    if text is None or text.type == "text":
+        return None
+    if text.type == "json_object":
+        return {"type": "json_object"}
+    if text.type != "json_schema":
+        raise APIError(400, f"text.format.type must be 'text', 'json_object' or 'json_schema', got {text.type!r}",
+                       param="text.format.type")
+    return {"type": "json_schema", "json_schema": {"name": text.name or "reply", "schema": text.schema_}}
+
+
+def chat_tools(body: ResponsesRequest) -> tuple[Optional[list[Tool]], Any]:
+    """The function tools and tool_choice in the chat route's shapes."""
+    converted = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.type != "function" or tool.name is None:
+            raise APIError(400, f"tools[{i}] must be a function tool with a name (type 'function'); this server "
+                           f"has no built-in tools, got type {tool.type!r}", param=f"tools[{i}]")
+        converted.append(Tool(type="function", function={"name": tool.name, "description": tool.description,
+                                                         "parameters": tool.parameters}))
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or "name" not in choice:
+            raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                           "\"name\": ...}", param="tool_choice")
+        choice = NamedTool(type="function", function={"name": choice["name"]})
+    return (converted or None), choice
+
+
+FIELDS = {"max_tokens": "max_output_tokens", "response_format.json_schema.schema": "text.format.schema",
+          "response_format.type": "text.format.type", "response_format": "text.format", "messages": "input"}
+
+
+def renamed(error: APIError, origin: list[int]) -> APIError:
+    """A chat route's error named as the Responses API names the field (messages[j] is the input item it came
+    from, tools[i].function.name is tools[i].name)."""
+    def rename(text: str) -> str:
+        text = re.sub(r"messages\[(\d+)\]", lambda m: f"input[{origin[int(m[1])] if int(m[1]) < len(origin) else m[1]}]",
+                      text)
+        text = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text)
+        for old, new in FIELDS.items():
+            text = re.sub(rf"(?<![\w.\[]){re.escape(old)}(?![\w\[])", new, text)
+        return text
+
+    error.message = rename(error.message)
+    if error.param:
+        error.param = rename(error.param)
+    return error
+
+
+class ResponseWriter:
+    """One response's stream as a Response object, or as the Responses API's events."""
+
+    def __init__(self, stream: Any, model_id: str, body: ResponsesRequest,
+                 functions: list[tools.Function]) -> None:
+        self.stream, self.model_id, self.body, self.functions = stream, model_id, body, functions
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.sequence = 0
+
+    def response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {
+            "type": "text"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model_id, "output": output, "error": None, "incomplete_details": incomplete,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": False,
+            "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else (body.tool_choice or "auto"),
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "store": False,
+            "previous_response_id": None, "text": {"format": fmt}, "metadata": body.metadata or {},
+            "usage": self.usage() if status != "in_progress" else None,
+        }
+
+    def usage(self) -> dict[str, Any]:
+        s = self.stream
+        return {"input_tokens": s.prompt_tokens, "output_tokens": s.generated_tokens,
+                "total_tokens": s.prompt_tokens + s.generated_tokens,
+                "input_tokens_details": {"cached_tokens": s.cached_tokens},
+                "output_tokens_details": {"reasoning_tokens": 0}}
+
+    def status(self) -> str:
+        return "incomplete" if self.stream.finish_reason == "length" else "completed"
+
+    def call(self, text: str) -> Optional[dict[str, Any]]:
+        if not self.functions or self.stream.finish_reason not in ("eos", "stop"):
+            return None
+        return tools.parse_call(text, self.functions)
+
+    def items(self, text: str) -> list[dict[str, Any]]:
+        call = self.call(text)
+        if call is not None:
+            made = tools.tool_call(call)
+            return [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": made["id"],
+                     "name": call["name"], "arguments": made["function"]["arguments"], "status": "completed"}]
+        return [self.message(text, "completed")]
+
+    def message(self, text: Optional[str], status: str) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+
+    async def whole(self, request: Request) -> dict[str, Any]:
+        text = ""
+        async for batch in merged_batches([self.stream], request):
+            if batch.error is not None:
+                raise from_llama_error(batch.error, ())
+            text += "".join(c.text for c in batch.chunks)
+        return self.response(self.status(), self.items(text))
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+    async def events(self, request: Request) -> AsyncIterator[dict[str, Any]]:
+        yield self.event("response.created", response=self.response("in_progress", []))
+        yield self.event("response.in_progress", response=self.response("in_progress", []))
+        held: Optional[str] = "" if self.functions else None  # with tools: text not yet known to be no call
+        text, started = "", False
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        async for batch in merged_batches([self.stream], request):
+            if batch.error is not None:
+                yield self.event("error", **from_llama_error(batch.error, ()).body()["error"])
+                return
+            piece = "".join(c.text for c in batch.chunks)
+            if held is not None:
+                held += piece
+                if not batch.done and (not held.strip() or held.lstrip().startswith("{")):
+                    continue
+                piece, held = held, None
+                if batch.done and self.call(piece) is not None:
+                    async for event in self._call_events(piece):
+                        yield event
+                    return
+            if (piece or batch.done) and not started:
+                started = True
+                yield self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress"))
+                yield self.event("response.content_part.added", **where,
+                                 part={"type": "output_text", "text": "", "annotations": []})
+            if piece:
+                text += piece
+                yield self.event("response.output_text.delta", **where, delta=piece, logprobs=[])
+        status = self.status()
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+        yield self.event("response.content_part.done", **where, part=part)
+        item = self.message(text, "completed" if status == "completed" else "incomplete")
+        yield self.event("response.output_item.done", output_index=0, item=item)
+        yield self.event(f"response.{status}", response=self.response(status, [item]))
+
+    async def _call_events(self, text: str) -> AsyncIterator[dict[str, Any]]:
+        (item,) = self.items(text)
+        added = {**item, "arguments": "", "status": "in_progress"}
+        yield self.event("response.output_item.added", output_index=0, item=added)
+        yield self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=0,
+                         delta=item["arguments"])
+        yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
+                         name=item["name"], arguments=item["arguments"])
+        yield self.event("response.output_item.done", output_index=0, item=item)
+        yield self.event("response.completed", response=self.response("completed", [item]))

@@ -87,6 +87,11 @@ BAD_OPENAI = [
                                                         "schema": {"type": "foo"}}}}, "response_format"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}},
      "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "a b"}}]}, "tools[0].function.name"),
+    ("responses", {"input": 5}, "input"),
+    ("responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("responses", {"input": [{"type": "reasoning"}]}, "input[0]"),
 ]
 
 

@@ -4,6 +4,8 @@ real trained stories260K model greedy on CUDA as on the CPU."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -230,3 +232,29 @@ def test_a_float16_kv_cache_on_cuda_equals_the_cpu_path_over_the_same_cache(meta
     assert tokens == expected
     for got, want in zip(lps, expected_lps):
         assert got == pytest.approx(want, abs=2e-3)
+
+
+@needs_stories
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_reply_held_to_a_grammar_on_cuda_is_the_cpus_beside_free_ones(compile):
+    """A request with a grammar in an overlapped CUDA engine (the batch then runs without a step ahead), beside
+    free requests and a logit bias: the same tokens as on the CPU in float32."""
+    from llama_core import Grammar
+
+    grammar = Grammar.json({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                             "age": {"type": "integer", "maximum": 99}},
+                            "required": ["name", "age"], "additionalProperties": False})
+
+    def run(device, **options):
+        llama = build_llama(STORIES_DIR, device=device, dtype="float32", max_seq_len=256, max_batch_size=4, **options)
+        engine = Engine(llama.loaded, seed=0)
+        prompt = llama.tokenizer.encode("Once upon a time", bos=True, eos=False)
+        streams = [engine.submit(prompt, 40, temperature=0, grammar=grammar),
+                   engine.submit(prompt, 40, temperature=0),
+                   engine.submit(prompt, 40, temperature=0.8, seed=3, logit_bias={"13": -100})]
+        tokens = [[c.token for c in s] for s in streams]
+        engine.close()
+        return tokens, llama.tokenizer.decode(tokens[0])
+
+    (expected, text), (got, _) = run("cpu"), run("cuda", compile=compile)
+    assert got == expected and set(json.loads(text)) == {"name", "age"}

@@ -3,6 +3,7 @@ embedded trained model, through the facade and the engine."""
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import random
@@ -11,6 +12,7 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from conftest import needs_stories
 from llama_core import Grammar, InvalidRequestError, Llama, SamplingParams
 from llama_core.dialog import SPECIAL_TAGS
 from llama_core.serving.grammar_matcher import GrammarMatcher, allowed_tokens
@@ -139,6 +141,49 @@ def test_no_walk_through_the_allowed_tokens_writes_a_forbidden_text(llama, seed)
         tokens.append(token)
     text = llama.tokenizer.decode(tokens)
     assert not any(tag in text for tag in SPECIAL_TAGS), text
+
+
+def _tokenizers() -> list:
+    from conftest import LLAMA2_TOKENIZER, STORIES_DIR
+    from llama_core import DEFAULT_CKPT_DIR
+
+    paths = [DEFAULT_CKPT_DIR / "tokenizer.model", LLAMA2_TOKENIZER, STORIES_DIR / "tokenizer.model"]
+    return [pytest.param(path, marks=pytest.mark.skipif(not path.is_file(), reason=f"../shared not present: no {path}"),
+                         id=path.parent.name) for path in paths]
+
+
+@pytest.mark.parametrize("path", _tokenizers())
+@settings(max_examples=80, deadline=None)
+@given(text=st.lists(st.sampled_from(list('{}[]":, \n\tab1é🙂') + ["Romeo", "[INST]", "  "]), min_size=1,
+                     max_size=12).map("".join))
+def test_the_grammars_tokenizer_spells_text_exactly_as_it_follows_other_text(path, text):
+    """llguidance tokenizes the text a grammar forces with this (a SentencePiece tokenizer adds a space at a text's
+    start, and some drop newlines): the tokens must spell exactly the text's bytes, or a forced "{" would come as
+    " {" and leave the grammar."""
+    vocabulary = _vocabulary(path)
+    assert b"".join(vocabulary.tokens[t] for t in vocabulary(text)) == text.encode()
+
+
+@functools.lru_cache(maxsize=None)
+def _vocabulary(path):
+    from llama_core import Tokenizer
+
+    return GrammarMatcher(Grammar.json(), Tokenizer(path))._vocabulary
+
+
+@needs_stories
+def test_a_tokenizer_that_drops_newlines_still_writes_json():
+    """stories260K's tokenizer normalizes newlines away and has no "{" token but its byte: the reply still
+    starts with "{" (not " "), and follows its schema."""
+    from conftest import STORIES_DIR, build_llama
+
+    stories = build_llama(STORIES_DIR, device="cpu", dtype="float32", max_seq_len=256, max_batch_size=2)
+    grammar = Grammar.json({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {
+        "type": "integer", "maximum": 99}}, "required": ["name", "age"], "additionalProperties": False})
+    for seed in range(3):
+        reply = stories.text_completion(["Once upon a time"], temperature=1.0, seed=seed, max_gen_len=60,
+                                        grammar=grammar)[0]["generation"]
+        assert set(json.loads(reply)) == {"name", "age"}, reply
 
 
 # -- replies ---------------------------------------------------------------------------------------------

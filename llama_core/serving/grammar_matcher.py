@@ -156,7 +156,12 @@ class _Vocabulary:
             else:
                 self.tokens.append(piece.replace("\u2581", " ").encode())
         self._sp = sp
-        self._newline = len(sp.encode("\n"))
+        self._newline = sp.encode("\n")
+        self._by_bytes: dict[bytes, int] = {}  # for greedy tokenizing: each text's first plain token
+        for token, piece in enumerate(self.tokens):
+            if token not in self.special_token_ids and piece:
+                self._by_bytes.setdefault(piece, token)
+        self._longest = max(map(len, self._by_bytes), default=1)
         self.llguidance = LLTokenizer(TokenizerWrapper(self))
         self._found: dict = {}  # texts (a tuple) or a text's rest (bytes): the tokens holding or starting with it
 
@@ -169,8 +174,30 @@ class _Vocabulary:
             return found
 
     def __call__(self, text: str) -> list[int]:
-        # SentencePiece starts a text with a space; after a newline it does not, so encode behind one.
-        return self._sp.encode("\n" + text)[self._newline :]
+        """text's tokens as they follow other text: exactly its bytes. SentencePiece starts a text with a
+        space, unless it follows a newline (where the tokenizer keeps newlines); elsewhere the longest tokens
+        that spell it, one after another."""
+        wanted = text.encode()
+        for ids in (self._sp.encode("\n" + text)[len(self._newline):] if self._newline else None,
+                    self._sp.encode(text)):
+            if ids is not None and b"".join(self.tokens[i] for i in ids) == wanted:
+                return ids
+        return self.greedy(wanted)
+
+    def greedy(self, text: bytes) -> list[int]:
+        """The longest token at each place, where it spells a whole token (every byte has one in Llama-2's
+        tokenizers); a byte with none is left out."""
+        ids, at = [], 0
+        while at < len(text):
+            for length in range(min(self._longest, len(text) - at), 0, -1):
+                token = self._by_bytes.get(text[at : at + length])
+                if token is not None:
+                    ids.append(token)
+                    at += length
+                    break
+            else:
+                at += 1
+        return ids
 
     def writing(self, texts: tuple[bytes, ...], tail: bytes) -> list[int]:
         """The tokens that would write one of `texts` after a reply ending in `tail`: those holding a whole one,

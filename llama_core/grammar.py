@@ -102,8 +102,11 @@ def _check_length(text: str, name: str) -> None:
 def _matcher_class():
     """llguidance's LLMatcher, imported when a grammar is first made (the command lines import this module
     to check their arguments, and stay light)."""
-    from llguidance import LLMatcher
-
+    try:
+        from llguidance import LLMatcher
+    except ImportError as exc:
+        raise InvalidRequestError(f"replies held to a grammar need llguidance, which is not installed here: pip "
+                                  f"install 'llguidance>=1.0,<2' ({exc})") from None
     return LLMatcher
 
 

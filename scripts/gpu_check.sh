@@ -8,7 +8,8 @@
 # measured. Logs and JSON reports go to OUT_DIR: 8 files for the default steps.
 #
 #   bash scripts/gpu_check.sh --carry                 # here, beside ../shared: copies the files the CUDA tests
-#                                                     # read from ../shared into .gpu-shared/ (git ignores it)
+#                                                     # read from ../shared into .gpu-shared/ (git ignores it),
+#                                                     # and llguidance as installed here (.gpu-shared/site)
 #   bash scripts/gpu_check.sh OUT_DIR [STEP ...]      # there: the named steps in order (default: ALL_STEPS)
 #   bash scripts/gpu_check.sh --list                  # the steps, in their default order, then the optional ones
 #   python scripts/gpu_summary.py OUT_DIR             # the targets, met or not, from the JSON reports
@@ -32,6 +33,16 @@ if [[ ${1:-} == --carry ]]; then
   shared=${LLAMA_SHARED_DIR:-../shared}
   rm -rf .gpu-shared && mkdir -p .gpu-shared/models .gpu-shared/llama2 || exit 1
   cp -r "$shared/models/stories260K" .gpu-shared/models/ && cp "$shared/llama2/tokenizer.model" .gpu-shared/llama2/ || exit 1
+  # llguidance (grammars) as installed here, for the device's PYTHONPATH: the device has no network to install it.
+  python3 - <<'PY' || echo "llguidance is not installed here: the device's grammar tests will skip"
+import importlib.metadata, pathlib, shutil
+found = importlib.metadata.distribution("llguidance")
+for file in found.files:
+    source, target = pathlib.Path(found.locate_file(file)), pathlib.Path(".gpu-shared/site") / file
+    if source.is_file() and not file.parts[0].endswith(".."):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+PY
   du -sh .gpu-shared
   exit 0
 fi
@@ -43,6 +54,7 @@ steps=("$@")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 [[ -d .gpu-shared ]] && export LLAMA_SHARED_DIR=$PWD/.gpu-shared
+[[ -d .gpu-shared/site ]] && export PYTHONPATH=$PWD/.gpu-shared/site${PYTHONPATH:+:$PYTHONPATH}
 
 budget=${GPU_CHECK_BUDGET_S:-540}
 SECONDS=0

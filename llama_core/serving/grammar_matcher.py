@@ -9,7 +9,6 @@ import weakref
 from typing import Iterator, Optional
 
 import torch
-from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
 from ..errors import InvalidRequestError
 from ..grammar import Grammar, first_lines
@@ -21,6 +20,8 @@ class GrammarMatcher:
 
     def __init__(self, grammar: Grammar, tokenizer: Tokenizer) -> None:
         """Raises InvalidRequestError where the grammar cannot be followed with this tokenizer."""
+        from llguidance import LLMatcher  # imported by the first request with a grammar: the engine runs without it
+
         vocabulary = _Vocabulary.of(tokenizer)
         self._matcher = LLMatcher(vocabulary.llguidance, grammar.text, log_level=0)
         if self._matcher.is_error():
@@ -162,6 +163,8 @@ class _Vocabulary:
             if token not in self.special_token_ids and piece:
                 self._by_bytes.setdefault(piece, token)
         self._longest = max(map(len, self._by_bytes), default=1)
+        from llguidance import LLTokenizer, TokenizerWrapper
+
         self.llguidance = LLTokenizer(TokenizerWrapper(self))
         self._found: dict = {}  # texts (a tuple) or a text's rest (bytes): the tokens holding or starting with it
 

@@ -414,6 +414,42 @@ def test_a_bad_tool_request_is_a_400_naming_the_field(served, body, param):
     assert response.status_code == 400 and error_of(response)["param"] == param, response.text
 
 
+@pytest.mark.parametrize("extra, follows", [
+    ({"guided_choice": ["ROMEO", "JULIET", 'the "NURSE"']}, lambda text: text in ("ROMEO", "JULIET", 'the "NURSE"')),
+    ({"guided_regex": "(ay|nay), my lord[.!]"}, lambda text: re.fullmatch("(ay|nay), my lord[.!]", text)),
+    ({"guided_json": {"type": "integer", "minimum": 0, "maximum": 99}}, lambda text: 0 <= json.loads(text) <= 99),
+    ({"guided_json": '{"enum": ["sun", "moon"]}'}, lambda text: json.loads(text) in ("sun", "moon")),
+    ({"guided_grammar": 'start: ("yes" | "no") "!"'}, lambda text: text in ("yes!", "no!")),
+])
+def test_vllms_guided_fields_hold_the_reply_on_both_routes(client, model_id, extra, follows):
+    for seed in range(2):
+        chat = client.chat.completions.create(model=model_id, messages=ASK, max_tokens=20, temperature=1.0, seed=seed,
+                                              extra_body=extra).choices[0]
+        completion = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=20, temperature=1.0,
+                                               seed=seed, extra_body=extra).choices[0]
+        for choice, text in ((chat, chat.message.content), (completion, completion.text)):
+            assert choice.finish_reason == "stop" and follows(text), text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", ""]}, "guided_choice"),
+    ({"guided_regex": "(("}, "guided_regex"),
+    ({"guided_json": "{"}, "guided_json"),
+    ({"guided_json": {"type": "foo"}}, "guided_json"),
+    ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ({"guided_regex": "a", "tools": [WEATHER]}, "guided_regex"),
+])
+def test_a_bad_or_second_guided_field_is_a_400_naming_it(served, body, param):
+    for path, base in (("/chat/completions", {"messages": ASK}), ("/completions", {"prompt": "x"})):
+        if "tools" in body and path == "/completions":
+            continue
+        response = raw(served, "POST", path, {**base, **body})
+        assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+
+
 # -- the Responses API ------------------------------------------------------------------------------------
 def test_a_response_is_the_chat_reply_to_the_same_dialog(client, model_id):
     response = client.responses.create(model=model_id, input="Good morrow, what news?", instructions="You are Juliet.",
@@ -827,6 +863,10 @@ _SAMPLING = {
                                                        max_size=3)), st.one_of(st.dictionaries(st.text(max_size=6), _ANY_SCALAR, min_size=1, max_size=3),
                                         _ANY_SCALAR)),
     "model": (st.just("tiny-shakespeare"), _ANY_SCALAR),
+    "guided_choice": (st.one_of(st.none(), st.lists(_TEXT, min_size=1, max_size=3)), st.one_of(_ANY_SCALAR, st.lists(
+        _ODD_TEXT, max_size=3))),
+    "guided_regex": (st.one_of(st.none(), st.sampled_from(["[a-z]{1,8}", "(ay|nay)!"])), st.one_of(_ANY_SCALAR,
+                                                                                                  _ODD_TEXT)),
     "response_format": (st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), st.fixed_dictionaries(
         {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
             {"name": st.just("answer"), "schema": st.sampled_from([{"type": "integer"}, {"enum": ["yes", "no"]}, True])},

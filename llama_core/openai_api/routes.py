@@ -209,10 +209,11 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     if body.functions:
         raise APIError(400, "functions is OpenAI's older form of tools: send tools instead", param="functions")
-    if body.tools and body.response_format is not None and body.response_format.type != "text" and (
-            body.tool_choice != "none"):
-        raise APIError(400, "response_format and tools cannot hold one reply together: send one of them",
-                       param="response_format")
+    held = [name for name in GUIDED_FIELDS if getattr(body, name) is not None]
+    if body.response_format is not None and body.response_format.type != "text":
+        held.insert(0, "response_format")
+    if body.tools and held and body.tool_choice != "none":
+        raise APIError(400, f"{held[0]} and tools cannot hold one reply together: send one of them", param=held[0])
 
 
 def _tools(body: ChatCompletionRequest) -> tuple[list[tools.Function], bool]:
@@ -295,7 +296,41 @@ def _choices(n: Optional[int], prompts: int = 1) -> int:
     return n
 
 
-def _grammar(response_format: Optional[ResponseFormat]) -> Optional[Grammar]:
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _grammar(body: SamplingFields) -> Optional[Grammar]:
+    """What the request asks the reply to match: its response_format, or one of vLLM's guided_json (a JSON
+    Schema, or its text), guided_regex, guided_choice (one of these texts) and guided_grammar (Lark)."""
+    asked = [name for name in GUIDED_FIELDS if getattr(body, name) is not None]
+    if body.response_format is not None and body.response_format.type != "text":
+        asked.insert(0, "response_format")
+    if len(asked) > 1:
+        raise APIError(400, f"{' and '.join(asked)} each hold the reply to a grammar: send one of them", param=asked[1])
+    if not asked or asked[0] == "response_format":
+        return _response_grammar(body.response_format)
+    name, value = asked[0], getattr(body, asked[0])
+    try:
+        if name == "guided_json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise APIError(400, f"guided_json is not JSON: {exc}", param=name) from None
+            return Grammar.json(value, name=name)
+        if name == "guided_regex":
+            return Grammar.regex(value, name=name)
+        if name == "guided_grammar":
+            return Grammar.lark(value, name=name)
+        if not value or not all(value):
+            raise APIError(400, "guided_choice must be a list of non-empty texts", param=name)
+        choices = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in value)
+        return Grammar.lark(f"start: {choices}\n", name=name)
+    except LlamaError as exc:
+        raise APIError(400, str(exc), param=name) from None
+
+
+def _response_grammar(response_format: Optional[ResponseFormat]) -> Optional[Grammar]:
     """What response_format asks the reply to match: nothing for "text", any JSON object for "json_object", JSON
     matching json_schema.schema for "json_schema" (OpenAI's structured outputs; `strict` or not, the schema is
     followed)."""
@@ -321,7 +356,7 @@ def _controls(body: SamplingFields, **extra: Any) -> dict[str, Any]:
     response_format as a grammar."""
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
     controls = {**{name: getattr(SamplingParams, name) for name in SAMPLING_FIELDS}, **given, **extra,
-                "grammar": _grammar(body.response_format)}
+                "grammar": _grammar(body)}
     try:
         SamplingParams(**controls)  # judged once here, so that a bad value is refused before any choice runs
     except LlamaError as exc:

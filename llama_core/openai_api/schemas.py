@@ -102,6 +102,10 @@ class SamplingFields(_Request):
     logit_bias: Optional[dict[str, Any]] = None
     user: Optional[StrictStr] = None
     # Beyond OpenAI's fields, as vLLM and llama.cpp's server take them:
+    guided_json: Union[dict[str, Any], StrictStr, None] = None  # a grammar for the reply: one of these four,
+    guided_regex: Optional[StrictStr] = None  # or response_format
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None  # Lark
     top_k: Optional[StrictInt] = None
     min_p: Optional[Number] = None
     repetition_penalty: Optional[Number] = None

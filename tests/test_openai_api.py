@@ -450,6 +450,41 @@ def test_a_bad_or_second_guided_field_is_a_400_naming_it(served, body, param):
         assert response.status_code == 400 and error_of(response)["param"] == param, response.text
 
 
+# -- tokens ------------------------------------------------------------------------------------------------
+def test_tokenize_counts_what_the_routes_then_bill_and_detokenize_reads_it_back(client, model_id, served):
+    url = served[1].removesuffix("v1")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "system", "content": "You are Juliet."}, {"role": "user", "content": "Good morrow!"}]
+    counted = httpx.post(url + "tokenize", json={"messages": messages}, headers=headers).json()
+    chat = client.chat.completions.create(model=model_id, messages=messages, max_tokens=2)
+    assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens
+    assert counted["max_model_len"] == served[0].info.max_seq_len
+    prompt = httpx.post(url + "tokenize", json={"prompt": "ROMEO: But soft"}, headers=headers).json()
+    assert prompt["count"] == client.completions.create(model=model_id, prompt="ROMEO: But soft",
+                                                        max_tokens=2).usage.prompt_tokens
+    bare = httpx.post(url + "tokenize", json={"prompt": "ROMEO: But soft", "add_special_tokens": False},
+                      headers=headers).json()
+    assert bare["tokens"] == prompt["tokens"][1:]
+    assert httpx.post(url + "detokenize", json={"tokens": bare["tokens"]},
+                      headers=headers).json() == {"prompt": "ROMEO: But soft"}
+    assert httpx.post(url + "tokenize", json={"prompt": "x"}).status_code == 401  # the API's key, as /v1
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("tokenize", {}, "prompt"),
+    ("tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("tokenize", {"messages": [{"role": "assistant", "content": "x"}]}, "messages"),
+    ("tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("detokenize", {"tokens": [10**6]}, "tokens"),
+    ("detokenize", {"tokens": [-1]}, "tokens"),
+    ("detokenize", {"tokens": "x"}, "tokens"),
+])
+def test_bad_token_requests_are_400s_naming_the_field(served, path, body, param):
+    response = httpx.post(served[1].removesuffix("v1") + path, content=json.dumps(body),
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+
+
 # -- the Responses API ------------------------------------------------------------------------------------
 def test_a_response_is_the_chat_reply_to_the_same_dialog(client, model_id):
     response = client.responses.create(model=model_id, input="Good morrow, what news?", instructions="You are Juliet.",

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..dialog import UNSAFE_ERROR, Dialog
+from ..dialog import UNSAFE_ERROR, Dialog, encode_dialog
 from ..errors import LlamaError
 from ..grammar import Grammar
 from ..serving import aio, requests
@@ -31,8 +31,8 @@ from ..serving.streams import TextEngine, TextStream, stream_chat, stream_comple
 from ..tokenizer import StreamDecoder
 from . import responses, tools
 from .errors import APIError, from_llama_error, from_validation_errors
-from .schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, Prediction, ResponseFormat,
-                      ResponsesRequest, SamplingFields, TextPart)
+from .schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, Prediction,
+                      ResponseFormat, ResponsesRequest, SamplingFields, TextPart, TokenizeRequest)
 from .streaming import Batch, merged_batches
 
 MAX_CHOICES = 16  # most choices (n x prompts) in one request
@@ -195,6 +195,38 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         if body.stream:
             return _event_stream(reply.events(request))
         return await reply.whole(request)
+
+    @api.post("/tokenize", dependencies=v1)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """A prompt's tokens (a completion's, or a chat's messages as the chat route lays them out), to count
+        them against the context before sending them."""
+        served_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send a prompt or messages (one of them) to tokenize", param="prompt")
+        tokenizer = engine.tokenizer
+
+        def tokens() -> list[int]:
+            if body.prompt is not None:
+                return tokenizer.encode(_text(body.prompt, "prompt"), bos=body.add_special_tokens is not False,
+                                        eos=False)
+            try:
+                return encode_dialog(tokenizer, _dialog(body.messages))
+            except LlamaError as exc:
+                raise from_llama_error(exc, {"messages"}) from None
+
+        ids = await aio.submitted(tokens, len(body.prompt or "") + aio.text_size(body.messages or []))
+        return {"count": len(ids), "max_model_len": engine.info.max_seq_len, "tokens": ids}
+
+    @api.post("/detokenize", dependencies=v1)
+    def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """The text of token ids."""
+        served_model(body.model)
+        vocabulary = engine.info.args.vocab_size
+        outside = [token for token in body.tokens if not 0 <= token < min(vocabulary, engine.tokenizer.n_words)]
+        if outside:
+            raise APIError(400, f"tokens holds {outside[0]}, outside the vocabulary [0, "
+                           f"{min(vocabulary, engine.tokenizer.n_words)})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     @api.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False,
                    dependencies=v1)

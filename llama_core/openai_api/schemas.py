@@ -197,3 +197,16 @@ class ResponsesRequest(_Request):
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
     stop: Union[StrictStr, list[StrictStr], None] = None
+
+
+# -- tokens, as vLLM's server counts them ------------------------------------------------------------------
+class TokenizeRequest(_Request):
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None  # a completion's prompt
+    messages: Optional[list[ChatMessage]] = None  # or a chat's messages, laid out as the chat route lays them
+    add_special_tokens: Optional[StrictBool] = True  # the prompt's BOS
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt]

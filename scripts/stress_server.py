@@ -90,7 +90,7 @@ BAD_OPENAI = [
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
         "name": "a b"}}]}, "tools[0].function.name"),
     ("responses", {"input": 5}, "input"),
-    ("responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("responses", {"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
     ("responses", {"input": [{"type": "reasoning"}]}, "input[0]"),
 ]
 

@@ -549,12 +549,58 @@ def test_a_response_calls_a_function_and_goes_on_from_its_output(client, model_i
     assert then.status in ("completed", "incomplete") and then.output
 
 
+def test_a_stored_response_is_read_back_and_goes_on_as_the_chat_would(client, model_id):
+    first = client.responses.create(model=model_id, input="Good morrow!", max_output_tokens=10, temperature=0)
+    then = client.responses.create(model=model_id, input="And what news?", previous_response_id=first.id,
+                                   max_output_tokens=10, temperature=0)
+    chat = client.chat.completions.create(model=model_id, max_tokens=10, temperature=0, messages=[
+        {"role": "user", "content": "Good morrow!"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And what news?"}])
+    assert then.output_text == chat.choices[0].message.content and then.previous_response_id == first.id
+    assert then.usage.input_tokens == chat.usage.prompt_tokens and first.store and then.store
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    streamed = list(client.responses.create(model=model_id, input="Speak.", max_output_tokens=5, stream=True))
+    assert client.responses.retrieve(streamed[-1].response.id).output_text == streamed[-1].response.output_text
+    client.responses.delete(first.id)
+    for gone in (lambda: client.responses.retrieve(first.id),
+                 lambda: client.responses.create(model=model_id, input="x", previous_response_id=first.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    unstored = client.responses.create(model=model_id, input="x", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_a_function_call_stored_goes_on_from_its_output_alone(client, model_id):
+    """The stored conversation ends with the call, so the next request sends only the call's output."""
+    weather = {"type": "function", **WEATHER["function"]}
+    first = client.responses.create(model=model_id, input="Weather in Verona?", tools=[weather], tool_choice="required",
+                                    max_output_tokens=60, temperature=0)
+    (made,) = first.output
+    answered = client.responses.create(model=model_id, tools=[weather], max_output_tokens=10, temperature=0,
+                                       previous_response_id=first.id, input=[
+                                           {"type": "function_call_output", "call_id": made.call_id, "output": "Sunny"}])
+    assert answered.status in ("completed", "incomplete") and answered.output
+
+
+def test_the_stores_size_is_kept():
+    from llama_core.openai_api.errors import APIError
+    from llama_core.openai_api.responses import ResponseStore, Stored
+
+    store = ResponseStore(size=2)
+    for i in range(3):
+        store.put(f"resp_{i}", Stored([], {"id": f"resp_{i}"}))
+    assert store.get("resp_2").response == {"id": "resp_2"}
+    with pytest.raises(APIError, match="keeps its last 2 stored responses"):
+        store.get("resp_0")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": [{"type": "input_image", "role": "user"}]}, "input[0].type"),
     ({"input": [{"type": "message", "content": "hi"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "input[1].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "foo"}}}}, "text.format.schema"),

@@ -4,14 +4,17 @@ Its input items become the chat route's messages (a message, an assistant's func
 `instructions` the system prompt, `text.format` the grammar of `response_format`, and function tools the chat
 route's tools. The reply is a Response object, or its stream of events: response.created, the output item and
 its text (or its function call's arguments) as they come, then response.completed (or response.incomplete, where
-max_output_tokens ended it). Nothing is stored: `store` is answered false and previous_response_id is refused.
+max_output_tokens ended it). The last STORED responses are kept in memory (ResponseStore), so that a request can
+go on from one (`previous_response_id`) and GET /v1/responses/{id} can read it back; a restart forgets them.
 """
 
 from __future__ import annotations
 
+import collections
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
@@ -23,14 +26,49 @@ from .schemas import (ChatMessage, FunctionCall, InputItem, NamedTool, Responses
 from .streaming import merged_batches
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+STORED = 256  # responses a server keeps, the oldest forgotten first
 
 
-def chat_messages(body: ResponsesRequest) -> tuple[list[ChatMessage], list[int]]:
-    """The input as chat messages, and for each the input item it came from (an assistant's function calls in a
+@dataclass
+class Stored:
+    """A response kept: the conversation it ended (its input after its previous response's, then its output),
+    and the Response object."""
+
+    messages: list[ChatMessage]
+    response: dict[str, Any]
+
+
+class ResponseStore:
+    """The last `size` stored responses, in memory, by id (the server's event loop is its only user)."""
+
+    def __init__(self, size: int = STORED) -> None:
+        self.size = size
+        self._kept: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+
+    def get(self, response_id: str, param: str = "previous_response_id") -> Stored:
+        found = self._kept.get(response_id)
+        if found is None:
+            raise APIError(404, f"no response {response_id!r:.80} here: this server keeps its last {self.size} "
+                           "stored responses, in memory, until it restarts", param=param, code="not_found")
+        return found
+
+    def put(self, response_id: str, stored: Stored) -> None:
+        self._kept[response_id] = stored
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id, param="response_id")
+        del self._kept[response_id]
+
+
+def chat_messages(body: ResponsesRequest, earlier: list[ChatMessage]) -> tuple[list[ChatMessage], list[Optional[int]]]:
+    """The conversation as chat messages: `earlier` (its previous response's), then the input; and for each
+    message the input item it came from (None: the previous response's; an assistant's function calls in a
     row make one message)."""
     items = [InputItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
-    messages: list[ChatMessage] = []
-    origin: list[int] = []
+    messages = [message.model_copy(deep=True) for message in earlier]  # the stored ones stay as they were
+    origin: list[Optional[int]] = [None] * len(earlier)
     for i, item in enumerate(items):
         kind = item.type or "message"
         if kind == "message":
@@ -97,12 +135,17 @@ FIELDS = {"max_tokens": "max_output_tokens", "response_format.json_schema.schema
           "response_format.type": "text.format.type", "response_format": "text.format", "messages": "input"}
 
 
-def renamed(error: APIError, origin: list[int]) -> APIError:
+def renamed(error: APIError, origin: list[Optional[int]]) -> APIError:
     """A chat route's error named as the Responses API names the field (messages[j] is the input item it came
-    from, tools[i].function.name is tools[i].name)."""
+    from, or previous_response_id; tools[i].function.name is tools[i].name)."""
+    def item(match: re.Match) -> str:
+        j = int(match[1])
+        if j < len(origin) and origin[j] is None:
+            return "previous_response_id"
+        return f"input[{origin[j] if j < len(origin) else j}]"
+
     def rename(text: str) -> str:
-        text = re.sub(r"messages\[(\d+)\]", lambda m: f"input[{origin[int(m[1])] if int(m[1]) < len(origin) else m[1]}]",
-                      text)
+        text = re.sub(r"messages\[(\d+)\]", item, text)
         text = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text)
         for old, new in FIELDS.items():
             text = re.sub(rf"(?<![\w.\[]){re.escape(old)}(?![\w\[])", new, text)
@@ -117,9 +160,11 @@ def renamed(error: APIError, origin: list[int]) -> APIError:
 class ResponseWriter:
     """One response's stream as a Response object, or as the Responses API's events."""
 
-    def __init__(self, stream: Any, model_id: str, body: ResponsesRequest,
-                 functions: list[tools.Function]) -> None:
+    def __init__(self, stream: Any, model_id: str, body: ResponsesRequest, functions: list[tools.Function],
+                 messages: list[ChatMessage], store: Optional[ResponseStore]) -> None:
+        """messages: the conversation the response answers; store: where it is kept once done (None: not)."""
         self.stream, self.model_id, self.body, self.functions = stream, model_id, body, functions
+        self.messages, self.store = messages, store
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -136,8 +181,9 @@ class ResponseWriter:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": False,
             "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else (body.tool_choice or "auto"),
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "store": False,
-            "previous_response_id": None, "text": {"format": fmt}, "metadata": body.metadata or {},
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "store": self.store is not None,
+            "previous_response_id": body.previous_response_id, "text": {"format": fmt},
+            "metadata": body.metadata or {},
             "usage": self.usage() if status != "in_progress" else None,
         }
 
@@ -174,7 +220,20 @@ class ResponseWriter:
             if batch.error is not None:
                 raise from_llama_error(batch.error, ())
             text += "".join(c.text for c in batch.chunks)
-        return self.response(self.status(), self.items(text))
+        return self.kept(self.response(self.status(), self.items(text)))
+
+    def kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        """The finished response, stored with its conversation where it is to be."""
+        if self.store is not None:
+            said = []
+            for item in response["output"]:
+                if item["type"] == "function_call":
+                    said.append(ChatMessage(role="assistant", tool_calls=[ToolCall(id=item["call_id"], function=(
+                        FunctionCall(name=item["name"], arguments=item["arguments"])))]))
+                else:
+                    said.append(ChatMessage(role="assistant", content="".join(c["text"] for c in item["content"])))
+            self.store.put(self.id, Stored(self.messages + said, response))
+        return response
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
@@ -214,7 +273,7 @@ class ResponseWriter:
         yield self.event("response.content_part.done", **where, part=part)
         item = self.message(text, "completed" if status == "completed" else "incomplete")
         yield self.event("response.output_item.done", output_index=0, item=item)
-        yield self.event(f"response.{status}", response=self.response(status, [item]))
+        yield self.event(f"response.{status}", response=self.kept(self.response(status, [item])))
 
     async def _call_events(self, text: str) -> AsyncIterator[dict[str, Any]]:
         (item,) = self.items(text)
@@ -225,4 +284,4 @@ class ResponseWriter:
         yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
                          name=item["name"], arguments=item["arguments"])
         yield self.event("response.output_item.done", output_index=0, item=item)
-        yield self.event("response.completed", response=self.response("completed", [item]))
+        yield self.event("response.completed", response=self.kept(self.response("completed", [item])))

@@ -73,6 +73,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 
     _install_error_handlers(api)
     v1 = [Depends(authorized)]
+    kept = responses.ResponseStore()  # the Responses API's stored responses
 
     @api.get("/health", include_in_schema=False)
     def health() -> JSONResponse:
@@ -130,10 +131,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     @api.post("/v1/responses", dependencies=v1)
     async def create_response(body: ResponsesRequest, request: Request) -> Any:
         served_model(body.model)
-        if body.previous_response_id is not None:
-            raise APIError(400, "previous_response_id: this server stores no responses; send the conversation as "
-                           "input", param="previous_response_id")
-        messages, origin = responses.chat_messages(body)
+        earlier = kept.get(body.previous_response_id).messages if body.previous_response_id is not None else []
+        messages, origin = responses.chat_messages(body, earlier)
         try:
             chat_tools, tool_choice = responses.chat_tools(body)
             chat = ChatCompletionRequest(
@@ -160,10 +159,20 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                                           aio.text_size(*(message["content"] for message in dialog)))
         except APIError as exc:
             raise responses.renamed(exc, origin) from None
-        writer = responses.ResponseWriter(stream, model_id, body, functions)
+        writer = responses.ResponseWriter(stream, model_id, body, functions, messages,
+                                          None if body.store is False else kept)
         if body.stream:
             return _event_stream(writer.events(request), done=False)
         return await writer.whole(request)
+
+    @api.get("/v1/responses/{response_id}", dependencies=v1)
+    def get_response(response_id: str) -> dict[str, Any]:
+        return kept.get(response_id, param="response_id").response
+
+    @api.delete("/v1/responses/{response_id}", dependencies=v1)
+    def delete_response(response_id: str) -> dict[str, Any]:
+        kept.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @api.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request) -> Any:

@@ -172,7 +172,7 @@ class ResponseTool(_Request):
 
 
 class ResponsesRequest(_Request):
-    """POST /v1/responses: OpenAI's Responses API, without stored responses."""
+    """POST /v1/responses: OpenAI's Responses API (stored responses kept in memory: responses.ResponseStore)."""
 
     model: Optional[StrictStr] = None
     input: Union[StrictStr, list[InputItem]]
@@ -185,7 +185,7 @@ class ResponsesRequest(_Request):
     tools: Optional[list[ResponseTool]] = None
     tool_choice: Union[StrictStr, dict[str, Any], None] = None
     parallel_tool_calls: Optional[StrictBool] = None
-    store: Optional[StrictBool] = None  # taken; nothing is stored
+    store: Optional[StrictBool] = None  # false: not kept for previous_response_id and GET
     previous_response_id: Optional[StrictStr] = None
     metadata: Optional[dict[str, Any]] = None
     user: Optional[StrictStr] = None

@@ -15,6 +15,10 @@ the same steps) and reports tokens/s, the best of --runs:
 
 A grammar the reply keeps to for all its tokens makes every case the same number of steps: the difference is
 the mask's cost (llguidance's, unpacking it, and masking the logits).
+
+Then, for one sequence, records (--records JSON objects of a dozen short fields, in an array) with prompt
+lookup off and on: with it on, the tokens the grammar forces (each key, the punctuation around it) are
+drafted, so the same reply takes fewer steps.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", default="1,8", help="sequences decoding together (default: 1,8)")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--records", type=int, default=4, help="records in the drafted case's array (default: 4)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     return p.parse_args()
 
@@ -60,6 +65,18 @@ def cases(new_tokens: int) -> dict[str, object]:
                          "required": ["line"], "additionalProperties": False})
     return {"free": None, "letters": Grammar.regex(f"[A-Za-z ,.;:!?']{{{least},{2 * least}}}"), "json": text,
             "json in chat": text.forbidding(SPECIAL_TAGS)}
+
+
+def record_grammar(records: int) -> Grammar:
+    """An array of records, each a dozen short fields: most of its tokens are keys and punctuation."""
+    fields = {"speaker": {"enum": ["ROMEO", "JULIET", "NURSE", "MERCUTIO"]}, "act": {"type": "integer", "minimum": 1,
+              "maximum": 5}, "scene": {"type": "integer", "minimum": 1, "maximum": 9}, "line": {"type": "string",
+              "maxLength": 12}, "mood": {"enum": ["merry", "sad", "wroth"]}, "aside": {"type": "boolean"},
+              "place": {"enum": ["Verona", "Mantua"]}, "time": {"enum": ["morning", "night"]},
+              "exits": {"type": "boolean"}, "enters": {"type": "boolean"}, "rhymes": {"type": "boolean"},
+              "weeps": {"type": "boolean"}}
+    record = {"type": "object", "properties": fields, "required": list(fields), "additionalProperties": False}
+    return Grammar.json({"type": "array", "items": record, "minItems": records, "maxItems": records})
 
 
 def run_case(engine: Engine, prompts: list[list[int]], new_tokens: int, grammar) -> tuple[float, int]:
@@ -107,6 +124,25 @@ def main() -> None:
             report["cases"][f"{label}, batch {batch}"] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": rate,
                                                          "ratio_to_free": rate / free}
             print(f"  batch {batch:2d}  {label:13s} {tokens:5d} tokens  {rate:8.1f} tok/s  {rate / free:5.2f}x free")
+    grammar, drafted = record_grammar(a.records), {}
+    for run in range(a.runs):
+        for lookup in ((0, 5) if run % 2 == 0 else (5, 0)):
+            engine = Engine(llama.loaded, seed=0, prompt_lookup=lookup, prefix_caching=False, draft_price=0.1)
+            run_case(engine, [prompt], 4, grammar)
+            steps, kept = engine.steps, engine.accepted_tokens
+            seconds, tokens = run_case(engine, [prompt], 480, grammar)
+            steps, kept = engine.steps - steps, engine.accepted_tokens - kept
+            engine.close()
+            if lookup not in drafted or tokens / seconds > drafted[lookup]["tokens_per_s"]:
+                drafted[lookup] = {"tokens": tokens, "steps": steps, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                                   "drafted_tokens_kept": kept}
+    report["records"] = {"records": a.records, "prompt_lookup_off": drafted[0], "prompt_lookup_on": drafted[5],
+                         "speedup": drafted[5]["tokens_per_s"] / drafted[0]["tokens_per_s"]}
+    for lookup, label in ((0, "lookup off"), (5, "lookup on")):
+        r = drafted[lookup]
+        print(f"  {a.records} records, {label:10s} {r['tokens']:5d} tokens in {r['steps']:4d} steps  "
+              f"{r['tokens_per_s']:8.1f} tok/s")
+    print(f"  forced tokens drafted: {report['records']['speedup']:.2f}x the tokens/s")
     if a.json:
         a.json.write_text(json.dumps(report, indent=2) + "\n")
 

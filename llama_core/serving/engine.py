@@ -785,7 +785,8 @@ class Engine:
     def _drafts(self, active: list[_Sequence]) -> list[list[int]]:
         """Each request's draft for this step (see lookup): none where the step would feed more than
         DRAFT_ROWS rows, or some request has penalties (each drafted token would change them). A request with a
-        grammar drafts only the tokens its grammar would accept."""
+        grammar drafts the tokens its grammar forces next, where it forces some (a JSON object's next key), else
+        only the lookup's tokens its grammar would accept."""
         longest = min(self.prompt_lookup, DRAFT_ROWS // len(active) - 1)
         if longest < 1 or any(s.params.penalized for s in active):
             return [[] for _ in active]
@@ -798,6 +799,11 @@ class Engine:
                                                reply_start=len(sequence.prompt_tokens))
             room = min(self._token_limit(sequence) - sequence.generated - 1,  # tokens it may still have
                        self.runner.max_seq_len - 1 - sequence.next_pos)  # positions its slot has
+            if sequence.grammar is not None:
+                forced = sequence.grammar.forced()[: min(longest, room)]
+                if forced:  # the only way on: worth drafting whatever the lookup's estimate
+                    drafts.append(forced)
+                    continue
             draft = sequence.lookup.draft(min(longest, room), price)
             if sequence.grammar is not None:
                 draft = draft[: sequence.grammar.valid_prefix(draft)]

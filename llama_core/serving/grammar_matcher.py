@@ -51,6 +51,11 @@ class GrammarMatcher:
             self._tried += 1
         return accepted
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next, as the tokenizer spells the bytes it forces (a JSON object's
+        next key, say); empty where more than one way on is open."""
+        return self._matcher.compute_ff_tokens()
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of tokens, from the start, the grammar would accept now (nothing is consumed)."""
         return self._matcher.validate_tokens(tokens) if tokens else 0

@@ -366,8 +366,8 @@ def test_generate_holds_its_text_to_a_reply_format(tmp_path):
               "additionalProperties": False}
     (tmp_path / "schema.json").write_text(json.dumps(schema))
     sampled = ["--temperature", "0.8", "--seed", "3", "-q", "--device", "cpu"]
-    for given in (json.dumps(schema), str(tmp_path / "schema.json")):
-        reply = json.loads(run(GENERATE, "--chat", "Name a play.", "--json-schema", given, *sampled).stdout)
+    for schema_argument in (json.dumps(schema), str(tmp_path / "schema.json")):
+        reply = json.loads(run(GENERATE, "--chat", "Name a play.", "--json-schema", schema_argument, *sampled).stdout)
         assert set(reply) == {"play", "year"} and 1590 <= reply["year"] <= 1613 and len(reply["play"]) <= 30
     assert run(GENERATE, "ROMEO:", "--regex", "(ay|nay), my lord!", *sampled).stdout.strip() in (
         "ay, my lord!", "nay, my lord!")

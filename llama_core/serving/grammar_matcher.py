@@ -137,6 +137,8 @@ def allowed_along_drafts(matchers: list[Optional[GrammarMatcher]], drafts: list[
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
+
+
 class _Vocabulary:
     """A SentencePiece tokenizer as the grammar sees it: each token's bytes (a control token's name marked with
     0xFF, as special), an encoder of text that starts mid-sequence (no leading space added), the LLTokenizer

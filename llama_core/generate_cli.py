@@ -14,7 +14,6 @@ line naming the flag and the fix, and the exit status is 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Optional, TextIO
@@ -112,11 +111,7 @@ def check_output_options(args: argparse.Namespace) -> Optional[Grammar]:
         if args.json_schema is not None:
             text = args.json_schema if args.json_schema.lstrip().startswith("{") else _read(args.json_schema,
                                                                                            "--json-schema")
-            try:
-                schema = json.loads(text)
-            except ValueError as exc:
-                raise OptionError(f"--json-schema is not JSON: {exc}") from None
-            return Grammar.json(schema, name="--json-schema")
+            return Grammar.json_text(text, name="--json-schema")
         if args.regex is not None:
             return Grammar.regex(args.regex, name="--regex")
         if args.grammar is not None:

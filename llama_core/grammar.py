@@ -68,6 +68,17 @@ class Grammar:
         return cls._checked("json", grammar, name)
 
     @classmethod
+    def json_text(cls, text: str, name: str = "schema") -> "Grammar":
+        """As json, from the schema's JSON text."""
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{name} is not JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError(f"{name} must be a JSON Schema object, got {type(schema).__name__}")
+        return cls.json(schema, name)
+
+    @classmethod
     def regex(cls, pattern: str, name: str = "pattern") -> "Grammar":
         """Replies that match the regular expression `pattern` whole (Rust's regex syntax: no lookaround or
         backreferences)."""
@@ -135,10 +146,4 @@ def grammar_for(output_format: Any, spec: Any = "", name: str = "output_grammar"
         return Grammar.regex(spec, name)
     if output_format == "lark":
         return Grammar.lark(spec, name)
-    try:
-        schema = json.loads(spec)
-    except ValueError as exc:
-        raise InvalidRequestError(f"{name} is not JSON: {exc}") from None
-    if not isinstance(schema, (dict, bool)):
-        raise InvalidRequestError(f"{name} must be a JSON Schema object, got {type(schema).__name__}")
-    return Grammar.json(schema, name)
+    return Grammar.json_text(spec, name)

@@ -436,6 +436,7 @@ def test_vllms_guided_fields_hold_the_reply_on_both_routes(client, model_id, ext
     ({"guided_choice": ["a", ""]}, "guided_choice"),
     ({"guided_regex": "(("}, "guided_regex"),
     ({"guided_json": "{"}, "guided_json"),
+    ({"guided_json": "null"}, "guided_json"),
     ({"guided_json": {"type": "foo"}}, "guided_json"),
     ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),

@@ -198,9 +198,7 @@ class ResponseWriter:
         return "incomplete" if self.stream.finish_reason == "length" else "completed"
 
     def call(self, text: str) -> Optional[dict[str, Any]]:
-        if not self.functions or self.stream.finish_reason not in ("eos", "stop"):
-            return None
-        return tools.parse_call(text, self.functions)
+        return tools.call_made(text, self.functions, self.stream.finish_reason)
 
     def items(self, text: str) -> list[dict[str, Any]]:
         call = self.call(text)
@@ -252,7 +250,7 @@ class ResponseWriter:
             piece = "".join(c.text for c in batch.chunks)
             if held is not None:
                 held += piece
-                if not batch.done and (not held.strip() or held.lstrip().startswith("{")):
+                if not batch.done and tools.may_be_call(held):
                     continue
                 piece, held = held, None
                 if batch.done and self.call(piece) is not None:

@@ -250,9 +250,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     if body.functions:
         raise APIError(400, "functions is OpenAI's older form of tools: send tools instead", param="functions")
-    held = [name for name in GUIDED_FIELDS if getattr(body, name) is not None]
-    if body.response_format is not None and body.response_format.type != "text":
-        held.insert(0, "response_format")
+    held = _grammar_fields(body)
     if body.tools and held and body.tool_choice != "none":
         raise APIError(400, f"{held[0]} and tools cannot hold one reply together: send one of them", param=held[0])
 
@@ -340,12 +338,18 @@ def _choices(n: Optional[int], prompts: int = 1) -> int:
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def _grammar(body: SamplingFields) -> Optional[Grammar]:
-    """What the request asks the reply to match: its response_format, or one of vLLM's guided_json (a JSON
-    Schema, or its text), guided_regex, guided_choice (one of these texts) and guided_grammar (Lark)."""
+def _grammar_fields(body: SamplingFields) -> list[str]:
+    """The request's fields that hold its reply to a grammar: a response_format other than text, vLLM's."""
     asked = [name for name in GUIDED_FIELDS if getattr(body, name) is not None]
     if body.response_format is not None and body.response_format.type != "text":
         asked.insert(0, "response_format")
+    return asked
+
+
+def _grammar(body: SamplingFields) -> Optional[Grammar]:
+    """What the request asks the reply to match: its response_format, or one of vLLM's guided_json (a JSON
+    Schema, or its text), guided_regex, guided_choice (one of these texts) and guided_grammar (Lark)."""
+    asked = _grammar_fields(body)
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(asked)} each hold the reply to a grammar: send one of them", param=asked[1])
     if not asked or asked[0] == "response_format":
@@ -353,12 +357,7 @@ def _grammar(body: SamplingFields) -> Optional[Grammar]:
     name, value = asked[0], getattr(body, asked[0])
     try:
         if name == "guided_json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError as exc:
-                    raise APIError(400, f"guided_json is not JSON: {exc}", param=name) from None
-            return Grammar.json(value, name=name)
+            return Grammar.json_text(value, name) if isinstance(value, str) else Grammar.json(value, name)
         if name == "guided_regex":
             return Grammar.regex(value, name=name)
         if name == "guided_grammar":
@@ -557,7 +556,7 @@ class _ChatReply(_Reply):
         if held is not None:  # with tools: text before its first character is known to start no call is held
             held += chunks
             text = "".join(c.text for c in held)
-            if not batch.done and (not text.strip() or text.lstrip().startswith("{")):
+            if not batch.done and tools.may_be_call(text):
                 return None
             self.held[batch.index] = None
             call = self._call(batch.index, text) if batch.done else None
@@ -576,10 +575,7 @@ class _ChatReply(_Reply):
         return self._chunk(batch.index, {"content": text}, logprobs, None)
 
     def _call(self, index: int, text: str) -> Optional[dict[str, Any]]:
-        """The tool call choice `index` makes, where it ended by itself with one."""
-        if not self.functions or self.streams[index].finish_reason not in ("eos", "stop"):
-            return None
-        return tools.parse_call(text, self.functions)
+        return tools.call_made(text, self.functions, self.streams[index].finish_reason)
 
     def _chunk(self, index: int, delta: dict, logprobs: Optional[dict], finish: Optional[str]) -> dict[str, Any]:
         event = self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})

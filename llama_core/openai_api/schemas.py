@@ -85,30 +85,36 @@ class ResponseFormat(_Request):
     json_schema: Optional[JsonSchema] = None
 
 
-class SamplingFields(_Request):
-    """The fields both routes share."""
+class SamplingControls(_Request):
+    """The fields every generating route takes (chat, completions, responses)."""
 
     model: Optional[StrictStr] = None  # the served model's id; another id is answered 404
     stream: Optional[StrictBool] = False
-    stream_options: Optional[StreamOptions] = None
-    n: Optional[StrictInt] = 1
     temperature: Optional[Number] = None
     top_p: Optional[Number] = None
     stop: Union[StrictStr, list[StrictStr], None] = None
     seed: Optional[StrictInt] = None
-    response_format: Optional[ResponseFormat] = None  # on completions too, as vLLM takes it
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
-    logit_bias: Optional[dict[str, Any]] = None
     user: Optional[StrictStr] = None
     # Beyond OpenAI's fields, as vLLM and llama.cpp's server take them:
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+
+
+class SamplingFields(SamplingControls):
+    """The fields the chat and completion routes share."""
+
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[StrictInt] = 1
+    response_format: Optional[ResponseFormat] = None  # on completions too, as vLLM takes it
+    logit_bias: Optional[dict[str, Any]] = None
+    # Beyond OpenAI's, as vLLM takes them:
     guided_json: Union[dict[str, Any], StrictStr, None] = None  # a grammar for the reply: one of these four,
     guided_regex: Optional[StrictStr] = None  # or response_format
     guided_choice: Optional[list[StrictStr]] = None
     guided_grammar: Optional[StrictStr] = None  # Lark
-    top_k: Optional[StrictInt] = None
-    min_p: Optional[Number] = None
-    repetition_penalty: Optional[Number] = None
 
 
 class Prediction(_Request):
@@ -171,16 +177,12 @@ class ResponseTool(_Request):
     strict: Optional[StrictBool] = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(SamplingControls):
     """POST /v1/responses: OpenAI's Responses API (stored responses kept in memory: responses.ResponseStore)."""
 
-    model: Optional[StrictStr] = None
     input: Union[StrictStr, list[InputItem]]
     instructions: Optional[StrictStr] = None
     max_output_tokens: Optional[StrictInt] = None
-    temperature: Optional[Number] = None
-    top_p: Optional[Number] = None
-    stream: Optional[StrictBool] = False
     text: Optional[TextOptions] = None
     tools: Optional[list[ResponseTool]] = None
     tool_choice: Union[StrictStr, dict[str, Any], None] = None
@@ -188,15 +190,6 @@ class ResponsesRequest(_Request):
     store: Optional[StrictBool] = None  # false: not kept for previous_response_id and GET
     previous_response_id: Optional[StrictStr] = None
     metadata: Optional[dict[str, Any]] = None
-    user: Optional[StrictStr] = None
-    # Beyond OpenAI's fields, as on the other routes:
-    seed: Optional[StrictInt] = None
-    top_k: Optional[StrictInt] = None
-    min_p: Optional[Number] = None
-    repetition_penalty: Optional[Number] = None
-    presence_penalty: Optional[Number] = None
-    frequency_penalty: Optional[Number] = None
-    stop: Union[StrictStr, list[StrictStr], None] = None
 
 
 # -- tokens, as vLLM's server counts them ------------------------------------------------------------------

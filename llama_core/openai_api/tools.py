@@ -114,9 +114,15 @@ def call_grammar(functions: list[Function], required: bool) -> Grammar:
                         name="tools")
 
 
-def parse_call(text: str, functions: list[Function]) -> Optional[dict[str, Any]]:
-    """The call a reply makes ({"name", "arguments"}), or None for a reply that is text (or a call cut short)."""
-    if not text.lstrip().startswith("{"):
+def may_be_call(text: str) -> bool:
+    """Whether a reply that begins so may still be a call: a streamed reply holds its text back until not."""
+    return not text.strip() or text.lstrip().startswith("{")
+
+
+def call_made(text: str, functions: list[Function], finish_reason: Optional[str]) -> Optional[dict[str, Any]]:
+    """The call a finished reply makes ({"name", "arguments"}), or None for a reply that is text, or that did not
+    end by itself (a call cut short by the token limit is no call)."""
+    if not functions or finish_reason not in ("eos", "stop") or not text.lstrip().startswith("{"):
         return None
     try:
         call = json.loads(text)

@@ -677,12 +677,11 @@ class Engine:
         raw_logits = logits
         if any(p.penalized for p in params):
             logits = self._penalized(sequences, logits)
-        if any(p.logit_bias for p in params):
-            bias = torch.zeros(len(sequences), logits.shape[-1])
-            for row, p in enumerate(params):
-                for token, amount in p.logit_bias:
-                    bias[row, token] = amount
-            logits = logits + to_device(bias, device, logits.dtype)
+        if any(p.logit_bias for p in params):  # only the biased tokens' logits move: no [rows, vocab] from the host
+            pairs = [(row, token, amount) for row, p in enumerate(params) for token, amount in p.logit_bias]
+            rows, tokens, amounts = zip(*pairs)
+            logits = logits.index_put((to_device(rows, device, torch.long), to_device(tokens, device, torch.long)),
+                                      to_device(amounts, device, logits.dtype), accumulate=True)
         if allowed is None and any(s.grammar for s in sequences):
             allowed = allowed_tokens([s.grammar for s in sequences], logits.shape[-1])
         if allowed is not None:  # what would break a request's grammar is never drawn

@@ -86,22 +86,20 @@ def allowed_tokens(matchers: list[Optional[GrammarMatcher]], vocab_size: int) ->
     any; one with a grammar, the tokens the grammar allows (the end of sequence only where it is complete) less
     those that would write a forbidden text, and none past the tokenizer's words (a model's padded vocabulary);
     where that leaves none, the end of sequence."""
+    allowed = torch.ones(len(matchers), vocab_size, dtype=torch.bool)
     held = [(i, matcher) for i, matcher in enumerate(matchers) if matcher is not None]
     if not held:
-        return torch.ones(len(matchers), vocab_size, dtype=torch.bool)
+        return allowed
     words = max(matcher.words for _, matcher in held)
-    masks = torch.zeros((len(matchers), (words + 31) // 32), dtype=torch.int32)
-    for i, matcher in held:  # each releases the interpreter's lock while it computes
-        matcher._matcher.unsafe_compute_mask_ptr(masks[i].data_ptr(), masks.shape[1] * 4)
-    bits = ((masks[:, :, None] >> _BITS) & 1).view(len(matchers), -1).bool()
-    if bits.shape[1] >= vocab_size:
-        allowed = bits[:, :vocab_size].contiguous()
+    masks = torch.zeros((len(held), (words + 31) // 32), dtype=torch.int32)  # the rows with a grammar only
+    for row, (_, matcher) in zip(masks, held):  # each releases the interpreter's lock while it computes
+        matcher._matcher.unsafe_compute_mask_ptr(row.data_ptr(), masks.shape[1] * 4)
+    width = min(words, vocab_size)
+    bits = ((masks[:, :, None] >> _BITS) & 1).view(len(held), -1)[:, :width].bool()
+    if len(held) == len(matchers):
+        allowed[:, :width] = bits
     else:
-        allowed = torch.zeros(len(matchers), vocab_size, dtype=torch.bool)
-        allowed[:, : bits.shape[1]] = bits
-    free = [i for i, matcher in enumerate(matchers) if matcher is None]
-    if free:
-        allowed[free] = True
+        allowed[[i for i, _ in held], :width] = bits
     for i, matcher in held:
         if matcher.words < vocab_size:
             allowed[i, matcher.words :] = False  # a model's padded vocabulary, past its tokenizer's words

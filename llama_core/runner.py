@@ -3,11 +3,15 @@
 
 The decode step comes in three shapes. Dynamic (the default): only the given rows, attending over the
 longest row's positions: the least work, which is what a CPU wants. Static (`compile=True` on CUDA):
-always every row of the cache, attending over a context length rounded up to a power of two (at least
-256 positions, at most max_seq_len), so torch.compile compiles the step once, with that length a symbolic
-size, and captures it as a CUDA graph (mode "reduce-overhead") once per length: a few graphs, and no step
-reads more of the cache than twice what its longest row uses; compiled, and captured for the shortest
-length, when the runner is made. Leading rows (`compile=True` on CPU):
+the cache's leading rows 0..n-1 up to the highest row asked for, n rounded up to a power of two (at most
+max_batch_size), attending over a context length rounded up to a power of two (at least 256 positions, at
+most max_seq_len), so torch.compile compiles the step twice, for one row and for n a symbolic size, with
+the length a symbolic size, and captures it as a CUDA graph (mode "reduce-overhead") once per row count
+and length: a few graphs; no step reads more of the cache than twice what its longest row uses, and a
+lone request decodes one row, not max_batch_size (its products read each weight once either way, but
+many rows' products and attention cost more: on an H100, a 7B-shaped step over 32 rows took 2.2 times one
+row's). Compiled, and captured for one row and for every row at the shortest length, when the runner is
+made; slots_to_fill() keeps new requests in the lowest rows. Leading rows (`compile=True` on CPU):
 rows 0..n-1 up to the highest row asked for (at least 2), over the longest row's positions, compiled once
 with n and the length as symbolic sizes: one C++ kernel per fused group of small operations instead of
 hundreds of eager calls per step, compiled when the runner is made. In the last two, rows not asked for
@@ -19,7 +23,7 @@ a step attends over is ever the whole cache (torch.compile would specialise that
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -159,9 +163,13 @@ class ModelRunner:
         return self.model(tokens, positions, cache_rows=rows, kv_len=kv_len, logit_index=logit_index)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, rows: Optional[CacheRows] = None,
-               kv_len: Optional[int] = None) -> torch.Tensor:
+               kv_len: Optional[int] = None, rows_end: Optional[int] = None) -> torch.Tensor:
         """Logits [B, vocab] for one token per row (see DecodeStep)."""
-        return self.decode_step(tokens, positions, rows, kv_len)
+        return self.decode_step(tokens, positions, rows, kv_len, rows_end)
+
+    def slots_to_fill(self, free_slots: Sequence[int], busy_slots: Iterable[int]) -> list[int]:
+        """The free slots a new request should take (see DecodeStep.slots_to_fill)."""
+        return self.decode_step.slots_to_fill(free_slots, busy_slots)
 
     def forward_spans(self, spans: list[Span]) -> list[torch.Tensor]:
         """Several cached batches in one forward (see Transformer.forward_spans); only where mixes_prompts."""
@@ -229,26 +237,46 @@ class DecodeStep:
         positions: torch.Tensor,
         rows: Optional[torch.Tensor | slice] = None,
         kv_len: Optional[int] = None,
+        rows_end: Optional[int] = None,
     ) -> torch.Tensor:
         """Logits [B, vocab] for tokens [B] at positions [B] in cache rows [B] (a slice: consecutive rows;
         None: rows 0..B-1).
 
         kv_len: a bound the caller knows on the host (> every position; extra positions are masked), so
-        the dynamic step needs no device-to-host read; None reads it from positions."""
+        the dynamic step needs no device-to-host read; None reads it from positions. rows_end: one past
+        the highest row, likewise (None: read from rows where they are a tensor)."""
         if rows is None:
             rows = slice(0, tokens.shape[0])
         if kv_len is None:
             kv_len = int(positions.max()) + 1
+        if rows_end is None:
+            rows_end = rows.stop if isinstance(rows, slice) else int(rows.max()) + 1
         if self.leading_rows:
-            highest = rows.stop if isinstance(rows, slice) else int(rows.max()) + 1
-            all_tokens, all_positions = self._padded(tokens, positions, rows, max(highest, self._fewest_rows))
+            all_tokens, all_positions = self._padded(tokens, positions, rows, max(rows_end, self._fewest_rows))
             return self._call_leading(all_tokens, all_positions, max(kv_len, 2))[rows]
         if not self.static:
             return self.model(tokens[:, None], positions[:, None], cache_rows=rows, kv_len=kv_len)[:, 0]
-        all_tokens, all_positions = self._padded(tokens, positions, rows, self.max_batch_size)
+        all_tokens, all_positions = self._padded(tokens, positions, rows, self.row_count(rows_end))
         logits = self._step(all_tokens, all_positions, self.context_length(kv_len))[rows]
         # Copy out of the step's output, which the next CUDA graph replay overwrites (a slice is a view).
         return logits.clone() if isinstance(rows, slice) else logits
+
+    def row_count(self, rows_end: int) -> int:
+        """The static step's row count for rows below rows_end: the smallest power of two that covers them,
+        at most max_batch_size."""
+        count = 1
+        while count < rows_end:
+            count *= 2
+        return min(count, self.max_batch_size)
+
+    def slots_to_fill(self, free_slots: Sequence[int], busy_slots: Iterable[int]) -> list[int]:
+        """The free slots a new request should take: for the static step, those that keep its row count
+        lowest (below the row count the busy slots already need, else the lowest such count that has one
+        free); for the others any free slot."""
+        if not self.static or not free_slots:
+            return list(free_slots)
+        needed = max(self.row_count(max(busy_slots, default=-1) + 1), self.row_count(min(free_slots) + 1))
+        return [slot for slot in free_slots if slot < needed]
 
     def context_length(self, kv_len: int) -> int:
         """The static step's context length for rows whose positions are below kv_len: the smallest power-of-two
@@ -260,13 +288,14 @@ class DecodeStep:
 
     def warm_up(self) -> None:
         """Compiles the step now rather than in the first request: throw-away tokens at the spare last position,
-        for two rows (leading rows), or for every row at the shortest context, where the static step's CUDA
-        graph is also captured."""
+        for two rows (leading rows), or for one row and for every row at the shortest context (static),
+        where the static step's CUDA graphs are also captured."""
         with torch.inference_mode():  # as the engine calls it: torch.compile guards on inference tensors
             if self.static:
-                positions = torch.full((self.max_batch_size,), self.max_seq_len - 1, device=self._device)
-                for _ in range(3):  # torch.compile's CUDA graphs: a warm-up run, the capture, a replay
-                    self._step(positions * 0, positions, self.context_length(1))
+                for count in sorted({1, self.max_batch_size}):
+                    positions = torch.full((count,), self.max_seq_len - 1, device=self._device)
+                    for _ in range(3):  # torch.compile's CUDA graphs: a warm-up run, the capture, a replay
+                        self._step(positions * 0, positions, self.context_length(1))
                 return
             positions = torch.full((self._fewest_rows,), self.max_seq_len - 1, device=self._device)
             self._call_leading(positions * 0, positions, self.max_seq_len // 2)
@@ -295,7 +324,7 @@ class DecodeStep:
         return self._step(tokens, positions, kv_len)
 
     def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-        # Rows not asked for sit at the cache's last position: they attend over all of [0, kv_len).
+        # Rows 0..B-1 (B a row count). Rows not asked for sit at the spare position: they attend over all of [0, kv_len).
         return self.model(tokens[:, None], positions[:, None], kv_len=kv_len)[:, 0]
 
     def _leading_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:

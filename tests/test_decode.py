@@ -170,11 +170,13 @@ def test_a_compiled_static_step_compiles_when_warmed_up_and_not_again_across_len
     step = DecodeStep(llama.model, 2, compile=True, static=True, smallest_context=16, context=llama.max_seq_len)
     counters.clear()
     step.warm_up()
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 2  # one row, and a symbolic row count
     with torch.inference_mode():
         for position in (3, 20, 40, 100, llama.max_seq_len - 1):  # lengths 16, 32, 64, 128, 128
             step(torch.tensor([5, 6]), torch.tensor([position, 2]), slice(0, 2), position + 1)
-    assert counters["stats"]["unique_graphs"] == 1
+            step(torch.tensor([5]), torch.tensor([position]), slice(0, 1), position + 1)  # one row
+            step(torch.tensor([5]), torch.tensor([position]), slice(1, 2), position + 1)  # rows 0 and 1
+    assert counters["stats"]["unique_graphs"] == 2
     # A call reads nothing back to the host, its guards included: torch 2.11 guarded each RMSNorm's eps
     # and rope_theta with a tensor's .item() on every call unless traced with floats as constants.
     from torch.profiler import profile
@@ -200,3 +202,31 @@ def test_grouped_query_attention_equals_sdpas_own(seq_len):
     mask = _causal_mask(positions, length, torch.float32)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(grouped_query_attention(q, k, v, mask), expected)
+
+
+def test_the_static_step_runs_the_fewest_leading_rows_and_new_requests_take_the_lowest_slots(meta_ckpt_dir, tokenizer):
+    llama = build_llama(meta_ckpt_dir, max_batch_size=4)
+    prompts = _prompts(tokenizer)
+    expected, _ = build_llama(meta_ckpt_dir, max_batch_size=4).generate(prompts, 6, temperature=0)
+    step = DecodeStep(llama.model, 4, static=True, smallest_context=16)
+    llama.runner.decode_step = step
+    assert [step.row_count(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert DecodeStep(llama.model, 4).slots_to_fill([2, 3], [0]) == [2, 3]  # the dynamic step: any
+    assert step.slots_to_fill([0, 1, 2, 3], []) == [0]
+    assert step.slots_to_fill([1, 2, 3], [0]) == [1]
+    assert step.slots_to_fill([2, 3], [0, 1]) == [2, 3]
+    assert step.slots_to_fill([0, 2, 3], [1]) == [0]  # below the 2 rows the busy slot needs
+    assert step.slots_to_fill([1, 2], [3]) == [1, 2]
+    counts = []
+    run = step._step
+    step._step = lambda tokens, positions, kv_len: (counts.append(tokens.shape[0]), run(tokens, positions, kv_len))[1]
+    with llama.serve() as engine:
+        for _ in range(2):  # one request at a time: each decodes one row, in slot 0
+            for prompt, tokens in zip(prompts, expected):
+                counts.clear()
+                assert [c.token for c in engine.submit(prompt, 6, temperature=0)] == tokens
+                assert set(counts) == {1}
+        counts.clear()
+        streams = [engine.submit(p, 6, temperature=0) for p in prompts]
+        assert [[c.token for c in s] for s in streams] == expected
+        assert max(counts) == 4  # three at once: rows 0..3

@@ -107,6 +107,30 @@ def test_a_prefix_held_elsewhere_is_copied_into_the_least_recently_used_free_slo
     assert cache.place(system + (9,), [1, 2, 3], busy={}) == Placement(3, 60, copy_from=2)
 
 
+def test_a_request_kept_to_some_slots_moves_the_history_there_out_rather_than_losing_it():
+    cache = PrefixCache(4)
+    history, other = tuple(range(100, 140)), tuple(range(200, 240))
+    cache.release(3, other)
+    cache.release(0, history)  # the most recent
+    # A new prompt kept to slot 0: slot 0's history goes to the least recently used other free slot.
+    assert cache.place((7, 8, 9), [0, 1, 2, 3], targets=[0]) == Placement(0, keep_held_in=1)
+    # Its own prefix reused in place, the history being mostly that prefix: nothing to move.
+    assert cache.place(history[:30] + (9,), [0, 1, 2, 3], targets=[0]) == Placement(0, 30)
+    # A short prefix of it reused in place: the rest of the history is moved out first.
+    assert cache.place(history[:16] + (9,), [0, 1, 2, 3], targets=[0]) == Placement(0, 16, keep_held_in=1)
+    # A prefix held outside the targets is copied in; the copy's source is never the one overwritten.
+    assert cache.place(other[:20] + (9,), [0, 3], targets=[0]) == Placement(0, 20, copy_from=3)
+    # A history older than the one it would displace stays, and a short one is not worth moving.
+    cache.release(1, tuple(range(300, 340)))
+    assert cache.place((7, 8, 9), [0, 1], targets=[0]) == Placement(0)
+    cache.release(2, (5, 6))
+    assert cache.place((7, 8, 9), [1, 2, 3], targets=[2]) == Placement(2)
+    moved = PrefixCache(2)
+    moved.release(0, history)
+    moved.moved(0, 1)
+    assert moved.held(1) == history and moved.place(history + (9,), [1]) == Placement(1, len(history))
+
+
 def test_a_request_waits_for_a_prefix_another_is_computing():
     cache = PrefixCache(4)
     system = tuple(range(60))
@@ -348,8 +372,13 @@ def test_replies_equal_without_the_cache_however_the_model_runs(variant, meta_ck
         _assert_same_reply(g, e)
     n = len(tiny_prompt)
     assert [g[2] for g in got] == [0, n + 4, 19, n, n]
-    # The short prompt's prefix is copied out of a slot holding a longer history; the last one's out of a busy slot.
-    assert [length for _, _, length in copies] == [19, n]
+    if variant == "static step":
+        # New requests take the lowest free slot (the static step's rows stay fewest): the history there is
+        # moved out first (59 tokens, then the short prompt's 27), and the prefix copied in (n).
+        assert [(src, dst, length) for src, dst, length in copies] == [(0, 1, 59), (0, 2, 27), (1, 0, n)]
+    else:
+        # The short prompt's prefix is copied out of a slot holding a longer history; the last one's out of a busy slot.
+        assert [length for _, _, length in copies] == [19, n]
 
 
 # -- the options ---------------------------------------------------------------------------------------------

@@ -453,8 +453,10 @@ class Engine:
                 self._dequeue(sequence)
                 self._finish(sequence, "cancelled")
                 continue
+            taken = [slot for slot, s in enumerate(self._slots) if s is not None]
             placement = self.prefix_cache.place(sequence.prompt_tokens, free_slots, busy, computing,
-                                                reuse=not sequence.request.prompt_logprobs)
+                                                reuse=not sequence.request.prompt_logprobs,
+                                                targets=self.runner.slots_to_fill(free_slots, taken))
             if placement is None:
                 continue
             self._dequeue(sequence)
@@ -480,6 +482,12 @@ class Engine:
         """Puts an admitted request into its slot, starting after the cached prefix its placement found
         (copied there first where the placement says so)."""
         cached = placement.cached_tokens
+        if placement.keep_held_in is not None:
+            try:
+                self.runner.copy_prefix(placement.slot, placement.keep_held_in, len(self.prefix_cache.held(placement.slot)))
+                self.prefix_cache.moved(placement.slot, placement.keep_held_in)
+            except Exception:  # the history is lost, as without the move
+                self.prefix_cache.forget(placement.keep_held_in)
         self.prefix_cache.take(placement.slot)
         if placement.copy_from is not None:
             try:
@@ -630,7 +638,8 @@ class Engine:
                 tokens = to_device([s.last_token for s in active], device, torch.long)
             next_positions = [s.next_pos + ahead for s in active]
             positions = to_device(next_positions, device)
-            rows = cache_rows([s.slot for s in active], device)
+            slots = [s.slot for s in active]
+            rows = cache_rows(slots, device)
             kv_len = max(next_positions) + 1
             if riders:
                 prompt_tokens, prompt_positions, lengths, prompt_kv_len = self._padded_prompts(riders)
@@ -641,7 +650,7 @@ class Engine:
                 ]))
             else:
                 started = time.perf_counter()
-                logits = self.runner.decode(tokens, positions, rows, kv_len=kv_len)
+                logits = self.runner.decode(tokens, positions, rows, kv_len=kv_len, rows_end=max(slots) + 1)
                 if timed:  # the forward alone, as _decode_drafts times it (on the CPU it has run by now)
                     self.draft_price.record(1, time.perf_counter() - started)
             sequences = active + riders

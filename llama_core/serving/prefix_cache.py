@@ -12,7 +12,7 @@ another request is still computing waits for it rather than computing it too.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Optional, Sequence
 
 # A shared prefix shorter than this (and shorter than the prompt) is computed again: reusing it would evict
@@ -26,11 +26,13 @@ _BLOCK = 64
 @dataclass(frozen=True)
 class Placement:
     """Where a request goes: a free `slot`, how many of its prompt's first tokens are already computed
-    (`cached_tokens`), and the slot to copy those KV-cache rows from (`copy_from`; None: `slot` holds them)."""
+    (`cached_tokens`), the slot to copy those KV-cache rows from (`copy_from`; None: `slot` holds them), and
+    a free slot to move the history `slot` holds into first, where it stays cached (`keep_held_in`)."""
 
     slot: int
     cached_tokens: int = 0
     copy_from: Optional[int] = None
+    keep_held_in: Optional[int] = None
 
 
 class PrefixCache:
@@ -59,6 +61,11 @@ class PrefixCache:
         self._held[slot] = tuple(tokens) if self.enabled else ()
         self._released_at[slot] = next(self._clock)
 
+    def moved(self, source: int, target: int) -> None:
+        """What idle slot source held was copied into idle slot target (Placement.keep_held_in)."""
+        self._held[target] = self._held[source]
+        self._released_at[target] = self._released_at[source]
+
     def forget(self, slot: int) -> None:
         """slot's rows can't be trusted (its request failed): it holds nothing, and is the first to reuse."""
         self._held[slot] = ()
@@ -71,7 +78,7 @@ class PrefixCache:
 
     def place(self, prompt: Sequence[int], free_slots: Sequence[int],
               busy: Optional[Mapping[int, Sequence[int]]] = None, computing: Iterable[Sequence[int]] = (),
-              reuse: bool = True) -> Optional[Placement]:
+              reuse: bool = True, targets: Optional[Sequence[int]] = None) -> Optional[Placement]:
         """Chooses a free slot for prompt, reusing the longest computed prefix of it that any slot holds;
         None when the request should wait instead, because a request admitted before it is computing a
         prefix it shares, MIN_SHARED_PREFIX tokens longer than any held now.
@@ -83,17 +90,34 @@ class PrefixCache:
             computing: the prompts of requests whose prompts are not written yet.
             reuse: False for a request that must compute its whole prompt (one asking for its prompt's
                 log-probabilities): it takes the least recently used slot.
+            targets: the free slots it may move into (default: all of them); a prefix that another free
+                slot holds is copied into one of these, and the history a target holds is moved out into
+                the least recently used other free slot (where that one's is older), rather than lost.
 
         The prompt's last token is always computed, so that its logits exist. A free slot holding a prefix
         is taken unless it holds more than twice that prefix, which stays for its own user while the prefix
         is copied into the least recently used slot.
         """
-        lru = min(free_slots, key=self._released_at.__getitem__)
+        targets = list(free_slots if targets is None else targets)
+        lru = min(targets, key=self._released_at.__getitem__)
         if not self.enabled:
-            return Placement(free_slots[0])
+            return Placement(targets[0])
+        placement = self._choose(prompt, free_slots, targets, lru, busy or {}, computing, reuse)
+        if placement is None:
+            return None
+        others = [slot for slot in free_slots if slot not in targets and slot != placement.copy_from]
+        held = len(self._held[placement.slot])
+        kept = placement.cached_tokens if placement.copy_from is None else 0  # of what placement.slot holds
+        if others and held >= MIN_SHARED_PREFIX and 2 * kept < held:
+            keep = min(others, key=self._released_at.__getitem__)
+            if self._released_at[keep] < self._released_at[placement.slot]:
+                return replace(placement, keep_held_in=keep)
+        return placement
+
+    def _choose(self, prompt, free_slots, targets, lru, busy, computing, reuse) -> Optional[Placement]:
         if not reuse:
             return Placement(lru)
-        holders = {slot: self._held[slot] for slot in free_slots} | dict(busy or {})
+        holders = {slot: self._held[slot] for slot in free_slots} | dict(busy)
         shared, source = max(
             ((shared_prefix_length(prompt, tokens), slot) for slot, tokens in holders.items()),
             key=lambda item: (item[0], item[1] in free_slots, -self._released_at[item[1]]),
@@ -104,7 +128,7 @@ class PrefixCache:
         cached = min(shared, len(prompt) - 1)
         if cached < min(MIN_SHARED_PREFIX, len(prompt) - 1) or cached == 0:
             return Placement(lru)
-        if source in free_slots and (2 * shared >= len(holders[source]) or source == lru):
+        if source in targets and (2 * shared >= len(holders[source]) or source == lru):
             return Placement(source, cached)
         return Placement(lru, cached, copy_from=source)
 

@@ -12,7 +12,7 @@ import torch
 from llama_core.devices import to_device
 from llama_core.runner import DecodeStep
 from llama_core.serving import Engine
-from llama_core import int4
+from llama_core import int4, quantize
 from llama_core.int4 import Int4Linear
 from llama_core.quantize import Int8Linear, quantize_int8
 
@@ -154,9 +154,12 @@ def test_int8_on_cuda_is_close_and_compiles(meta_ckpt_dir, cpu_fp32, tokenizer):
 
 def test_int4_on_cuda_is_close_to_the_cpus_and_compiles(meta_ckpt_dir, tokenizer, monkeypatch):
     # The same 4-bit weights (quantized on each device alike), multiplied on the CPU as on CUDA: the dequantized
-    # weight in a plain product. (The CPU kernels also round the activations to int8: 0.08 from this on the H100.)
+    # weight in a plain product. The CPU's own products round the activations to 8 bits (llama_core's kernels,
+    # and fbgemm's for the int8 output layer): 0.08 and 0.013 from the plain products, seen on an H100.
     monkeypatch.setenv("LLAMA_CORE_CPU_KERNELS", "0")
     monkeypatch.setattr(int4, "_TORCH_INT4", None)
+    monkeypatch.setattr(quantize, "_REDUCE_RANGE", None)
+    monkeypatch.setattr(quantize, "_reduce_range", lambda: False)
     cpu_int4 = build_llama(meta_ckpt_dir, quantize="int4")
     llama = build_llama(meta_ckpt_dir, device="cuda", dtype="float32", quantize="int4")
     assert llama.loaded.info.quantization == "int4"
@@ -166,7 +169,7 @@ def test_int4_on_cuda_is_close_to_the_cpus_and_compiles(meta_ckpt_dir, tokenizer
     with torch.inference_mode():
         ref = torch.log_softmax(cpu_int4.model(torch.tensor([prompt]), kv_len=len(prompt))[0], -1)
         got = torch.log_softmax(llama.model(torch.tensor([prompt], device="cuda"), kv_len=len(prompt))[0], -1).cpu()
-    assert float((ref.exp() * (got - ref).abs()).sum(-1).max()) < 0.01
+    assert float((ref.exp() * (got - ref).abs()).sum(-1).max()) < 0.002
     eager = build_llama(meta_ckpt_dir, device="cuda", dtype="bfloat16", quantize="int4")
     compiled = build_llama(meta_ckpt_dir, device="cuda", dtype="bfloat16", quantize="int4", compile=True)
     tokens, lps = compiled.generate(_prompts(tokenizer), 12, temperature=0, logprobs=True)

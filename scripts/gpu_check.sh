@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 # The order puts first what the last device run did not measure (docs/benchmarks.md, "GPU"); 7b_compiled's
 # figures are in docs/gpu/h100, so it comes last, and a second call takes it if the first has no room.
 ALL_STEPS=(device 7b_engine32 tests_cuda 7b_int8 7b_compiled)
-OPTIONAL_STEPS=(tests 7b_hf_compiled load_7b 7b_int4)  # run only when named
+OPTIONAL_STEPS=(7b_eager tests 7b_hf_compiled load_7b 7b_int4)  # run only when named
 # GPU_CHECK_BENCH replaces the benchmark's command and shape: the test suite runs the steps' exact options on a
 # tiny shape on the CPU with it, so that they are known to work before a device runs them.
 read -r -a bench <<< "${GPU_CHECK_BENCH:-python3 scripts/bench.py --shape 7b --device cuda}"
@@ -101,6 +101,9 @@ torch.version.cuda, transformers.__version__, accelerate.__version__, torch.cuda
     # copy bandwidth against bf16's 85 %: the table says which product kernels fall short).
     7b_int8) run_bench 7b_int8 180 --compile --quantize int8 --with-float --skip-hf --prompt-lengths 128 \
                --batch-sizes 1 --decode-tokens 128 --repeats 3 --count-syncs ;;
+    # Optional. The decode step uncompiled (the app's default, without --compile) at batch 1 and 8: what
+    # --compile gives a GPU user, beside 7b_compiled's figures.
+    7b_eager) run_bench 7b_eager 120 --skip-hf --prompt-lengths 128 --batch-sizes 8 --decode-tokens 64 --repeats 2 ;;
     # Optional. int4 beside bf16 the same way (reported: its speed-up and largest logprob deviation).
     7b_int4) run_bench 7b_int4 180 --compile --quantize int4 --with-float --skip-hf --prompt-lengths 128 \
                --batch-sizes 1 --decode-tokens 128 --repeats 3 ;;

@@ -260,7 +260,7 @@ def test_gpu_check_runs_the_steps_asked_for_and_carries_the_shared_files(tmp_pat
                               text=True, timeout=120, env=dict(os.environ, LLAMA_SHARED_DIR=str(shared), **(env or {})))
 
     steps = gpu_check("--list").stdout.splitlines()
-    assert steps == ["device", "7b_engine32", "tests_cuda", "7b_int8", "7b_compiled", "tests (optional)",
+    assert steps == ["device", "7b_engine32", "tests_cuda", "7b_int8", "7b_compiled", "7b_eager (optional)", "tests (optional)",
                      "7b_hf_compiled (optional)", "load_7b (optional)", "7b_int4 (optional)"]
     assert gpu_check("--carry").returncode == 0
     assert (work / ".gpu-shared" / "models" / "stories260K" / "params.json").read_text() == "{}"
@@ -286,11 +286,11 @@ def test_gpu_checks_benchmark_steps_run_their_options_through_on_a_tiny_model(tm
     tiny = (f"{sys.executable} scripts/bench.py --shape custom --dim 64 --n-layers 2 --n-heads 4 --vocab-size 512 "
             "--device cpu --threads 1")
     result = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path), "7b_compiled", "7b_int8", "7b_engine32",
-                             "7b_int4"],
+                             "7b_int4", "7b_eager"],
                             cwd=ROOT, capture_output=True, text=True, timeout=900,
                             env=dict(os.environ, GPU_CHECK_BENCH=tiny, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stdout[-3000:]
-    for step in ("7b_compiled", "7b_int8", "7b_engine32", "7b_int4"):
+    for step in ("7b_compiled", "7b_int8", "7b_engine32", "7b_int4", "7b_eager"):
         assert f"== {step}: exit 0 " in result.stdout, result.stdout[-3000:]
         report = json.loads((tmp_path / f"{step}.json").read_text())
         assert "cut_short" not in report and report["phases_done"][0] == "decode", step

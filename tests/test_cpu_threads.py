@@ -24,8 +24,16 @@ import os, torch
 torch.set_num_threads(2)
 
 
-def threads():
-    return len(os.listdir("/proc/self/task"))
+def threads():  # once the count holds still: a thread that has just ended may linger in /proc for a moment
+    import time
+    count, deadline = len(os.listdir("/proc/self/task")), time.monotonic() + 2
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = len(os.listdir("/proc/self/task"))
+        if now == count:
+            break
+        count = now
+    return count
 
 
 def parallel_work():  # big enough for torch to split it over its two threads

@@ -471,6 +471,48 @@ def test_tokenize_counts_what_the_routes_then_bill_and_detokenize_reads_it_back(
     assert httpx.post(url + "tokenize", json={"prompt": "x"}).status_code == 401  # the API's key, as /v1
 
 
+def test_token_id_prompts_are_taken_as_they_are_as_lm_evaluation_harness_sends_them(client, model_id, served):
+    url, headers = served[1].removesuffix("v1"), {"Authorization": f"Bearer {KEY}"}
+    text = "ROMEO: But soft"
+    ids = httpx.post(url + "tokenize", json={"prompt": text}, headers=headers).json()["tokens"]  # BOS first
+    by_text = client.completions.create(model=model_id, prompt=text, max_tokens=8, temperature=0, echo=True, logprobs=1)
+    by_ids = client.completions.create(model=model_id, prompt=ids, max_tokens=8, temperature=0, echo=True, logprobs=1)
+    assert by_ids.choices[0].text == by_text.choices[0].text  # the same tokens: the same echo and reply
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == len(ids)
+    echoed, text_echoed = by_ids.choices[0].logprobs, by_text.choices[0].logprobs
+    # Every given id is echoed, the first one (here BOS) with no log-probability: nothing precedes it.
+    assert len(echoed.tokens) == len(text_echoed.tokens) + 1 and echoed.token_logprobs[0] is None
+    assert echoed.token_logprobs[1:] == pytest.approx(text_echoed.token_logprobs, abs=1e-4)
+    assert echoed.tokens[1:] == text_echoed.tokens
+    # lm-evaluation-harness's local-completions: it finds /tokenizer_info, tokenizes without special tokens
+    # and scores a batch of id prompts with echo, logprobs=1 and max_tokens=1.
+    info = httpx.get(url + "tokenizer_info", headers=headers).json()
+    assert info["eos_token"] == "</s>" and info["bos_token"] == "<s>"
+    assert info["model_max_length"] == served[0].info.max_seq_len
+    bare = httpx.post(url + "tokenize", json={"prompt": text, "add_special_tokens": False}, headers=headers).json()
+    assert bare["tokens"] == ids[1:]
+    batch = [bare["tokens"], bare["tokens"][:3]]
+    scored = client.completions.create(model=model_id, prompt=batch, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    assert [c.index for c in scored.choices] == [0, 1]
+    for prompt, choice in zip(batch, scored.choices):
+        values = choice.logprobs.token_logprobs
+        assert len(values) == len(prompt) + 1 and values[0] is None and all(v <= 0 for v in values[1:])
+    # Without BOS the model reads the tokens differently: the same ids after BOS score otherwise.
+    assert scored.choices[0].logprobs.token_logprobs[1:-1] != pytest.approx(echoed.token_logprobs[2:], abs=1e-3)
+    assert httpx.get(url + "tokenizer_info").status_code == 401  # behind the API's key, as /v1
+
+
+@pytest.mark.parametrize("prompt, says", [
+    ([1, 10**6], "prompt[1] is 1000000"), ([[1, 2], [3, -1]], "prompt[1][1] is -1"), ([[]], "prompt[0] is empty"),
+    ([1, "a"], "prompt[0] is int"), ([True], "prompt[0] is bool"), ([[1, 2], 3], "prompt[1] is int"),
+    ([[1.5]], "prompt[0][0] is 1.5"),
+])
+def test_bad_token_id_prompts_are_400s_saying_what(served, prompt, says):
+    response = raw(served, "POST", "/completions", {"prompt": prompt, "max_tokens": 2})
+    assert response.status_code == 400 and error_of(response)["param"] == "prompt", response.text
+    assert says in error_of(response)["message"], response.text
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("tokenize", {}, "prompt"),
     ("tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
@@ -668,7 +710,7 @@ def test_malformed_requests_are_400_with_a_message(served, body, param):
 
 
 def test_completion_refusals_name_the_field(served):
-    for body, param in [({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": [1, 2]}, "prompt"),
+    for body, param in [({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": [1, 10**6]}, "prompt"),
                         ({"prompt": ""}, "prompt"), ({"prompt": "x", "logprobs": 50}, "logprobs"),
                         ({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "best_of": 3}, "best_of")]:
         response = raw(served, "POST", "/completions", body)
@@ -988,7 +1030,9 @@ def _bodies(draw, required: dict, optional: dict) -> dict:
 
 
 _CHAT_BODIES = _bodies({"messages": (_dialogs(), _ODD_MESSAGES)}, _CHAT_FIELDS)
-_COMPLETION_BODIES = _bodies({"prompt": (st.one_of(_TEXT, st.lists(_TEXT, min_size=1, max_size=3)), st.one_of(
+_TOKEN_IDS = st.lists(st.integers(0, 255), min_size=1, max_size=8)
+_COMPLETION_BODIES = _bodies({"prompt": (st.one_of(_TEXT, st.lists(_TEXT, min_size=1, max_size=3), _TOKEN_IDS,
+                                                   st.lists(_TOKEN_IDS, min_size=1, max_size=2)), st.one_of(
     _ODD_TEXT, st.lists(st.one_of(_ODD_TEXT, st.integers(-5, 40000)), max_size=4), _ANY_SCALAR))}, _COMPLETION_FIELDS)
 
 
@@ -1001,8 +1045,9 @@ def _answers_any_body(served, path: str, body: dict) -> None:
     elif body.get("stream"):
         assert response.text.rstrip().endswith("data: [DONE]") and '"error"' not in response.text, response.text
     else:
-        assert len(response.json()["choices"]) == (body.get("n") or 1) * (
-            len(body["prompt"]) if isinstance(body.get("prompt"), list) else 1)
+        prompt = body.get("prompt")
+        prompts = len(prompt) if isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
+        assert len(response.json()["choices"]) == (body.get("n") or 1) * prompts
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -182,7 +182,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                            param="suffix")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported; use n for several completions", param="best_of")
-        prompts = _prompts(body.prompt)
+        prompts = _prompts(body.prompt, _vocabulary(engine))
         n = _choices(body.n, len(prompts))
         top = body.logprobs
         if top is not None and not 0 <= top <= requests.MAX_TOP_LOGPROBS:
@@ -193,7 +193,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         echo_logprobs = bool(body.echo) and top is not None
         jobs = [(prompt, seed) for prompt in prompts for seed in _seeds(controls["seed"], n)]
 
-        def submit(job: tuple[str, Optional[int]]) -> TextStream:
+        def submit(job: tuple[str | list[int], Optional[int]]) -> TextStream:
             return stream_completion(engine, job[0], max_new_tokens=max_new_tokens, prompt_logprobs=echo_logprobs,
                                      **dict(controls, seed=job[1]))
 
@@ -230,12 +230,20 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         """The text of token ids."""
         served_model(body.model)
-        vocabulary = engine.info.args.vocab_size
-        outside = [token for token in body.tokens if not 0 <= token < min(vocabulary, engine.tokenizer.n_words)]
+        vocabulary = _vocabulary(engine)
+        outside = [token for token in body.tokens if not 0 <= token < vocabulary]
         if outside:
-            raise APIError(400, f"tokens holds {outside[0]}, outside the vocabulary [0, "
-                           f"{min(vocabulary, engine.tokenizer.n_words)})", param="tokens")
+            raise APIError(400, f"tokens holds {outside[0]}, outside the vocabulary [0, {vocabulary})", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    @api.get("/tokenizer_info", dependencies=v1)
+    def tokenizer_info() -> dict[str, Any]:
+        """The tokenizer's special tokens and the context, as vLLM's server has them (lm-evaluation-harness
+        looks for this route, then tokenizes through /tokenize and sends token-id prompts)."""
+        tokenizer = engine.tokenizer
+        return {"tokenizer_class": "LlamaTokenizer", "bos_token": tokenizer.sp_model.id_to_piece(tokenizer.bos_id),
+                "eos_token": tokenizer.sp_model.id_to_piece(tokenizer.eos_id), "pad_token": None,
+                "model_max_length": engine.info.max_seq_len, "vocab_size": _vocabulary(engine)}
 
     @api.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False,
                    dependencies=v1)
@@ -316,13 +324,31 @@ def _text(content: str | list[TextPart], field: str) -> str:
         raise APIError(400, str(exc), param=field) from None
 
 
-def _prompts(prompt: Any) -> list[str]:
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not prompts:
-        raise APIError(400, "prompt is empty: send a string or a list of strings", param="prompt")
-    for i, item in enumerate(prompts):
-        if not isinstance(item, str):
-            raise APIError(400, f"prompt[{i}] is not a string: prompts are text (token-id prompts are not supported)",
+def _vocabulary(engine: TextEngine) -> int:
+    """The token ids a request may name: 0 to this - 1."""
+    return min(engine.info.args.vocab_size, engine.tokenizer.n_words)
+
+
+def _prompts(prompt: Any, vocabulary: int) -> list[str | list[int]]:
+    """A completion request's prompts, as the OpenAI API takes them: a string, a list of strings, a list of
+    token ids (one prompt, taken as it is: no BOS is added), or a list of such lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty: send a string, a list of strings, or lists of token ids", param="prompt")
+    single = all(isinstance(item, int) and not isinstance(item, bool) for item in prompt)  # one prompt of ids
+    prompts: list[str | list[int]] = []
+    for i, item in enumerate([prompt] if single else prompt):
+        name = "prompt" if single else f"prompt[{i}]"
+        if isinstance(item, str):
+            prompts.append(item)
+        elif isinstance(item, list):
+            try:
+                prompts.append(requests.token_ids(item, vocabulary, name))
+            except LlamaError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+        else:
+            raise APIError(400, f"prompt[{i}] is {type(item).__name__}: a prompt is a string or a list of token ids",
                            param="prompt")
     return prompts
 
@@ -603,10 +629,10 @@ class _CompletionReply(_Reply):
     id_prefix = "cmpl"
 
     def __init__(self, engine: TextEngine, model_id: str, streams: list[TextStream], per_prompt: int,
-                 include_usage: bool, top: Optional[int], echoed: Optional[list[str]]) -> None:
+                 include_usage: bool, top: Optional[int], echoed: Optional[list[str | list[int]]]) -> None:
         super().__init__(engine, model_id, streams, per_prompt, include_usage)
         self.top = top  # None: no logprobs; else alternatives per token
-        self.echoed = echoed  # each choice's prompt with echo, else None
+        self.echoed = echoed  # each choice's prompt (text, or token ids) with echo, else None
         self.offsets = [0] * len(streams)  # characters of text each choice has sent
         self.unechoed = set(range(len(streams))) if echoed else set()
 
@@ -631,22 +657,25 @@ class _CompletionReply(_Reply):
                 "finish_reason": finish}
 
     def _echo(self, index: int) -> tuple[str, Optional[dict[str, list]]]:
-        """The echoed prompt of a choice and, with logprobs, its tokens' log-probabilities (the first one
-        given BOS); alternatives are not computed for prompt tokens."""
+        """The echoed prompt of a choice and, with logprobs, its tokens' log-probabilities: a text prompt's
+        first one given BOS (which is not echoed), a token-id prompt's first one null, as nothing precedes it;
+        alternatives are not computed for prompt tokens."""
         prompt = self.echoed[index]
-        self.offsets[index] = len(prompt)
-        if self.top is None:
-            return prompt, None
         tokenizer = self.engine.tokenizer
-        tokens = tokenizer.encode(prompt, bos=False, eos=False)
-        values = self.streams[index].prompt_logprobs or [None] * len(tokens)
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        self.offsets[index] = len(text)
+        if self.top is None:
+            return text, None
+        tokens = tokenizer.encode(prompt, bos=False, eos=False) if isinstance(prompt, str) else prompt
+        computed = list(self.streams[index].prompt_logprobs or [])
+        values = (computed if isinstance(prompt, str) else [None] + computed) + [None] * len(tokens)
         decoder, offsets, at = StreamDecoder(tokenizer), [], 0
         for token in tokens:
             offsets.append(at)
             at += len(decoder.push(token))
-        return prompt, {"tokens": [self.token_text(t) for t in tokens],
-                        "token_logprobs": [_logprob(v) for v in values[: len(tokens)]],
-                        "top_logprobs": [None] * len(tokens), "text_offset": offsets}
+        return text, {"tokens": [self.token_text(t) for t in tokens],
+                      "token_logprobs": [_logprob(v) for v in values[: len(tokens)]],
+                      "top_logprobs": [None] * len(tokens), "text_offset": offsets}
 
     def _logprobs(self, index: int, chunks: list[StreamChunk]) -> Optional[dict[str, list]]:
         if self.top is None:

@@ -136,7 +136,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[StrictStr, list[Any]]  # a string or a list of strings; token-id prompts are refused by name
+    prompt: Union[StrictStr, list[Any]]  # a string, a list of strings, token ids, or lists of token ids (the route reads which)
     max_tokens: Optional[StrictInt] = 16  # OpenAI's default for completions
     echo: Optional[StrictBool] = False
     logprobs: Optional[StrictInt] = None  # how many alternatives per token; 0 gives the tokens' own only

@@ -252,6 +252,16 @@ def completion_prompt(prompt: Any) -> str:
     return prompt
 
 
+def token_ids(value: Any, vocabulary: int, name: str = "prompt") -> list[int]:
+    """A prompt given as token ids: a non-empty list of integers from 0 to vocabulary - 1."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise InvalidRequestError(f"{name} is empty: send at least one token id")
+    for i, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocabulary:
+            raise InvalidRequestError(f"{name}[{i}] is {_show(token)}: token ids are integers from 0 to {vocabulary - 1}")
+    return list(value)
+
+
 def chat_dialog(message: Any, history: Any, system_prompt: Any) -> Dialog:
     """The dialog of a chat turn: the system prompt (when not blank), the earlier exchanges of history (those
     the chat refused left out) and the new message.

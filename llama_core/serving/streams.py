@@ -12,7 +12,8 @@ from .. import dialog as chat_format
 from ..errors import ContextLengthError, DialogError, LlamaError
 from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Admitted, Channel, EventQueue, Finished, PromptLogprobs, StreamChunk
-from .requests import SamplingParams, check_max_new_tokens, completion_prompt, sampling_params, whole_number
+from .requests import (SamplingParams, check_max_new_tokens, completion_prompt, sampling_params, token_ids,
+                       whole_number)
 from .stops import StopMatcher
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -294,19 +295,22 @@ class TextEngine(Protocol):
 
 def stream_completion(
     engine: TextEngine,
-    prompt: str,
+    prompt: str | Sequence[int],
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_new_tokens: Optional[int] = None,
     prompt_logprobs: bool = False,
     **controls: Any,
 ) -> TextStream:
-    """Submits a plain-text prompt (BOS prepended) to the engine and returns its reply stream.
-    max_new_tokens None means DEFAULT_MAX_NEW_TOKENS, or less where the context is shorter; the other
-    sampling controls (top_k, min_p, penalties, stop, seed, top_logprobs...) are keywords as in SamplingParams."""
-    prompt = completion_prompt(prompt)
+    """Submits a prompt to the engine and returns its reply stream: plain text (BOS prepended), or token ids
+    (taken as they are, as the OpenAI API takes them). max_new_tokens None means DEFAULT_MAX_NEW_TOKENS, or
+    less where the context is shorter; the other sampling controls (top_k, min_p, penalties, stop, seed,
+    top_logprobs...) are keywords as in SamplingParams."""
+    if isinstance(prompt, str):
+        prompt_tokens = engine.tokenizer.encode(completion_prompt(prompt), bos=True, eos=False)
+    else:
+        prompt_tokens = token_ids(prompt, min(engine.info.args.vocab_size, engine.tokenizer.n_words))
     params = sampling_params(temperature, top_p, **controls)
-    prompt_tokens = engine.tokenizer.encode(prompt, bos=True, eos=False)
     max_new_tokens = _default_max_new_tokens(engine, max_new_tokens)
     tokens = engine.submit(prompt_tokens, max_new_tokens, prompt_logprobs=prompt_logprobs, params=params)
     decoder = StreamDecoder(engine.tokenizer, prompt_tokens)

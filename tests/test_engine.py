@@ -211,6 +211,10 @@ def test_bad_text_input_is_refused_with_a_message(llama):
     with llama.serve() as engine:
         with pytest.raises(InvalidRequestError, match="string"):
             stream_completion(engine, 42)
+        with pytest.raises(InvalidRequestError, match=r"prompt\[1\] is -3: token ids are integers from 0"):
+            stream_completion(engine, [1, -3])
+        with pytest.raises(InvalidRequestError, match="prompt is empty: send at least one token id"):
+            stream_completion(engine, [])
         with pytest.raises(ContextLengthError, match="max_seq_len"):
             stream_completion(engine, "word " * 15_000)
         with pytest.raises(InvalidRequestError, match="prompt is too long: 1,000,000 characters"):

@@ -306,10 +306,10 @@ def stream_completion(
     (taken as they are, as the OpenAI API takes them). max_new_tokens None means DEFAULT_MAX_NEW_TOKENS, or
     less where the context is shorter; the other sampling controls (top_k, min_p, penalties, stop, seed,
     top_logprobs...) are keywords as in SamplingParams."""
-    if isinstance(prompt, str):
-        prompt_tokens = engine.tokenizer.encode(completion_prompt(prompt), bos=True, eos=False)
-    else:
+    if isinstance(prompt, (list, tuple)):
         prompt_tokens = token_ids(prompt, min(engine.info.args.vocab_size, engine.tokenizer.n_words))
+    else:
+        prompt_tokens = engine.tokenizer.encode(completion_prompt(prompt), bos=True, eos=False)
     params = sampling_params(temperature, top_p, **controls)
     max_new_tokens = _default_max_new_tokens(engine, max_new_tokens)
     tokens = engine.submit(prompt_tokens, max_new_tokens, prompt_logprobs=prompt_logprobs, params=params)

@@ -283,8 +283,20 @@ def test_prompt_logprobs_match_generate_echo(llama, prompts):
     with llama.serve() as engine:
         stream = engine.submit(prompts[5], 4, temperature=0, prompt_logprobs=True)
         generated = [chunk.logprob for chunk in stream]
+        assert stream.prompt_top_logprobs is None  # not asked for
+        ranked = engine.submit(prompts[5], 1, temperature=0, prompt_logprobs=True, top_logprobs=3)
+        list(ranked)
     assert stream.prompt_logprobs == pytest.approx(expected[1 : len(prompts[5])], abs=1e-4)
     assert generated == pytest.approx(expected[len(prompts[5]) :], abs=1e-4)
+    # With top_logprobs, each prompt position's most likely tokens: the first is what greedy decoding of the
+    # prompt up to there writes, with its log-probability.
+    alternatives = ranked.prompt_top_logprobs
+    assert len(alternatives) == len(prompts[5]) - 1 and all(len(a) == 3 for a in alternatives)
+    assert all([lp for _, lp in a] == sorted((lp for _, lp in a), reverse=True) for a in alternatives)
+    for i in (1, 4, len(prompts[5]) - 1):
+        tokens, lps = llama.generate([prompts[5][:i]], 1, temperature=0, logprobs=True)
+        assert alternatives[i - 1][0][0] == tokens[0][0]
+        assert alternatives[i - 1][0][1] == pytest.approx(lps[0][0], abs=1e-4)
 
 
 def test_requests_admitted_together_are_prefilled_together_and_fail_alone(llama, prompts, solo):
@@ -307,13 +319,20 @@ def test_long_prompts_prefilled_in_chunks_equal_solo(llama, prompts, solo, chunk
     expected = llama.generate([prompts[5]], 4, temperature=0, logprobs=True, echo=True)[1][0]
     with llama.serve(prefill_chunk=chunk) as engine:
         results = greedy_concurrently(engine, prompts, 40)
-        stream = engine.submit(prompts[5], 4, temperature=0, prompt_logprobs=True)
+        stream = engine.submit(prompts[5], 4, temperature=0, prompt_logprobs=True, top_logprobs=2)
         generated = [chunk.logprob for chunk in stream]
+    with llama.serve() as engine:  # one chunk
+        whole = engine.submit(prompts[5], 1, temperature=0, prompt_logprobs=True, top_logprobs=2)
+        list(whole)
     assert any(len(p) > chunk for p in prompts) and any(len(p) <= chunk for p in prompts)
     assert results == solo
-    # Prompt log-probabilities are stitched across chunk boundaries.
+    # Prompt log-probabilities, and the most likely tokens at each position, are stitched across chunk boundaries.
     assert len(prompts[5]) > chunk
     assert stream.prompt_logprobs == pytest.approx(expected[1 : len(prompts[5])], abs=1e-4)
+    assert len(stream.prompt_top_logprobs) == len(whole.prompt_top_logprobs) == len(prompts[5]) - 1
+    for got, want in zip(stream.prompt_top_logprobs, whole.prompt_top_logprobs):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
     assert generated == pytest.approx(expected[len(prompts[5]) :], abs=1e-4)
 
 

@@ -47,9 +47,12 @@ def test_concurrent_greedy_requests_equal_their_solo_outputs(served, prompts, so
 
 def test_prompt_logprobs_and_text_equal_in_process(served, llama, prompts):  # noqa: F811
     expected = llama.generate([prompts[5]], 4, temperature=0, logprobs=True, echo=True)[1][0]
-    stream = served.submit(prompts[5], 4, temperature=0, prompt_logprobs=True)
+    stream = served.submit(prompts[5], 4, temperature=0, prompt_logprobs=True, top_logprobs=2)
     generated = [chunk.logprob for chunk in stream]
     assert stream.prompt_logprobs == pytest.approx(expected[1 : len(prompts[5])], abs=1e-4)
+    # The most likely tokens at each prompt position cross the process boundary too.
+    assert len(stream.prompt_top_logprobs) == len(prompts[5]) - 1
+    assert all(len(top) == 2 and top[0][1] >= top[1][1] for top in stream.prompt_top_logprobs)
     assert generated == pytest.approx(expected[len(prompts[5]) :], abs=1e-4)
     text = "".join(c.text for c in stream_completion(served, "the king said", temperature=0, max_new_tokens=20))
     tokens = llama.tokenizer.encode("the king said", bos=True, eos=False)

@@ -188,8 +188,10 @@ def test_completion_echo_and_logprobs(client, model_id):
         logprobs = choice.logprobs
         assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset)
         assert all(v is not None and v <= 0 for v in logprobs.token_logprobs)
-        generated = [t for t in logprobs.top_logprobs if t is not None]
-        assert 1 <= len(generated) <= 8 and all(len(t) <= 2 for t in generated)
+        # Every token, the prompt's too, comes with the 2 most likely at its position (a text prompt's first
+        # given BOS).
+        assert len(logprobs.top_logprobs) == len(logprobs.tokens) and all(len(t) == 2 for t in logprobs.top_logprobs)
+        assert all(v <= max(t.values()) + 1e-6 for v, t in zip(logprobs.token_logprobs, logprobs.top_logprobs))
         assert logprobs.text_offset == sorted(logprobs.text_offset)
     plain = client.completions.create(model=model_id, prompt=prompts[0], max_tokens=8, temperature=0)
     assert reply.choices[0].text == prompts[0] + plain.choices[0].text
@@ -497,6 +499,17 @@ def test_token_id_prompts_are_taken_as_they_are_as_lm_evaluation_harness_sends_t
     for prompt, choice in zip(batch, scored.choices):
         values = choice.logprobs.token_logprobs
         assert len(values) == len(prompt) + 1 and values[0] is None and all(v <= 0 for v in values[1:])
+    for choice in scored.choices:  # the most likely token at each position, for lm-eval's "is greedy"
+        tops = choice.logprobs.top_logprobs
+        assert tops[0] is None and all(len(top) == 1 for top in tops[1:])
+        assert all(v <= max(top.values()) + 1e-6 for v, top in zip(choice.logprobs.token_logprobs[1:], tops[1:]))
+    # A greedy continuation scores as greedy at every position, one with another last token does not.
+    greedy = [chunk.token for chunk in served[0].submit(bare["tokens"], 5, temperature=0)]
+    continued = client.completions.create(model=model_id, prompt=[bare["tokens"] + greedy, bare["tokens"] + greedy[:-1] + [
+        (greedy[-1] + 1) % 256]], max_tokens=1, temperature=0, echo=True, logprobs=1)
+    for choice, expected in zip(continued.choices, (True, False)):
+        values, tops = choice.logprobs.token_logprobs[-6:-1], choice.logprobs.top_logprobs[-6:-1]
+        assert all(v >= max(top.values()) - 1e-4 for v, top in zip(values, tops)) == expected
     # Without BOS the model reads the tokens differently: the same ids after BOS score otherwise.
     assert scored.choices[0].logprobs.token_logprobs[1:-1] != pytest.approx(echoed.token_logprobs[2:], abs=1e-3)
     assert httpx.get(url + "tokenizer_info").status_code == 401  # behind the API's key, as /v1

@@ -657,9 +657,9 @@ class _CompletionReply(_Reply):
                 "finish_reason": finish}
 
     def _echo(self, index: int) -> tuple[str, Optional[dict[str, list]]]:
-        """The echoed prompt of a choice and, with logprobs, its tokens' log-probabilities: a text prompt's
-        first one given BOS (which is not echoed), a token-id prompt's first one null, as nothing precedes it;
-        alternatives are not computed for prompt tokens."""
+        """The echoed prompt of a choice and, with logprobs, its tokens' log-probabilities and the most likely
+        tokens at each (logprobs of them): a text prompt's first one given BOS (which is not echoed), a
+        token-id prompt's first one null, as nothing precedes it."""
         prompt = self.echoed[index]
         tokenizer = self.engine.tokenizer
         text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
@@ -667,15 +667,22 @@ class _CompletionReply(_Reply):
         if self.top is None:
             return text, None
         tokens = tokenizer.encode(prompt, bos=False, eos=False) if isinstance(prompt, str) else prompt
-        computed = list(self.streams[index].prompt_logprobs or [])
-        values = (computed if isinstance(prompt, str) else [None] + computed) + [None] * len(tokens)
+        stream, lead = self.streams[index], [] if isinstance(prompt, str) else [None]
+        values = lead + list(stream.prompt_logprobs or []) + [None] * len(tokens)
+        tops = lead + list(stream.prompt_top_logprobs or []) + [None] * len(tokens)
         decoder, offsets, at = StreamDecoder(tokenizer), [], 0
         for token in tokens:
             offsets.append(at)
             at += len(decoder.push(token))
         return text, {"tokens": [self.token_text(t) for t in tokens],
                       "token_logprobs": [_logprob(v) for v in values[: len(tokens)]],
-                      "top_logprobs": [None] * len(tokens), "text_offset": offsets}
+                      "top_logprobs": [self._top(top) for top in tops[: len(tokens)]], "text_offset": offsets}
+
+    def _top(self, alternatives: Optional[list[tuple[int, float]]]) -> Optional[dict[str, float]]:
+        """A position's most likely tokens as OpenAI gives them: their text to their log-probability."""
+        if not self.top or alternatives is None:
+            return None
+        return {self.token_text(t): _logprob(lp) for t, lp in alternatives}
 
     def _logprobs(self, index: int, chunks: list[StreamChunk]) -> Optional[dict[str, list]]:
         if self.top is None:
@@ -685,7 +692,7 @@ class _CompletionReply(_Reply):
             if c.token >= 0:
                 tokens.append(self.token_text(c.token))
                 values.append(_logprob(c.logprob))
-                tops.append({self.token_text(t): _logprob(lp) for t, lp in (c.top_logprobs or [])} if self.top else None)
+                tops.append(self._top(c.top_logprobs or []))
                 offsets.append(self.offsets[index])
             self.offsets[index] += len(c.text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -89,6 +89,7 @@ class _Sequence:
     output: list[int] = field(default_factory=list)  # generated tokens, EOS left out
     last_token: int = 0
     prompt_lps: list[float] = field(default_factory=list)  # chunked prefill with prompt_logprobs
+    prompt_alternatives: list[list[tuple[int, float]]] = field(default_factory=list)  # and with top_logprobs
     carried_logits: Optional[torch.Tensor] = None  # the previous chunk's last logits, scoring the next token
     stop_text: Optional[tuple[StreamDecoder, StopMatcher]] = None  # the reply's text, watched for stop strings
     grammar: Optional[GrammarMatcher] = None  # where the reply is in the grammar it must match
@@ -531,7 +532,8 @@ class Engine:
         rows = cache_rows([s.slot for s in group], device)
         if group[0].request.prompt_logprobs:  # such a request is prefilled alone, all of its prompt
             all_logits = self.runner.prefill(tokens, positions, rows, kv_len)
-            group[0].channel.events.put(PromptLogprobs(token_logprobs(all_logits[0, :-1], tokens[0, 1:]).tolist()))
+            values, alternatives = _prompt_scores(all_logits[0, :-1], tokens[0, 1:], group[0].params.top_logprobs)
+            group[0].channel.events.put(PromptLogprobs(values, alternatives))
             logits = all_logits[:, -1]
         else:
             logits = self.runner.prefill(tokens, positions, rows, kv_len, logit_index=lengths - 1)[:, 0]
@@ -565,9 +567,14 @@ class Engine:
             rows = slice(sequence.slot, sequence.slot + 1)
             if sequence.request.prompt_logprobs:
                 logits = self.runner.prefill(tokens, positions, rows, end)[0]
-                if sequence.carried_logits is not None:
-                    sequence.prompt_lps.append(float(token_logprobs(sequence.carried_logits, tokens[0, 0])))
-                sequence.prompt_lps += token_logprobs(logits[:-1], tokens[0, 1:]).tolist()
+                if sequence.carried_logits is not None:  # the previous chunk's last logits score this one's first
+                    logits = torch.cat([sequence.carried_logits[None], logits])
+                    targets = tokens[0]
+                else:
+                    targets = tokens[0, 1:]
+                values, alternatives = _prompt_scores(logits[:-1], targets, sequence.params.top_logprobs)
+                sequence.prompt_lps += values
+                sequence.prompt_alternatives += alternatives or []
                 sequence.carried_logits = logits[-1]
                 logits = logits[-1:]
             elif last:
@@ -578,7 +585,8 @@ class Engine:
             self._prompt_written(sequence, end)
             if last:
                 if sequence.request.prompt_logprobs:
-                    sequence.channel.events.put(PromptLogprobs(sequence.prompt_lps))
+                    sequence.channel.events.put(PromptLogprobs(
+                        sequence.prompt_lps, sequence.prompt_alternatives if sequence.params.top_logprobs else None))
                     sequence.carried_logits = None
                 self._sample_and_deliver([sequence], logits)
         except Exception as exc:  # e.g. out of memory: this request fails, the others go on
@@ -912,6 +920,16 @@ def _copied_to_host(sampled: tuple) -> tuple[tuple, Optional[torch.cuda.Event]]:
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(tokens.device))  # the copies' stream: the device's, not the current device's
     return host, ready
+
+
+def _prompt_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[list[float], Optional[list]]:
+    """The log-probabilities of tokens [N] under logits [N, V], and with top > 0 each row's top most likely
+    tokens as (token id, log-probability) pairs (None with top 0)."""
+    values = token_logprobs(logits, tokens).tolist()
+    if not top:
+        return values, None
+    lps, ids = top_logprobs(logits, top)
+    return values, [list(zip(row_ids, row_lps)) for row_ids, row_lps in zip(ids.tolist(), lps.tolist())]
 
 
 def _failure_message(exc: Exception) -> str:

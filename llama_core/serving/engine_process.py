@@ -308,7 +308,7 @@ class EngineProcess:
         elif kind == "chunk":
             channel.events.put(StreamChunk(message[2], message[3], top_logprobs=message[4]))
         elif kind == "prompt_logprobs":
-            channel.events.put(PromptLogprobs(message[2]))
+            channel.events.put(PromptLogprobs(message[2], message[3]))
         elif kind == "admitted":
             channel.events.put(Admitted(message[2]))
         elif kind == "done":
@@ -375,7 +375,7 @@ class _Forward:
         if isinstance(item, StreamChunk):
             self._outbox.add(("chunk", self.rid, item.token, item.logprob, item.top_logprobs))
         elif isinstance(item, PromptLogprobs):
-            self._outbox.add(("prompt_logprobs", self.rid, item.values))
+            self._outbox.add(("prompt_logprobs", self.rid, item.values, item.alternatives))
         elif isinstance(item, Admitted):
             self._outbox.add(("admitted", self.rid, item.cached_tokens))
         elif isinstance(item, Finished):

@@ -32,9 +32,12 @@ class Admitted:
 
 @dataclass(frozen=True)
 class PromptLogprobs:
-    """Log-probabilities of prompt tokens 1..n-1, each given the ones before it; comes before the first chunk."""
+    """Log-probabilities of prompt tokens 1..n-1, each given the ones before it, and with top_logprobs the
+    most likely tokens at each of those positions ((token id, log-probability), most likely first); comes
+    before the first chunk."""
 
     values: list[float]
+    alternatives: Optional[list[list[tuple[int, float]]]] = None
 
 
 @dataclass(frozen=True)

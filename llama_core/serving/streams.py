@@ -45,6 +45,7 @@ class TokenStream:
         self.prompt_len = prompt_len
         self.finish_reason: Optional[str] = None  # "eos", "length", "cancelled" or "error"
         self.prompt_logprobs: Optional[list[float]] = None  # with prompt_logprobs=True: tokens 1..n-1
+        self.prompt_top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # and with top_logprobs
         self.cached_tokens = 0  # prompt tokens found in the engine's KV cache (known before the first chunk)
         self.drafted_tokens = 0  # tokens prompt lookup drafted and the model checked (known at the end)
         self.accepted_tokens = 0  # of those, the ones kept: part of the reply, several a step
@@ -114,7 +115,7 @@ class TokenStream:
             if isinstance(item, StreamChunk):
                 chunks.append(item)
             elif isinstance(item, PromptLogprobs):
-                self.prompt_logprobs = item.values
+                self.prompt_logprobs, self.prompt_top_logprobs = item.values, item.alternatives
             elif isinstance(item, Admitted):
                 self.cached_tokens = item.cached_tokens
             else:
@@ -183,6 +184,11 @@ class TextStream:
     @property
     def prompt_logprobs(self) -> Optional[list[float]]:
         return None if self._tokens is None else self._tokens.prompt_logprobs
+
+    @property
+    def prompt_top_logprobs(self) -> Optional[list[list[tuple[int, float]]]]:
+        """With prompt_logprobs and top_logprobs: the most likely tokens at prompt positions 1..n-1."""
+        return None if self._tokens is None else self._tokens.prompt_top_logprobs
 
     @property
     def cached_tokens(self) -> int:

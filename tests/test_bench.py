@@ -306,6 +306,7 @@ def test_gpu_checks_benchmark_steps_run_their_options_through_on_a_tiny_model(tm
     assert int4["ratios"]["decode_over_llama_core_float"] > 0 and int4["int4_max_logprob_deviation"] > 0
     summary = _run("gpu_summary.py", str(tmp_path))
     assert "| int4 over bf16 compiled decode (reported) | " in summary.stdout
+    assert "| uncompiled decode at batch 1, the app's default (reported) | " in summary.stdout
     unmeasured = [line.split(" | ")[0].lstrip("| ") for line in summary.stdout.splitlines() if "not measured" in line]
     # On the CPU there is no copy bandwidth and no GPU to be busy; HF compiled is an optional step.
     assert summary.returncode == 0 and unmeasured == [
@@ -341,6 +342,9 @@ def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
     assert table["batch-1 compiled decode >= 85 % of copy bandwidth"] == ["90.0%", "7b_compiled", "yes |"]
     assert table[">= 5x HF eager at batch 1 (compiled)"] == ["4.50x", "7b_compiled", "**no** |"]
     assert table["engine, 32 sequences >= 12x its batch-1 decode"][0] == "13.0x"  # over 7b_compiled's 200
+    assert table["one sequence in the 32-slot engine >= 0.9x the one-slot engine's decode"] == [
+        "0.75x", "7b_engine32 / 7b_compiled", "**no** |"]  # 150 against 200
+    assert "uncompiled decode at batch 1, the app's default (reported)" not in table  # an optional step not run
     assert table["no host synchronisation per decoded token (compiled)"][0] == "1.00 waits per token"
     assert table["waits on the step before, the next one queued (reported)"][0] == "1.00 per token"
     assert table["int8 >= 1.7x bf16 compiled decode"][0] == "not measured"

@@ -302,11 +302,14 @@ def test_gpu_checks_benchmark_steps_run_their_options_through_on_a_tiny_model(tm
     assert int8["ratios"]["decode_over_llama_core_float"] > 0 and "int8_max_logprob_deviation" in int8
     engine32 = json.loads((tmp_path / "7b_engine32.json").read_text())
     assert engine32["results"]["llama_core"]["aggregate_tokens_per_s"]["32"] > 0
+    assert engine32["results"]["llama_core"]["aggregate_tokens_per_s"]["8"] > 0
+    assert engine32["phases_done"][-2:] == ["batch_32", "batch_8"]
     int4 = json.loads((tmp_path / "7b_int4.json").read_text())
     assert int4["ratios"]["decode_over_llama_core_float"] > 0 and int4["int4_max_logprob_deviation"] > 0
     summary = _run("gpu_summary.py", str(tmp_path))
     assert "| int4 over bf16 compiled decode (reported) | " in summary.stdout
     assert "| uncompiled decode at batch 1, the app's default (reported) | " in summary.stdout
+    assert "| engine, 8 sequences (the app's default batch), tokens/s (reported) | " in summary.stdout
     unmeasured = [line.split(" | ")[0].lstrip("| ") for line in summary.stdout.splitlines() if "not measured" in line]
     # On the CPU there is no copy bandwidth and no GPU to be busy; HF compiled is an optional step.
     assert summary.returncode == 0 and unmeasured == [

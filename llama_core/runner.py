@@ -249,13 +249,13 @@ class DecodeStep:
             rows = slice(0, tokens.shape[0])
         if kv_len is None:
             kv_len = int(positions.max()) + 1
+        if not self.static and not self.leading_rows:
+            return self.model(tokens[:, None], positions[:, None], cache_rows=rows, kv_len=kv_len)[:, 0]
         if rows_end is None:
             rows_end = rows.stop if isinstance(rows, slice) else int(rows.max()) + 1
         if self.leading_rows:
             all_tokens, all_positions = self._padded(tokens, positions, rows, max(rows_end, self._fewest_rows))
             return self._call_leading(all_tokens, all_positions, max(kv_len, 2))[rows]
-        if not self.static:
-            return self.model(tokens[:, None], positions[:, None], cache_rows=rows, kv_len=kv_len)[:, 0]
         all_tokens, all_positions = self._padded(tokens, positions, rows, self.row_count(rows_end))
         logits = self._step(all_tokens, all_positions, self.context_length(kv_len))[rows]
         # Copy out of the step's output, which the next CUDA graph replay overwrites (a slice is a view).

@@ -27,7 +27,7 @@ from ..grammar import Grammar
 from ..serving import aio, requests
 from ..serving.events import StreamChunk
 from ..serving.requests import MAX_SEED, SamplingParams
-from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion
+from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion, vocabulary
 from ..tokenizer import StreamDecoder
 from . import responses, tools
 from .errors import APIError, from_llama_error, from_validation_errors
@@ -182,7 +182,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                            param="suffix")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported; use n for several completions", param="best_of")
-        prompts = _prompts(body.prompt, _vocabulary(engine))
+        prompts = _prompts(body.prompt, vocabulary(engine))
         n = _choices(body.n, len(prompts))
         top = body.logprobs
         if top is not None and not 0 <= top <= requests.MAX_TOP_LOGPROBS:
@@ -230,10 +230,10 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         """The text of token ids."""
         served_model(body.model)
-        vocabulary = _vocabulary(engine)
-        outside = [token for token in body.tokens if not 0 <= token < vocabulary]
+        known = vocabulary(engine)
+        outside = [token for token in body.tokens if not 0 <= token < known]
         if outside:
-            raise APIError(400, f"tokens holds {outside[0]}, outside the vocabulary [0, {vocabulary})", param="tokens")
+            raise APIError(400, f"tokens holds {outside[0]}, outside the vocabulary [0, {known})", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     @api.get("/tokenizer_info", dependencies=v1)
@@ -243,7 +243,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         tokenizer = engine.tokenizer
         return {"tokenizer_class": "LlamaTokenizer", "bos_token": tokenizer.sp_model.id_to_piece(tokenizer.bos_id),
                 "eos_token": tokenizer.sp_model.id_to_piece(tokenizer.eos_id), "pad_token": None,
-                "model_max_length": engine.info.max_seq_len, "vocab_size": _vocabulary(engine)}
+                "model_max_length": engine.info.max_seq_len, "vocab_size": vocabulary(engine)}
 
     @api.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False,
                    dependencies=v1)
@@ -322,11 +322,6 @@ def _text(content: str | list[TextPart], field: str) -> str:
         return requests.text(content, field)
     except LlamaError as exc:
         raise APIError(400, str(exc), param=field) from None
-
-
-def _vocabulary(engine: TextEngine) -> int:
-    """The token ids a request may name: 0 to this - 1."""
-    return min(engine.info.args.vocab_size, engine.tokenizer.n_words)
 
 
 def _prompts(prompt: Any, vocabulary: int) -> list[str | list[int]]:

@@ -299,6 +299,11 @@ class TextEngine(Protocol):
                **controls: Any) -> TokenStream: ...
 
 
+def vocabulary(engine: TextEngine) -> int:
+    """How many token ids a request may name (0 to this - 1): the model's and the tokenizer's, the fewer."""
+    return min(engine.info.args.vocab_size, engine.tokenizer.n_words)
+
+
 def stream_completion(
     engine: TextEngine,
     prompt: str | Sequence[int],
@@ -313,7 +318,7 @@ def stream_completion(
     less where the context is shorter; the other sampling controls (top_k, min_p, penalties, stop, seed,
     top_logprobs...) are keywords as in SamplingParams."""
     if isinstance(prompt, (list, tuple)):
-        prompt_tokens = token_ids(prompt, min(engine.info.args.vocab_size, engine.tokenizer.n_words))
+        prompt_tokens = token_ids(prompt, vocabulary(engine))
     else:
         prompt_tokens = engine.tokenizer.encode(completion_prompt(prompt), bos=True, eos=False)
     params = sampling_params(temperature, top_p, **controls)

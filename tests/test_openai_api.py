@@ -189,9 +189,13 @@ def test_completion_echo_and_logprobs(client, model_id):
         assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset)
         assert all(v is not None and v <= 0 for v in logprobs.token_logprobs)
         # Every token, the prompt's too, comes with the 2 most likely at its position (a text prompt's first
-        # given BOS).
-        assert len(logprobs.top_logprobs) == len(logprobs.tokens) and all(len(t) == 2 for t in logprobs.top_logprobs)
-        assert all(v <= max(t.values()) + 1e-6 for v, t in zip(logprobs.token_logprobs, logprobs.top_logprobs))
+        # given BOS), and itself where it is not one of them: up to logprobs+1 entries, as OpenAI gives them.
+        assert len(logprobs.top_logprobs) == len(logprobs.tokens)
+        for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+            assert top[token] == pytest.approx(value, abs=1e-6) and value <= max(top.values()) + 1e-6
+            ranked = sorted(top.values(), reverse=True)
+            assert len(top) == 2 or (len(top) == 3 and value == pytest.approx(ranked[2], abs=1e-6))
+        assert any(len(top) == 3 for top in logprobs.top_logprobs[:len(logprobs.tokens) - 8])  # the prompt's
         assert logprobs.text_offset == sorted(logprobs.text_offset)
     plain = client.completions.create(model=model_id, prompt=prompts[0], max_tokens=8, temperature=0)
     assert reply.choices[0].text == prompts[0] + plain.choices[0].text
@@ -501,7 +505,9 @@ def test_token_id_prompts_are_taken_as_they_are_as_lm_evaluation_harness_sends_t
         assert len(values) == len(prompt) + 1 and values[0] is None and all(v <= 0 for v in values[1:])
     for choice in scored.choices:  # the most likely token at each position, for lm-eval's "is greedy"
         tops = choice.logprobs.top_logprobs
-        assert tops[0] is None and all(len(top) == 1 for top in tops[1:])
+        assert tops[0] is None and all(len(top) in (1, 2) for top in tops[1:])
+        assert all(top[token] == pytest.approx(v, abs=1e-6) for token, v, top in
+                   zip(choice.logprobs.tokens[1:], choice.logprobs.token_logprobs[1:], tops[1:]))
         assert all(v <= max(top.values()) + 1e-6 for v, top in zip(choice.logprobs.token_logprobs[1:], tops[1:]))
     # A greedy continuation scores as greedy at every position, one with another last token does not.
     greedy = [chunk.token for chunk in served[0].submit(bare["tokens"], 5, temperature=0)]

@@ -671,13 +671,18 @@ class _CompletionReply(_Reply):
             at += len(decoder.push(token))
         return text, {"tokens": [self.token_text(t) for t in tokens],
                       "token_logprobs": [_logprob(v) for v in values[: len(tokens)]],
-                      "top_logprobs": [self._top(top) for top in tops[: len(tokens)]], "text_offset": offsets}
+                      "top_logprobs": [self._top(*at) for at in zip(tops, tokens, values)], "text_offset": offsets}
 
-    def _top(self, alternatives: Optional[list[tuple[int, float]]]) -> Optional[dict[str, float]]:
-        """A position's most likely tokens as OpenAI gives them: their text to their log-probability."""
+    def _top(self, alternatives: Optional[list[tuple[int, float]]], token: int,
+             logprob: Optional[float]) -> Optional[dict[str, float]]:
+        """A position's most likely tokens as OpenAI gives them, their text to their log-probability, with the
+        token chosen there added where it is not among them ("up to logprobs+1" entries, as OpenAI and vLLM)."""
         if not self.top or alternatives is None:
             return None
-        return {self.token_text(t): _logprob(lp) for t, lp in alternatives}
+        top = {self.token_text(t): _logprob(lp) for t, lp in alternatives}
+        if token not in (t for t, _ in alternatives):
+            top.setdefault(self.token_text(token), _logprob(logprob))
+        return top
 
     def _logprobs(self, index: int, chunks: list[StreamChunk]) -> Optional[dict[str, list]]:
         if self.top is None:
@@ -687,7 +692,7 @@ class _CompletionReply(_Reply):
             if c.token >= 0:
                 tokens.append(self.token_text(c.token))
                 values.append(_logprob(c.logprob))
-                tops.append(self._top(c.top_logprobs or []))
+                tops.append(self._top(c.top_logprobs or [], c.token, c.logprob))
                 offsets.append(self.offsets[index])
             self.offsets[index] += len(c.text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -19,14 +19,17 @@ every row gets its own 8-bit scale, the same whatever other rows share the forwa
 token cannot coarsen a decoding row), and the output is multiplied back row by row.
 
 Under torch.compile, which can trace neither kernel, the same rounding runs in float, so compiled and eager
-steps agree. Elsewhere (CUDA, other dtypes) the activations stay as they are and the
-product is the dequantized one, which inductor fuses under `--compile` where a step has one row (the
-compiled step's coordinate-descent tuning turns that product into a reduction reading the int8 weight;
-see llama_core.runner); with more rows the weight is converted before cuBLAS multiplies it.
+steps agree. On CUDA, up to 64 rows of 16-bit activations (decoding) are multiplied in llama_core.int8_triton's
+kernel, which converts each weight as it reads it. Elsewhere (a prompt's many rows, other dtypes, CUDA without
+triton) the activations stay as they are and the product is the dequantized one, which inductor fuses under
+`--compile` where a step has one row (the compiled step's coordinate-descent tuning turns that product into a
+reduction reading the int8 weight; see llama_core.runner); with more rows the weight is converted before
+cuBLAS multiplies it.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Callable, Iterable, Optional
 
@@ -54,6 +57,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         _reduce_range()  # found now, in eager mode: forward reads it (None: no fbgemm in this torch)
+        _triton_rows()  # likewise: imported here, never while torch.compile traces forward
 
     @classmethod
     def stacked(cls, linears: Iterable["Int8Linear"]) -> "Int8Linear":
@@ -90,7 +94,17 @@ class Int8Linear(nn.Module):
                 else:
                     out = torch.ops.quantized.linear_dynamic(rows, self._packed_for_cpu(), _REDUCE_RANGE)
                 return out.mul_(magnitude).view(*x.shape[:-1], self.out_features)
+        if x.device.type == "cuda" and _TRITON_ROWS is not None and self._fits_triton(x):
+            if torch.compiler.is_compiling():
+                return _TRITON_ROWS.rows_product(x, self.weight, self.scales)
+            return _TRITON_ROWS.product(x, self.weight, self.scales)
         return F.linear(x, self.weight.to(x.dtype)) * self.scales
+
+    def _fits_triton(self, x: torch.Tensor) -> bool:
+        """Whether llama_core.int8_triton multiplies x: a few rows of 16-bit activations (a prompt's many rows
+        are compute-bound: the dequantized weight through cuBLAS), the scales in their dtype."""
+        return (x.dtype in (torch.bfloat16, torch.float16) and self.scales.dtype == x.dtype
+                and x.numel() <= _TRITON_ROWS.MAX_ROWS * x.shape[-1] and self.weight.is_contiguous())
 
     def _packed_for_cpu(self):
         """fbgemm's packed copy of the weight (two zero columns added, see the module's docstring), made on
@@ -261,6 +275,26 @@ _BOUNDS = torch.tensor([[1.0, -1.0]])
 _REDUCE_RANGE: Optional[bool] = None
 # fbgemm's step for [-1, 1] and its inverse, in float32 as it computes them (so that -1 maps to 1, not 0).
 _FBGEMM_STEPS = {levels: (float(torch.tensor(2.0) / levels), float(1 / (torch.tensor(2.0) / levels))) for levels in (127, 255)}
+
+
+_TRITON_ROWS = None  # llama_core.int8_triton where it is used (see _triton_rows)
+_TRITON_LOOKED_FOR = False
+
+
+def _triton_rows():
+    """llama_core.int8_triton, on a CUDA build of torch with triton importable, unless LLAMA_CORE_INT8_TRITON=0
+    (then, as without triton, the dequantized product: under --compile inductor fuses it for one row)."""
+    global _TRITON_ROWS, _TRITON_LOOKED_FOR
+    if not _TRITON_LOOKED_FOR:
+        _TRITON_LOOKED_FOR = True
+        if torch.version.cuda is not None and os.environ.get("LLAMA_CORE_INT8_TRITON", "1") != "0":
+            try:
+                from . import int8_triton
+            except ImportError:  # a CUDA build without triton
+                pass
+            else:
+                _TRITON_ROWS = int8_triton
+    return _TRITON_ROWS
 
 
 def _reduce_range() -> bool:

@@ -5,7 +5,7 @@
 # call of a device tool that allows 600); a step the budget has no room for left is skipped, saying so, and
 # the next one runs even if one fails. The benchmarks stop taking figures a while before their limit
 # (bench.py --deadline) and write their JSON after every phase, so a step cut short still reports what it
-# measured. Logs and JSON reports go to OUT_DIR: 8 files for the default steps.
+# measured. Logs and JSON reports go to OUT_DIR: 10 files for the default steps.
 #
 #   bash scripts/gpu_check.sh --carry                 # here, beside ../shared: copies the files the CUDA tests
 #                                                     # read from ../shared into .gpu-shared/ (git ignores it),
@@ -20,7 +20,7 @@ cd "$(dirname "$0")/.."
 
 # The order puts first what the last device run did not measure (docs/benchmarks.md, "GPU"); 7b_compiled's
 # figures are in docs/gpu/h100, so it comes last, and a second call takes it if the first has no room.
-ALL_STEPS=(device 7b_engine32 tests_cuda 7b_int8 7b_compiled)
+ALL_STEPS=(device 7b_engine32 7b_int8 tests_cuda int8_kernels 7b_compiled)
 OPTIONAL_STEPS=(7b_eager tests 7b_hf_compiled load_7b 7b_int4)  # run only when named
 # GPU_CHECK_BENCH replaces the benchmark's command and shape: the test suite runs the steps' exact options on a
 # tiny shape on the CPU with it, so that they are known to work before a device runs them.
@@ -101,6 +101,11 @@ torch.version.cuda, transformers.__version__, accelerate.__version__, torch.cuda
     # copy bandwidth against bf16's 85 %: the table says which product kernels fall short).
     7b_int8) run_bench 7b_int8 180 --compile --quantize int8 --with-float --skip-hf --prompt-lengths 128 \
                --batch-sizes 1 --decode-tokens 128 --repeats 3 --count-syncs ;;
+    # int8 products per projection of the 7B: llama_core.int8_triton's kernel against bf16 (cuBLAS), the
+    # dequantized product and inductor's fused one (what ran before the kernel), at 1, 8 and 32 rows; then
+    # the kernel's one-row tilings until the deadline.
+    int8_kernels) run int8_kernels "$(limit 150)" python3 scripts/bench_int8_cuda.py --sweep --deadline 100 \
+                    --out "$out/int8_kernels.json" ;;
     # Optional. The decode step uncompiled (the app's default, without --compile) at batch 1 and 8: what
     # --compile gives a GPU user, beside 7b_compiled's figures.
     7b_eager) run_bench 7b_eager 120 --skip-hf --prompt-lengths 128 --batch-sizes 8 --decode-tokens 64 --repeats 2 ;;

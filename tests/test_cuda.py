@@ -152,6 +152,26 @@ def test_int8_on_cuda_is_close_and_compiles(meta_ckpt_dir, cpu_fp32, tokenizer):
     _assert_greedy_under(llama, _prompts(tokenizer), tokens, lps, tol=0.1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_int8_kernel_is_the_dequantized_product_eager_and_compiled(dtype):
+    # llama_core.int8_triton multiplies a few rows (decoding) by the int8 weight as it reads it: the same as the
+    # dequantized product in float32 rounded once, at one row (a reduction) and at 2-64 (tensor cores), eager
+    # and inside a compiled function (the triton_op inductor places in its code).
+    if not quantize._triton_rows():
+        pytest.skip("this CUDA build of torch has no triton (or LLAMA_CORE_INT8_TRITON=0)")
+    torch.manual_seed(0)
+    layer = Int8Linear(torch.randn(11008, 4096, device="cuda", dtype=dtype) * 0.02)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    for rows in (1, 2, 5, 16, 17, 64):
+        x = torch.randn(rows, 1, 4096, device="cuda", dtype=dtype)
+        want = (x.float() @ layer.weight.float().T) * layer.scales.float()
+        for got in (layer(x), compiled(x)):
+            assert got.shape == (rows, 1, 11008) and got.dtype == dtype
+            assert float((got.float() - want).abs().max() / want.abs().max()) < 8e-3, rows
+    prompt = torch.randn(65, 4096, device="cuda", dtype=dtype)  # past MAX_ROWS: the dequantized product
+    torch.testing.assert_close(layer(prompt), torch.nn.functional.linear(prompt, layer.weight.to(dtype)) * layer.scales)
+
+
 def test_int4_on_cuda_is_close_to_the_cpus_and_compiles(meta_ckpt_dir, tokenizer, monkeypatch):
     # The same 4-bit weights (quantized on each device alike), multiplied on the CPU as on CUDA: the dequantized
     # weight in a plain product. The CPU's own products round the activations to 8 bits (llama_core's kernels,

@@ -5,6 +5,11 @@ real stories260K."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -249,3 +254,43 @@ def test_quantization_of_names_what_a_model_holds():
     quantize_int8(model)
     assert quantization_of(model) == "int8"
     assert isinstance(model[0], Int8Linear) and isinstance(model[1], nn.Linear)  # a bias stays float
+
+
+_TRITON_CHECK = r"""
+import json, torch
+from llama_core.int8_triton import KernelConfig, product
+torch.manual_seed(0)
+errors = []
+# Triton's interpreter multiplies bfloat16 tiles wrongly in tl.dot (its numpy has no bfloat16): the tensor-core
+# path (2+ rows) is checked in float16 here, and in bfloat16 on CUDA by tests/test_cuda.py.
+cases = [(torch.bfloat16, 1), (torch.float16, 1), (torch.float16, 3), (torch.float16, 17), (torch.float16, 64)]
+for dtype, rows in cases:
+    for n, k in [(40, 96), (300, 1100), (70, 520)]:
+        block_m = 1 if rows == 1 else max(16, 1 << (rows - 1).bit_length())
+        for config in (None, KernelConfig(block_m, 16, 128, 3), KernelConfig(block_m, 32, 64, 1)):
+            x = torch.randn(rows, 1, k).to(dtype)
+            weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            scales = (torch.rand(n) * 0.01 + 1e-3).to(dtype)
+            got = product(x, weight, scales, config)
+            want = (x.float() @ weight.float().T) * scales.float()
+            errors.append({"dtype": str(dtype), "rows": rows, "n": n, "k": k, "config": repr(config),
+                           "shape": list(got.shape), "out_dtype": str(got.dtype),
+                           "error": float((got.float() - want).abs().max() / want.abs().max())})
+print(json.dumps(errors))
+"""
+
+
+def test_the_cuda_int8_kernel_computes_the_dequantized_product_in_tritons_interpreter():
+    # llama_core.int8_triton is CUDA's product for a few rows; Triton's interpreter runs the same kernel on CPU
+    # tensors. Every tiling: one row (a reduction) and 3 to 64 (tensor cores), inputs split or not, ragged
+    # tiles at both ends.
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    run = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(results) == 45
+    for result in results:
+        assert result["shape"] == [result["rows"], 1, result["n"]] and result["out_dtype"] == result["dtype"]
+        # the sums in float32, rounded once to 16 bits (bfloat16's step is 2**-8 of the value)
+        assert result["error"] < (8e-3 if result["dtype"] == "torch.bfloat16" else 1e-3), result

@@ -8,7 +8,8 @@ slower than bfloat16 weights). This kernel converts each weight in registers as 
 * one row (``block_m == 1``): each program reduces ``block_n`` output rows over a slice of the inputs, the
   weight tile [block_n, block_k] read along its contiguous inputs;
 * 2 to 64 rows: the same tiles, converted to the activations' dtype and multiplied on tensor cores
-  (``tl.dot``), the rows padded to ``block_m`` (16 at least).
+  (``tl.dot``), 16 rows a program (the rows padded to 16; past 16 rows each 16 read the weight again, still
+  fewer bytes than converting it first).
 
 Where there are too few output tiles to keep every SM reading, the inputs are split (``split_k``) and the
 partial sums added afterwards in float32, in a fixed order (no atomics: the same inputs give the same bits).
@@ -47,10 +48,11 @@ class KernelConfig:
 
 def config_for(rows: int, n: int, k: int, sms: int) -> KernelConfig:
     """The tiling for rows x k times n x k on a device with sms multiprocessors: about 4 programs per SM
-    (inputs split where the output rows alone give fewer), each slice at least two tiles deep.
+    (inputs split where the output rows alone give fewer), each slice at least two tiles deep. rows may be
+    symbolic (a step compiled for any number of rows): only whether it is 1 is asked.
     LLAMA_CORE_INT8_TRITON_CONFIG="block_n,block_k,split_k,num_warps,num_stages" (split_k 0: this rule's)
     overrides it, for scripts/bench_int8_cuda.py's sweep."""
-    block_m = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
+    block_m = 1 if rows == 1 else 16
     block_n, block_k, num_warps, num_stages = (8, 512, 4, 3) if block_m == 1 else (32, 128, 4, 3)
     split_k = 0
     override = os.environ.get("LLAMA_CORE_INT8_TRITON_CONFIG")
@@ -68,7 +70,7 @@ def _int8_rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, st
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -105,7 +107,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, launch
     else:
         out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         partial_stride = m * n
-    grid = (triton.cdiv(n, config.block_n), splits)
+    grid = (triton.cdiv(n, config.block_n), splits, triton.cdiv(m, config.block_m))
     launch(_int8_rows_kernel)[grid](
         rows, weight, scales, out, m, n, k, k_per_split, rows.stride(0), n, partial_stride,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,

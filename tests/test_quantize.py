@@ -266,8 +266,8 @@ errors = []
 cases = [(torch.bfloat16, 1), (torch.float16, 1), (torch.float16, 3), (torch.float16, 17), (torch.float16, 64)]
 for dtype, rows in cases:
     for n, k in [(40, 96), (300, 1100), (70, 520)]:
-        block_m = 1 if rows == 1 else max(16, 1 << (rows - 1).bit_length())
-        for config in (None, KernelConfig(block_m, 16, 128, 3), KernelConfig(block_m, 32, 64, 1)):
+        block_m = 1 if rows == 1 else 16
+        for config in (None, KernelConfig(block_m, 16, 128, 3), KernelConfig(1 if rows == 1 else 32, 32, 64, 1)):
             x = torch.randn(rows, 1, k).to(dtype)
             weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
             scales = (torch.rand(n) * 0.01 + 1e-3).to(dtype)
@@ -282,8 +282,8 @@ print(json.dumps(errors))
 
 def test_the_cuda_int8_kernel_computes_the_dequantized_product_in_tritons_interpreter():
     # llama_core.int8_triton is CUDA's product for a few rows; Triton's interpreter runs the same kernel on CPU
-    # tensors. Every tiling: one row (a reduction) and 3 to 64 (tensor cores), inputs split or not, ragged
-    # tiles at both ends.
+    # tensors. Every tiling: one row (a reduction) and 3 to 64 (tensor cores, 16 or 32 rows a program), inputs
+    # split or not, ragged tiles at both ends.
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
     run = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})

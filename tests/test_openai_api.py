@@ -394,6 +394,28 @@ def test_tool_turns_are_written_into_the_dialog_as_the_model_reads_them():
     assert dialog[2]["content"] == ('{"name": "get_weather", "arguments": {"city": "Verona"}}\n'
                                     '{"name": "get_weather", "arguments": {"city": "Mantua"}}')
     assert dialog[3]["content"] == "get_weather returned: Sunny\nget_weather returned: Rain"
+    # The caller's own next user message (agent frameworks send one after the results; a tool result's content
+    # may be text parts) goes on in the results' user turn instead of breaking the turns' alternation.
+    messages[-1] = ChatMessage(role="tool", tool_call_id="c2", content=[{"type": "text", "text": "Ra"},
+                                                                        {"type": "text", "text": "in"}])
+    dialog = _dialog(messages + [ChatMessage(role="user", content="And tomorrow?")], "TOOLS")
+    assert [m["role"] for m in dialog] == ["system", "user", "assistant", "user"]
+    assert dialog[3]["content"] == "get_weather returned: Sunny\nget_weather returned: Rain\n\nAnd tomorrow?"
+
+
+def test_a_user_message_after_tool_results_is_answered_on_both_apis(served, client, model_id):
+    messages = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Verona"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}, {"role": "user", "content": "And tomorrow?"}]
+    reply = client.chat.completions.create(model=model_id, messages=messages, max_tokens=4, temperature=0)
+    assert reply.choices[0].message.content is not None and reply.usage.completion_tokens > 0
+    response = client.responses.create(model=model_id, max_output_tokens=4, temperature=0, input=[
+        *ASK, {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Verona"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "Sunny"}, {"role": "user", "content": "And tomorrow?"}])
+    assert response.output_text == reply.choices[0].message.content  # the same dialog, the same greedy reply
+    # A user message after another, with no tool results between, is still refused: the dialog alternates.
+    twice = raw(served, "POST", "/chat/completions", {"messages": ASK + ASK, "max_tokens": 2})
+    assert twice.status_code == 400 and "alternate" in error_of(twice)["message"], twice.text
 
 
 @pytest.mark.parametrize("body, param", [

@@ -288,6 +288,7 @@ def _dialog(messages: list[ChatMessage], tools_note: str = "") -> Dialog:
     if not messages:
         raise APIError(400, "messages is empty: send at least one user message", param="messages")
     dialog: Dialog = []
+    after_tool_results = False
     for i, role, written in tools.history_turns(messages):
         message = messages[i]
         role = {"developer": "system", "tool": "user"}.get(role, role)
@@ -300,6 +301,10 @@ def _dialog(messages: list[ChatMessage], tools_note: str = "") -> Dialog:
                                                                                    f"messages[{i}].content")
         if written is not None:
             content = f"{content}\n{written}" if content else _text(written, f"messages[{i}]")
+        if role == "user" and dialog and dialog[-1]["role"] == "user" and after_tool_results:
+            # the tools' results are a user turn here: the caller's next user message goes on in it
+            content = f"{dialog.pop()['content']}\n\n{content}"
+        after_tool_results = message.role == "tool"
         dialog.append({"role": role, "content": content})
     if tools_note:
         if dialog[0]["role"] == "system":

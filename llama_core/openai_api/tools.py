@@ -164,11 +164,8 @@ def history_turns(messages: list[ChatMessage]) -> list[tuple[int, str, Optional[
                 calls.append(json.dumps({"name": call.function.name, "arguments": arguments}))
             turns.append((i, "assistant", "\n".join(calls)))
         elif message.role == "tool":
-            if not isinstance(message.content, str):
-                raise APIError(400, f"messages[{i}] is a tool result: its content must be text",
-                               param=f"messages[{i}].content")
             name = names.get(message.tool_call_id or "", message.name or "the function")
-            result = f"{name} returned: {message.content}"
+            result = f"{name} returned: {_result_text(message.content, i)}"
             if turns and turns[-1][1] == "tool":
                 result = f"{turns[-1][2]}\n{result}"
                 turns.pop()
@@ -176,3 +173,16 @@ def history_turns(messages: list[ChatMessage]) -> list[tuple[int, str, Optional[
         else:
             turns.append((i, message.role, None))
     return turns
+
+
+def _result_text(content: Any, i: int) -> str:
+    """A tool message's content: text, or text parts joined (as OpenAI takes them)."""
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content or []):
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"messages[{i}].content[{j}] is a {part.type!r} part: a tool result is text",
+                           param=f"messages[{i}].content[{j}]")
+    if content is None:
+        raise APIError(400, f"messages[{i}] is a tool result: its content must be text", param=f"messages[{i}].content")
+    return "".join(part.text for part in content)

@@ -99,6 +99,9 @@ def test_chat_stream_equals_non_stream_with_usage(client, model_id, served):
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
         whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    # Every event of the stream, the usage one too, is a chunk; both shapes carry system_fingerprint (null).
+    assert {c.object for c in chunks} == {"chat.completion.chunk"} and whole.object == "chat.completion"
+    assert "system_fingerprint" in whole.model_dump() and all("system_fingerprint" in c.model_dump() for c in chunks)
     engine = served[0]
     assert whole.usage.prompt_tokens == len(encode_dialog(engine.tokenizer, HELLO))
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
@@ -199,6 +202,13 @@ def test_completion_echo_and_logprobs(client, model_id):
         assert logprobs.text_offset == sorted(logprobs.text_offset)
     plain = client.completions.create(model=model_id, prompt=prompts[0], max_tokens=8, temperature=0)
     assert reply.choices[0].text == prompts[0] + plain.choices[0].text
+
+
+def test_completion_logprobs_0_gives_each_token_with_its_own_logprob_only(client, model_id):
+    reply = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=6, temperature=0, logprobs=0)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == 6 and reply.system_fingerprint is None
+    assert logprobs.top_logprobs == [{t: v} for t, v in zip(logprobs.tokens, logprobs.token_logprobs)]
 
 
 def test_completion_default_max_tokens_is_openais_16(client, model_id):

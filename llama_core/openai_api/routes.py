@@ -479,6 +479,7 @@ class _Reply:
     """One request's choices, read together: the whole reply as one JSON object, or as events."""
 
     object_name = ""
+    chunk_object_name = ""  # a streamed event's object
     id_prefix = ""
 
     def __init__(self, engine: TextEngine, model_id: str, streams: list[TextStream], per_prompt: int,
@@ -504,8 +505,10 @@ class _Reply:
     def finish_reason(self, index: int) -> str:
         return FINISH_REASONS.get(self.streams[index].finish_reason or "stop", "stop")
 
-    def header(self) -> dict[str, Any]:
-        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model_id}
+    def header(self, streamed: bool = False) -> dict[str, Any]:
+        # no fingerprint of the backend's configuration is kept: null, as vLLM sends it
+        return {"id": self.id, "object": self.chunk_object_name if streamed else self.object_name,
+                "created": self.created, "model": self.model_id, "system_fingerprint": None}
 
     def token_text(self, token: int) -> str:
         return self.engine.tokenizer.token_text(token)
@@ -529,7 +532,7 @@ class _Reply:
             if event is not None:
                 yield event
         if self.include_usage:
-            yield {**self.header(), "choices": [], "usage": self.usage()}
+            yield {**self.header(streamed=True), "choices": [], "usage": self.usage()}
 
     async def first_events(self) -> AsyncIterator[dict[str, Any]]:
         return
@@ -542,7 +545,7 @@ class _Reply:
         raise NotImplementedError
 
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        event = {**self.header(), "choices": [choice]}
+        event = {**self.header(streamed=True), "choices": [choice]}
         if self.include_usage:
             event["usage"] = None
         return event
@@ -550,6 +553,7 @@ class _Reply:
 
 class _ChatReply(_Reply):
     object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     def __init__(self, engine: TextEngine, model_id: str, streams: list[TextStream], per_prompt: int,
@@ -604,9 +608,7 @@ class _ChatReply(_Reply):
         return tools.call_made(text, self.functions, self.streams[index].finish_reason)
 
     def _chunk(self, index: int, delta: dict, logprobs: Optional[dict], finish: Optional[str]) -> dict[str, Any]:
-        event = self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
-        event["object"] = "chat.completion.chunk"
-        return event
+        return self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
     def _logprobs(self, chunks: list[StreamChunk]) -> Optional[dict[str, Any]]:
         if not self.logprobs:
@@ -625,7 +627,7 @@ class _ChatReply(_Reply):
 
 
 class _CompletionReply(_Reply):
-    object_name = "text_completion"
+    object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
 
     def __init__(self, engine: TextEngine, model_id: str, streams: list[TextStream], per_prompt: int,
@@ -682,7 +684,7 @@ class _CompletionReply(_Reply):
              logprob: Optional[float]) -> Optional[dict[str, float]]:
         """A position's most likely tokens as OpenAI gives them, their text to their log-probability, with the
         token chosen there added where it is not among them ("up to logprobs+1" entries, as OpenAI and vLLM)."""
-        if not self.top or alternatives is None:
+        if self.top is None or alternatives is None:
             return None
         top = {self.token_text(t): _logprob(lp) for t, lp in alternatives}
         if token not in (t for t, _ in alternatives):

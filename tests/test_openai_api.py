@@ -610,7 +610,11 @@ def test_a_response_cut_by_max_output_tokens_is_incomplete(client, model_id):
     ask = dict(model=model_id, input="Tell me of the king and his court.", max_output_tokens=3, temperature=0)
     whole = client.responses.create(**ask)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
-    assert list(client.responses.create(**ask, stream=True))[-1].type == "response.incomplete"
+    assert whole.output[0].status == "incomplete" and whole.completed_at is None  # the message cut, as OpenAI marks it
+    last = list(client.responses.create(**ask, stream=True))[-1]
+    assert last.type == "response.incomplete" and last.response.output[0].status == "incomplete"
+    done = client.responses.create(model=model_id, input="Speak.", max_output_tokens=200, temperature=0)
+    assert done.status == done.output[0].status == "completed" and done.completed_at >= done.created_at
 
 
 def test_the_sdk_parses_a_response_into_its_pydantic_model_whole_or_streamed(client, model_id):

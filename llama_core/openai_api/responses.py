@@ -177,6 +177,7 @@ class ResponseWriter:
             "type": "text"}
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "model": self.model_id, "output": output, "error": None, "incomplete_details": incomplete,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": False,
@@ -206,7 +207,7 @@ class ResponseWriter:
             made = tools.tool_call(call)
             return [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": made["id"],
                      "name": call["name"], "arguments": made["function"]["arguments"], "status": "completed"}]
-        return [self.message(text, "completed")]
+        return [self.message(text, self.status())]  # "incomplete" where max_output_tokens cut it
 
     def message(self, text: Optional[str], status: str) -> dict[str, Any]:
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
@@ -269,7 +270,7 @@ class ResponseWriter:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         yield self.event("response.output_text.done", **where, text=text, logprobs=[])
         yield self.event("response.content_part.done", **where, part=part)
-        item = self.message(text, "completed" if status == "completed" else "incomplete")
+        item = self.message(text, status)
         yield self.event("response.output_item.done", output_index=0, item=item)
         yield self.event(f"response.{status}", response=self.kept(self.response(status, [item])))
 

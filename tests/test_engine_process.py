@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from llama_core import (CheckpointNotFoundError, EngineUnavailableError, InvalidRequestError, Llama,
+from llama_core import (CheckpointNotFoundError, EngineUnavailableError, Grammar, InvalidRequestError, Llama,
                         ServerBusyError)
 from llama_core.serving import RequestFailedError
 from llama_core.serving.engine_process import EngineProcess, _Outbox
@@ -206,3 +206,12 @@ def test_the_child_sends_a_turns_events_in_one_message():
     outbox.flush()  # nothing new: nothing sent
     assert sent == [("events", [("chunk", 1, 5, -0.5, None), ("chunk", 2, 7, -0.25, None),
                                 ("done", 1, "length", "", 6, 4)])]
+
+
+def test_a_grammar_llguidance_cannot_match_is_refused_at_submit_as_a_bad_request(served, prompts):  # noqa: F811
+    # Valid, but past llguidance's limits when its matcher is built: refused here, before the child is sent
+    # anything, as a bad request (an API's 400), not as an error ending the stream (a 500).
+    pytest.importorskip("llguidance", reason="replies held to a grammar need llguidance")
+    with pytest.raises(InvalidRequestError, match="too large or too complex"):
+        served.submit(prompts[0], 4, grammar=Grammar.regex("(a|b)*" * 2000))
+    assert len([c for c in served.submit(prompts[0], 4, temperature=0, grammar=Grammar.regex("[ab]+"))]) >= 1

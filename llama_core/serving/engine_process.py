@@ -28,6 +28,7 @@ from ..loader import ModelInfo, load
 from ..tokenizer import Tokenizer
 from .engine import Engine
 from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
+from .grammar_matcher import GrammarMatcher
 from .requests import GenerationRequest, SamplingParams, sampling_params
 from .streams import TokenStream
 
@@ -198,6 +199,8 @@ class EngineProcess:
                                             sampling_params(temperature, top_p, logprobs, params, **controls),
                                             prompt_logprobs, vocab_size=self.info.args.vocab_size,
                                             max_seq_len=self.info.max_seq_len, prediction_tokens=prediction_tokens)
+        if request.params.grammar is not None:  # one llguidance cannot match (its lexer's limits) is a bad request
+            GrammarMatcher(request.params.grammar, self.tokenizer)  # here, not an error in the stream from the child
         rid = next(self._ids)
         channel = Channel(cancelled=_Cancel(lambda: self._send(("cancel", rid))))
         slots = self.info.max_batch_size

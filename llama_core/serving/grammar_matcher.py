@@ -25,7 +25,10 @@ class GrammarMatcher:
         vocabulary = _Vocabulary.of(tokenizer)
         self._matcher = LLMatcher(vocabulary.llguidance, grammar.text, log_level=0)
         if self._matcher.is_error():
-            raise InvalidRequestError(f"the grammar cannot be followed: {first_lines(self._matcher.get_error())}")
+            error = first_lines(self._matcher.get_error())
+            if "limits." in error:  # llguidance's bounds on the work a grammar may take, not ones a caller sets
+                error = f"it is too large or too complex for this server (llguidance: {error})"
+            raise InvalidRequestError(f"the grammar cannot be followed: {error}")
         self.words = tokenizer.n_words
         self.eos = tokenizer.eos_id
         self._forbidden = tuple(text.encode() for text in grammar.forbidden if text)

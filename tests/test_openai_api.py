@@ -764,6 +764,18 @@ def test_malformed_requests_are_400_with_a_message(served, body, param):
     assert error_of(response)["param"] == param
 
 
+def test_a_body_sent_without_the_json_content_type_or_too_deep_to_read_says_so(served):
+    body = json.dumps({"messages": HELLO, "max_tokens": 2})
+    for content_type, says in (("application/x-www-form-urlencoded", "it came as 'application/x-www-form-urlencoded'"),
+                               (None, "it came with no Content-Type")):
+        headers = {"Authorization": f"Bearer {KEY}", **({"Content-Type": content_type} if content_type else {})}
+        response = httpx.post(served[1] + "/chat/completions", content=body, headers=headers, timeout=60)
+        assert response.status_code == 400 and says in error_of(response)["message"], response.text
+        assert "Content-Type: application/json" in error_of(response)["message"]
+    deep = raw(served, "POST", "/chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert deep.status_code == 400 and "nested too deeply" in error_of(deep)["message"], deep.text
+
+
 def test_completion_refusals_name_the_field(served):
     for body, param in [({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": [1, 10**6]}, "prompt"),
                         ({"prompt": ""}, "prompt"), ({"prompt": "x", "logprobs": 50}, "logprobs"),

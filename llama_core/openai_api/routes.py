@@ -743,12 +743,20 @@ def _install_error_handlers(api: FastAPI) -> None:
 
     @api.exception_handler(RequestValidationError)
     async def unreadable(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation_errors(list(exc.errors())).response()
+        error = from_validation_errors(list(exc.errors()))
+        content_type = request.headers.get("content-type", "")
+        if error.param is None and "json" not in content_type.lower():  # FastAPI reads the body by this header
+            error.message += (f" (it came as {content_type!r}" if content_type else " (it came with no Content-Type") \
+                + "; send it with the header Content-Type: application/json)"
+        return error.response()
 
     @api.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
-        message = f"{request.method} {request.url.path}: {exc.detail}"
+        detail = exc.detail
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's, for what json.loads refused
+            detail = "the request body could not be read as JSON (nested too deeply, or a number with too many digits?)"
+        message = f"{request.method} {request.url.path}: {detail}"
         return APIError(exc.status_code, message, code=code).response()
 
     @api.exception_handler(Exception)

@@ -10,8 +10,10 @@ arithmetic (VNNI, else AVX2), reading the weight once per tile of rows. Under to
 runs in float, so compiled and eager steps agree. On a CPU where those kernels are not used (neither AVX-512
 nor AVX2, or no compiler), torch's own int4 CPU kernel multiplies bfloat16 activations (a compiled step there
 multiplies the dequantized weight).
-Elsewhere (CUDA, other dtypes) the product is the dequantized weight's: correct everywhere, and fused into the
-product only where torch.compile does so.
+On CUDA, up to 64 rows of 16-bit activations (decoding) are multiplied in llama_core.triton_products' kernel,
+which unpacks and scales each weight as it reads it. Elsewhere (a prompt's many rows, other dtypes, CUDA
+without triton) the product is the dequantized weight's: correct everywhere, and fused into the product only
+where torch.compile does so.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .cpu_kernels.panels import PANEL, huge_page_empty, kernel_for, panel_product
-from .quantize import ROUNDING_CHUNK_BYTES, Int8Linear, quantizable, replace_children
+from .quantize import ROUNDING_CHUNK_BYTES, Int8Linear, fits_triton, quantizable, replace_children, triton_rows
 
 GROUP = 32  # inputs sharing a scale; linear.c's GROUP
 # torch's int4 CPU kernel (packing, product), where this torch has it: the product where llama_core's are not built
@@ -145,6 +147,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
         self.in_features, self.out_features = in_features, packed.shape[0]
+        triton_rows()  # imported now, never while torch.compile traces forward
 
     @classmethod
     def stacked(cls, linears: Iterable["Int4Linear"]) -> "Int4Linear":
@@ -172,6 +175,10 @@ class Int4Linear(nn.Module):
             return panel_product(x, panels, self.out_features, self.in_features, panel_scales)
         if x.device.type == "cpu" and not torch.compiler.is_compiling() and _TORCH_INT4 is not None:
             return self._torch_product(x)
+        if fits_triton(x, self.packed) and self.scales.is_contiguous():
+            if torch.compiler.is_compiling():
+                return triton_rows().int4_rows_product(x, self.packed, self.scales)
+            return triton_rows().int4_product(x, self.packed, self.scales)
         return F.linear(x, self.dequantized(x.dtype))
 
     def _torch_product(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ every row gets its own 8-bit scale, the same whatever other rows share the forwa
 token cannot coarsen a decoding row), and the output is multiplied back row by row.
 
 Under torch.compile, which can trace neither kernel, the same rounding runs in float, so compiled and eager
-steps agree. On CUDA, up to 64 rows of 16-bit activations (decoding) are multiplied in llama_core.int8_triton's
-kernel, which converts each weight as it reads it. Elsewhere (a prompt's many rows, other dtypes, CUDA without
+steps agree. On CUDA, up to 64 rows of 16-bit activations (decoding) are multiplied in llama_core's Triton
+kernel (llama_core.triton_products), which converts each weight as it reads it. Elsewhere (a prompt's many rows, other dtypes, CUDA without
 triton) the activations stay as they are and the product is the dequantized one, which inductor fuses under
 `--compile` where a step has one row (the compiled step's coordinate-descent tuning turns that product into a
 reduction reading the int8 weight; see llama_core.runner); with more rows the weight is converted before
@@ -57,7 +57,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         _reduce_range()  # found now, in eager mode: forward reads it (None: no fbgemm in this torch)
-        _triton_rows()  # likewise: imported here, never while torch.compile traces forward
+        triton_rows()  # likewise: imported here, never while torch.compile traces forward
 
     @classmethod
     def stacked(cls, linears: Iterable["Int8Linear"]) -> "Int8Linear":
@@ -94,17 +94,15 @@ class Int8Linear(nn.Module):
                 else:
                     out = torch.ops.quantized.linear_dynamic(rows, self._packed_for_cpu(), _REDUCE_RANGE)
                 return out.mul_(magnitude).view(*x.shape[:-1], self.out_features)
-        if x.device.type == "cuda" and _TRITON_ROWS is not None and self._fits_triton(x):
+        if self._fits_triton(x):
             if torch.compiler.is_compiling():
-                return _TRITON_ROWS.rows_product(x, self.weight, self.scales)
-            return _TRITON_ROWS.product(x, self.weight, self.scales)
+                return _TRITON_ROWS.int8_rows_product(x, self.weight, self.scales)
+            return _TRITON_ROWS.int8_product(x, self.weight, self.scales)
         return F.linear(x, self.weight.to(x.dtype)) * self.scales
 
     def _fits_triton(self, x: torch.Tensor) -> bool:
-        """Whether llama_core.int8_triton multiplies x: a few rows of 16-bit activations (a prompt's many rows
-        are compute-bound: the dequantized weight through cuBLAS), the scales in their dtype."""
-        return (x.dtype in (torch.bfloat16, torch.float16) and self.scales.dtype == x.dtype
-                and x.numel() <= _TRITON_ROWS.MAX_ROWS * x.shape[-1] and self.weight.is_contiguous())
+        """Whether llama_core.triton_products multiplies x (see fits_triton), the scales in its dtype."""
+        return self.scales.dtype == x.dtype and fits_triton(x, self.weight)
 
     def _packed_for_cpu(self):
         """fbgemm's packed copy of the weight (two zero columns added, see the module's docstring), made on
@@ -277,24 +275,32 @@ _REDUCE_RANGE: Optional[bool] = None
 _FBGEMM_STEPS = {levels: (float(torch.tensor(2.0) / levels), float(1 / (torch.tensor(2.0) / levels))) for levels in (127, 255)}
 
 
-_TRITON_ROWS = None  # llama_core.int8_triton where it is used (see _triton_rows)
+_TRITON_ROWS = None  # llama_core.triton_products where it is used (see triton_rows)
 _TRITON_LOOKED_FOR = False
 
 
-def _triton_rows():
-    """llama_core.int8_triton, on a CUDA build of torch with triton importable, unless LLAMA_CORE_INT8_TRITON=0
-    (then, as without triton, the dequantized product: under --compile inductor fuses it for one row)."""
+def triton_rows():
+    """llama_core.triton_products, on a CUDA build of torch with triton importable, unless
+    LLAMA_CORE_TRITON_PRODUCTS=0 (then, as without triton, the dequantized product: under --compile inductor
+    fuses it for one row). Found when a quantized layer is made, never while torch.compile traces one."""
     global _TRITON_ROWS, _TRITON_LOOKED_FOR
     if not _TRITON_LOOKED_FOR:
         _TRITON_LOOKED_FOR = True
-        if torch.version.cuda is not None and os.environ.get("LLAMA_CORE_INT8_TRITON", "1") != "0":
+        if torch.version.cuda is not None and os.environ.get("LLAMA_CORE_TRITON_PRODUCTS", "1") != "0":
             try:
-                from . import int8_triton
+                from . import triton_products
             except ImportError:  # a CUDA build without triton
                 pass
             else:
-                _TRITON_ROWS = int8_triton
+                _TRITON_ROWS = triton_products
     return _TRITON_ROWS
+
+
+def fits_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether llama_core.triton_products multiplies x by a quantized weight on CUDA: loaded, and a few rows
+    of 16-bit activations (a prompt's many rows are compute-bound: the dequantized weight through cuBLAS)."""
+    return (_TRITON_ROWS is not None and x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+            and x.numel() <= _TRITON_ROWS.MAX_ROWS * x.shape[-1] and weight.is_contiguous())
 
 
 def _reduce_range() -> bool:

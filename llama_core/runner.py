@@ -198,7 +198,7 @@ class ModelRunner:
 SMALLEST_CONTEXT = 256  # the static step's shortest context length; longer ones double up to max_seq_len
 # The static step on CUDA: mode "reduce-overhead" (CUDA graphs), and coordinate-descent tuning, under which
 # inductor turns a one-row product into a tuned reduction that reads each weight once, fused with what
-# comes before it: for int8 weights without llama_core.int8_triton's kernel, their conversion (without it an
+# comes before it: for int8 weights without llama_core.triton_products' kernel, their conversion (without it an
 # int8 weight is first written out in bfloat16 for cuBLAS: 5 bytes moved per weight instead of 1). gpt-fast's
 # settings.
 STATIC_STEP_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}

@@ -1,4 +1,4 @@
-"""int8 weight-only products on CUDA at the 7B's projections: llama_core's Triton kernel (llama_core.int8_triton)
+"""int8 weight-only products on CUDA at the 7B's projections: llama_core's Triton kernel (llama_core.triton_products)
 against bfloat16 weights through cuBLAS, the dequantized int8 product, and that product compiled by inductor
 with coordinate-descent tuning (what the compiled decode step ran before the kernel).
 
@@ -75,8 +75,8 @@ def main() -> None:
     started = time.perf_counter()
     if not torch.cuda.is_available():
         sys.exit("bench_int8_cuda.py needs a CUDA GPU")
-    from llama_core import int8_triton  # imports triton, which CUDA builds of torch bring
-    from llama_core.int8_triton import KernelConfig, config_for
+    from llama_core import triton_products  # imports triton, which CUDA builds of torch bring
+    from llama_core.triton_products import KernelConfig, config_for
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()  # the two GiB it copied
@@ -108,15 +108,15 @@ def main() -> None:
                             for split in (0, 1):
                                 c = KernelConfig(1, block_n, block_k, split or config_for(1, n, k, sms).split_k, warps, 3)
                                 variants[f"int8_triton[{block_n},{block_k},{c.split_k},{warps}]"] = int8_calls(
-                                    lambda x, w, s, c=c: int8_triton.product(x, w, s, c))
+                                    lambda x, w, s, c=c: triton_products.int8_product(x, w, s, c))
             else:
                 variants = {"bf16": [lambda w=w: F.linear(x, w) for w in floats],
                             "int8_dequant": int8_calls(lambda x, w, s: F.linear(x, w.to(x.dtype)) * s),
-                            "int8_triton": int8_calls(int8_triton.product)}
+                            "int8_triton": int8_calls(triton_products.int8_product)}
                 if rows == 1:  # with more rows inductor leaves the product to cuBLAS: int8_dequant's
                     variants["int8_inductor"] = int8_calls(compiled)
             want = (x.float() @ weights[0].float().T) * scales[0].float()
-            error = float((int8_triton.product(x, weights[0], scales[0]).float() - want).abs().max() / want.abs().max())
+            error = float((triton_products.int8_product(x, weights[0], scales[0]).float() - want).abs().max() / want.abs().max())
             for variant, calls in variants.items():
                 try:
                     seconds = graph_seconds(calls)

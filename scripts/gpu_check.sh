@@ -101,7 +101,7 @@ torch.version.cuda, transformers.__version__, accelerate.__version__, torch.cuda
     # copy bandwidth against bf16's 85 %: the table says which product kernels fall short).
     7b_int8) run_bench 7b_int8 180 --compile --quantize int8 --with-float --skip-hf --prompt-lengths 128 \
                --batch-sizes 1 --decode-tokens 128 --repeats 3 --count-syncs ;;
-    # int8 products per projection of the 7B: llama_core.int8_triton's kernel against bf16 (cuBLAS), the
+    # int8 products per projection of the 7B: llama_core.triton_products' kernel against bf16 (cuBLAS), the
     # dequantized product and inductor's fused one (what ran before the kernel), at 1, 8 and 32 rows; then
     # the kernel's one-row tilings until the deadline.
     int8_kernels) run int8_kernels "$(limit 150)" python3 scripts/bench_int8_cuda.py --sweep --deadline 100 \

@@ -152,25 +152,32 @@ def test_int8_on_cuda_is_close_and_compiles(meta_ckpt_dir, cpu_fp32, tokenizer):
     _assert_greedy_under(llama, _prompts(tokenizer), tokens, lps, tol=0.1)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_int8_kernel_is_the_dequantized_product_eager_and_compiled(dtype):
-    # llama_core.int8_triton multiplies a few rows (decoding) by the int8 weight as it reads it: the same as the
-    # dequantized product in float32 rounded once, at one row (a reduction) and at 2-64 (tensor cores), eager
-    # and inside a compiled function (the triton_op inductor places in its code).
-    if not quantize._triton_rows():
-        pytest.skip("this CUDA build of torch has no triton (or LLAMA_CORE_INT8_TRITON=0)")
+def test_cuda_quantized_kernels_are_the_dequantized_product_eager_and_compiled(dtype, kind):
+    # llama_core.triton_products multiplies a few rows (decoding) by the int8 or int4 weight as it reads it: the
+    # same as the dequantized product in float32 rounded once, at one row (a reduction) and at 2-64 (tensor
+    # cores), eager and inside compiled functions (the triton_op inductor places in its code), with the row
+    # count fixed and symbolic (as in the decode step).
+    if not quantize.triton_rows():
+        pytest.skip("this CUDA build of torch has no triton (or LLAMA_CORE_TRITON_PRODUCTS=0)")
     torch.manual_seed(0)
-    layer = Int8Linear(torch.randn(11008, 4096, device="cuda", dtype=dtype) * 0.02)
+    weight = torch.randn(11008, 4096, device="cuda", dtype=dtype) * 0.02
+    layer = Int8Linear(weight) if kind == "int8" else Int4Linear(weight)
+    dequantized = (layer.weight.float() * layer.scales.float()[:, None] if kind == "int8"
+                   else layer.dequantized(torch.float32))
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
-    any_rows = torch.compile(layer, fullgraph=True, dynamic=True)  # the row count symbolic, as in the decode step
+    any_rows = torch.compile(layer, fullgraph=True, dynamic=True)
     for rows in (1, 2, 5, 16, 17, 64):
         x = torch.randn(rows, 1, 4096, device="cuda", dtype=dtype)
-        want = (x.float() @ layer.weight.float().T) * layer.scales.float()
+        want = x.float() @ dequantized.T
         for got in (layer(x), compiled(x), any_rows(x)):
             assert got.shape == (rows, 1, 11008) and got.dtype == dtype
             assert float((got.float() - want).abs().max() / want.abs().max()) < 8e-3, rows
     prompt = torch.randn(65, 4096, device="cuda", dtype=dtype)  # past MAX_ROWS: the dequantized product
-    torch.testing.assert_close(layer(prompt), torch.nn.functional.linear(prompt, layer.weight.to(dtype)) * layer.scales)
+    plain = (torch.nn.functional.linear(prompt, layer.weight.to(dtype)) * layer.scales if kind == "int8"
+             else torch.nn.functional.linear(prompt, layer.dequantized(dtype)))
+    torch.testing.assert_close(layer(prompt), plain)
 
 
 def test_int4_on_cuda_is_close_to_the_cpus_and_compiles(meta_ckpt_dir, tokenizer, monkeypatch):

@@ -258,9 +258,10 @@ def test_quantization_of_names_what_a_model_holds():
 
 _TRITON_CHECK = r"""
 import json, torch
-from llama_core.int8_triton import KernelConfig, product
+from llama_core.int4 import Int4Linear
+from llama_core.triton_products import KernelConfig, int4_product, int8_product
 torch.manual_seed(0)
-errors = []
+results = []
 # Triton's interpreter multiplies bfloat16 tiles wrongly in tl.dot (its numpy has no bfloat16): the tensor-core
 # path (2+ rows) is checked in float16 here, and in bfloat16 on CUDA by tests/test_cuda.py.
 cases = [(torch.bfloat16, 1), (torch.float16, 1), (torch.float16, 3), (torch.float16, 17), (torch.float16, 64)]
@@ -271,25 +272,27 @@ for dtype, rows in cases:
             x = torch.randn(rows, 1, k).to(dtype)
             weight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
             scales = (torch.rand(n) * 0.01 + 1e-3).to(dtype)
-            got = product(x, weight, scales, config)
-            want = (x.float() @ weight.float().T) * scales.float()
-            errors.append({"dtype": str(dtype), "rows": rows, "n": n, "k": k, "config": repr(config),
-                           "shape": list(got.shape), "out_dtype": str(got.dtype),
-                           "error": float((got.float() - want).abs().max() / want.abs().max())})
-print(json.dumps(errors))
+            int4 = Int4Linear(torch.randn(n, k) * 0.02)
+            for kind, got, want in (
+                    ("int8", int8_product(x, weight, scales, config), (x.float() @ weight.float().T) * scales.float()),
+                    ("int4", int4_product(x, int4.packed, int4.scales, config), x.float() @ int4.dequantized().T)):
+                results.append({"kind": kind, "dtype": str(dtype), "rows": rows, "n": n, "k": k, "config": repr(config),
+                                "shape": list(got.shape), "out_dtype": str(got.dtype),
+                                "error": float((got.float() - want).abs().max() / want.abs().max())})
+print(json.dumps(results))
 """
 
 
-def test_the_cuda_int8_kernel_computes_the_dequantized_product_in_tritons_interpreter():
-    # llama_core.int8_triton is CUDA's product for a few rows; Triton's interpreter runs the same kernel on CPU
-    # tensors. Every tiling: one row (a reduction) and 3 to 64 (tensor cores, 16 or 32 rows a program), inputs
-    # split or not, ragged tiles at both ends.
+def test_the_cuda_quantized_kernels_compute_the_dequantized_product_in_tritons_interpreter():
+    # llama_core.triton_products is CUDA's int8 and int4 product for a few rows; Triton's interpreter runs the
+    # same kernels on CPU tensors. Every tiling: one row (a reduction) and 3 to 64 (tensor cores, 16 or 32 rows a
+    # program), inputs split or not, ragged tiles at both ends and, for int4, widths not a whole group (1100).
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
     run = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(results) == 45
+    assert len(results) == 90 and {r["kind"] for r in results} == {"int8", "int4"}
     for result in results:
         assert result["shape"] == [result["rows"], 1, result["n"]] and result["out_dtype"] == result["dtype"]
         # the sums in float32, rounded once to 16 bits (bfloat16's step is 2**-8 of the value)

@@ -4,6 +4,7 @@ with coordinate-descent tuning (what the compiled decode step ran before the ker
 
     python scripts/bench_int8_cuda.py --out report.json                 # rows 1, 8, 32
     python scripts/bench_int8_cuda.py --sweep --deadline 100            # then the kernel's tilings at one row
+    python scripts/bench_int8_cuda.py --dry-run --sweep                 # here, without a GPU: see below
 
 Each product is timed over enough distinct weights (--weight-bytes, 1 GiB by default) that none is read from
 L2, one CUDA graph replaying a product on each, so the time is the GPU's, without launches. Printed per
@@ -13,12 +14,17 @@ layers' fused q/k/v, output, fused gate/up and down projections, and the vocabul
 variant's ratio to bfloat16. int8_inductor is taken at one row only (with more, inductor leaves the product
 to cuBLAS after converting the weight: int8_dequant). --sweep then times the kernel's one-row tilings on each
 projection, until --deadline. The JSON report (--out) is written after each projection.
+
+--dry-run runs every variant once, at 1/64 of the 7B's widths, on CPU tensors through Triton's interpreter,
+timing nothing that means anything: it checks the script itself before a device call is spent on it
+(tests/test_bench.py runs it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +41,13 @@ PROJECTIONS = {"wqkv": (3 * DIM, DIM, LAYERS), "wo": (DIM, DIM, LAYERS), "w13": 
 
 
 def graph_seconds(calls: list[Callable[[], torch.Tensor]], repeats: int = 5) -> float:
-    """Seconds per call: one CUDA graph of every call in turn, replayed; the best of repeats."""
+    """Seconds per call: one CUDA graph of every call in turn, replayed; the best of repeats (on the CPU, a
+    dry run: each call once)."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - start) / len(calls)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -71,20 +83,28 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's tilings at one row")
     parser.add_argument("--deadline", type=float, default=None, help="seconds after which no new projection starts")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--dry-run", action="store_true", help="each variant once on the CPU (see above)")
     a = parser.parse_args()
     started = time.perf_counter()
-    if not torch.cuda.is_available():
-        sys.exit("bench_int8_cuda.py needs a CUDA GPU")
+    if a.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton_products defines its kernel
+        for name, (n, k, count) in PROJECTIONS.items():
+            PROJECTIONS[name] = (n // 64, k // 64, count)
+        a.weight_bytes = 0
+    elif not torch.cuda.is_available():
+        sys.exit("bench_int8_cuda.py needs a CUDA GPU (--dry-run checks it on the CPU)")
+    device = "cpu" if a.dry_run else "cuda"
     from llama_core import triton_products  # imports triton, which CUDA builds of torch bring
     from llama_core.triton_products import KernelConfig, config_for
     torch.manual_seed(0)
-    bandwidth = copy_bandwidth()
-    torch.cuda.empty_cache()  # the two GiB it copied
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bandwidth = 1.0 if a.dry_run else copy_bandwidth()
+    if not a.dry_run:
+        torch.cuda.empty_cache()  # the two GiB it copied
+    sms = 4 if a.dry_run else torch.cuda.get_device_properties(0).multi_processor_count
     compiled = torch.compile(lambda x, w, s: F.linear(x, w.to(x.dtype)) * s,
                              options={"coordinate_descent_tuning": True}, dynamic=False)
-    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "multiprocessors": sms,
-              "copy_bandwidth_bytes_per_s": bandwidth, "results": [], "cut_short": False}
+    report = {"device": "cpu (a dry run)" if a.dry_run else torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "multiprocessors": sms, "copy_bandwidth_bytes_per_s": bandwidth, "results": [], "cut_short": False}
     print(f"{report['device']}: copy bandwidth {bandwidth / 1e9:,.0f} GB/s")
 
     def save() -> None:
@@ -94,11 +114,11 @@ def main() -> None:
     def measure(name: str, rows_list: list[int], sweep: bool) -> None:
         n, k, _ = PROJECTIONS[name]
         copies = max(2, int(a.weight_bytes // (n * k)))
-        weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda") for _ in range(copies)]
-        scales = [torch.rand(n, device="cuda", dtype=torch.bfloat16) * 0.01 for _ in range(copies)]
+        weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device) for _ in range(copies)]
+        scales = [torch.rand(n, device=device, dtype=torch.bfloat16) * 0.01 for _ in range(copies)]
         floats = [w.to(torch.bfloat16) for w in weights[: max(2, copies // 2)]]  # 2 bytes a weight: as many bytes
         for rows in rows_list:
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             int8_calls = lambda product: [lambda w=w, s=s: product(x, w, s) for w, s in zip(weights, scales)]
             if sweep:
                 variants = {}
@@ -113,7 +133,7 @@ def main() -> None:
                 variants = {"bf16": [lambda w=w: F.linear(x, w) for w in floats],
                             "int8_dequant": int8_calls(lambda x, w, s: F.linear(x, w.to(x.dtype)) * s),
                             "int8_triton": int8_calls(triton_products.int8_product)}
-                if rows == 1:  # with more rows inductor leaves the product to cuBLAS: int8_dequant's
+                if rows == 1 and not a.dry_run:  # with more rows inductor leaves the product to cuBLAS: int8_dequant's
                     variants["int8_inductor"] = int8_calls(compiled)
             want = (x.float() @ weights[0].float().T) * scales[0].float()
             error = float((triton_products.int8_product(x, weights[0], scales[0]).float() - want).abs().max() / want.abs().max())
@@ -141,7 +161,8 @@ def main() -> None:
             print(report["cut_short"])
             break
         measure(name, [1] if sweep else a.rows, sweep)
-        torch.cuda.empty_cache()  # the projection's weights
+        if not a.dry_run:
+            torch.cuda.empty_cache()  # the projection's weights
 
     forward = {}
     for rows in a.rows:

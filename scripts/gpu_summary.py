@@ -65,6 +65,13 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
         "{:.2f}x", lambda v: v >= 1.7)
     add("int8 largest logprob deviation from bf16 (reported)", int8, "7b_int8",
         None if int8 is None else int8.get("int8_max_logprob_deviation"), "{:.3f}", lambda v: True)
+    kernels = _load(folder, "int8_kernels")
+    if kernels is not None:  # per projection: what the int8 products alone give a one-row forward
+        forward = kernels.get("forward_us", {})
+        for variant in ("int8_triton", "int8_inductor"):
+            us, bf16 = forward.get(f"1:{variant}"), forward.get("1:bf16")
+            add(f"a 7B forward's products at one row, {variant} over bf16 (reported)", kernels, "int8_kernels",
+                bf16 / us if us and bf16 else None, "{:.2f}x", lambda v: True)
     if int4 is not None:  # an optional step
         add("int4 over bf16 compiled decode (reported)", int4, "7b_int4", ratio(int4, "decode_over_llama_core_float"),
             "{:.2f}x", lambda v: True)

@@ -331,6 +331,8 @@ def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
                 "ratios": {}}
     (tmp_path / "7b_compiled.json").write_text(json.dumps(compiled))
     (tmp_path / "7b_engine32.json").write_text(json.dumps(engine32))
+    kernels = {"device": "NVIDIA H100 80GB HBM3", "forward_us": {"1:bf16": 5000.0, "1:int8_triton": 2800.0}}
+    (tmp_path / "int8_kernels.json").write_text(json.dumps(kernels))  # bench_int8_cuda.py's, inductor's cut short
     (tmp_path / "device.log").write_text("name, memory.total [MiB], driver_version\n"
                                          "NVIDIA H100 80GB HBM3, 81559 MiB, 580.159.04\n"
                                          "3.12.3 2.11.0+cu130 13.0 5.17.0 1.15.0 NVIDIA H100 80GB HBM3\n")
@@ -354,6 +356,9 @@ def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
     assert table["int8 >= 1.7x bf16 compiled decode"][0] == "not measured"
     assert table["time to first token, 2048-token prompt, no slower than HF eager"][0] == "not measured"
     assert "7b_compiled was cut short: --deadline 180 s had passed" in result.stdout
+    assert table["a 7B forward's products at one row, int8_triton over bf16 (reported)"] == [
+        "1.79x", "int8_kernels", "yes |"]
+    assert table["a 7B forward's products at one row, int8_inductor over bf16 (reported)"][0] == "not measured"
 
 
 def test_load_bench_reports_memory_for_each_layout_and_load(tmp_path, tokenizer_path, tokenizer):
@@ -374,3 +379,22 @@ def test_load_bench_reports_memory_for_each_layout_and_load(tmp_path, tokenizer_
 def test_load_bench_names_a_bad_load():
     result = _run("bench_load.py", "--loads", "float32+int2")
     assert result.returncode == 2 and "--loads: 'float32+int2' is not a dtype" in result.stderr
+
+
+def test_the_cuda_int8_kernel_bench_runs_through_as_a_dry_run_on_the_cpu(tmp_path):
+    # bench_int8_cuda.py is for a device call: its dry run takes every variant once through Triton's
+    # interpreter at 1/64 of the widths, the sweep until the deadline, and writes the report gpu_summary reads.
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    out = tmp_path / "int8_kernels.json"
+    result = _run("bench_int8_cuda.py", "--dry-run", "--rows", "1", "2", "--sweep", "--deadline", "8", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    variants = {(r["projection"], r["rows"], r["variant"]) for r in report["results"]}
+    for projection in ("wqkv", "wo", "w13", "w2", "output"):
+        for rows in (1, 2):
+            assert {(projection, rows, v) for v in ("bf16", "int8_dequant", "int8_triton")} <= variants
+    assert set(report["forward_us"]) == {f"{rows}:{v}" for rows in (1, 2) for v in ("bf16", "int8_dequant", "int8_triton")}
+    assert any(v.startswith("int8_triton[") for _, _, v in variants)  # the sweep began
+    assert "deadline" in report["cut_short"]  # and the deadline stopped it
+    triton_rows = [r for r in report["results"] if r["variant"] == "int8_triton" and r["rows"] == 1]
+    assert all(r["max_relative_error"] < 8e-3 for r in triton_rows)

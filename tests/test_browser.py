@@ -182,8 +182,13 @@ def test_stop_cancels_the_request_in_the_engine(page, served, monkeypatch):
     page.click("#completion-generate")
     expect(output).not_to_have_value(earlier)  # streaming: the new completion has begun
     expect(output).to_have_value(re.compile(r"\S"))
+    # While it runs, Stop stands where Generate was, and Continue waits for the end.
+    expect(page.locator("#completion-generate")).to_be_hidden()
+    expect(page.locator("#completion-continue")).to_be_disabled()
     page.locator("#completion-stop").dispatch_event("click")
     expect(page.locator("#completion-stats")).to_contain_text("Stopped.")
+    expect(page.locator("#completion-generate")).to_be_visible()
+    expect(page.locator("#completion-stop")).to_be_hidden()
     deadline = time.monotonic() + 10
     while (engine.active_count or not cancels) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -317,7 +322,8 @@ def test_export_then_import_round_trips_and_a_bad_file_is_named(page, tmp_path):
         page.locator("#chat-exported a").first.click()
     exported = tmp_path / "chat.json"
     download.value.save_as(exported)
-    new_chat(page)
+    new_chat(page)  # the file exported is the other chat's: no longer offered
+    expect(page.locator("#chat-exported")).to_be_hidden()
     import_file(page, exported)
     expect(page.locator("#chat-stats")).to_contain_text("Imported")
     expect(user).to_have_text("Round trip, good sir.")
@@ -327,6 +333,12 @@ def test_export_then_import_round_trips_and_a_bad_file_is_named(page, tmp_path):
     import_file(page, bad)
     expect(page.locator("#chat-stats")).to_contain_text("Not imported")
     expect(user).to_have_text("Round trip, good sir.")
+    # A title is shown as the text it is, never as HTML.
+    marked_up = tmp_path / "marked-up.json"
+    marked_up.write_text(json.dumps(dict(json.loads(exported.read_text()), title="<b>bold</b> *and* [link](x)")))
+    import_file(page, marked_up)
+    expect(page.locator("#chat-stats")).to_contain_text("Imported “<b>bold</b> *and* [link](x)”.")
+    expect(page.locator("#chat-stats b")).to_have_count(0)
 
 
 def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypatch):
@@ -506,3 +518,49 @@ def test_conversations_survive_a_server_restart(browser):
         expect(user).to_have_count(2)
         expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
     context.close()
+
+
+def paste(page, selector: str, text: str) -> None:
+    """Text put in a box as a paste (or a drop, or autofill) puts it: a DOM input event, no keys."""
+    page.locator(selector).evaluate("(box, text) => { box.value = text; box.dispatchEvent(new Event('input', "
+                                    "{bubbles: true})); }", text)
+
+
+def test_pasted_and_out_of_range_settings_are_saved_as_the_page_shows_them(page):
+    new_chat(page)
+    paste(page, "#system-prompt textarea", "You are Mercutio, and brief.")
+    set_number(page, "#chat-temperature", 5)  # past the slider's 2: saved, and shown, as 2
+    expect(page.locator("#chat-temperature input[type=number]")).to_have_value("2")
+    page.wait_for_timeout(500)
+    page.reload()
+    expect(page.locator("#system-prompt textarea")).to_have_value("You are Mercutio, and brief.")
+    expect(page.locator("#chat-temperature input[type=number]")).to_have_value("2")
+    set_number(page, "#chat-temperature", 0.6)
+
+
+def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})  # two tabs: one localStorage
+    page, other = context.new_page(), context.new_page()
+    for tab in (page, other):
+        tab.set_default_timeout(TIMEOUT_MS)
+        tab.goto(served[1])
+        expect(tab.locator("#chat-input textarea")).to_be_visible()
+    send(other, "From the other tab.")
+    expect(other.locator("#chat-stats")).to_contain_text("tokens/s")
+    note = page.locator("#other-tab-note")
+    expect(note).to_contain_text("changed in another tab")
+    expect(other.locator("#other-tab-note")).to_have_count(0)  # the tab that wrote them is up to date
+    note.locator("button").click()  # Reload
+    expect(page.locator("#chat-list")).to_contain_text("From the other tab.")
+    expect(page.locator("#other-tab-note")).to_have_count(0)
+    context.close()
+
+
+def test_a_completion_refused_says_why_under_the_buttons(page):
+    page.click("#completion-tab-button")
+    page.fill("#completion-prompt textarea", "")
+    page.click("#completion-generate")
+    expect(page.locator("#completion-stats")).to_contain_text("Not generated:")
+    expect(page.locator("#completion-stats")).to_contain_text("empty")
+    expect(page.locator("#completion-output .error, #completion-marked .error")).to_have_count(0)
+    expect(page.locator("#completion-generate")).to_be_visible()

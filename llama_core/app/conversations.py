@@ -92,7 +92,9 @@ def switched(store: dict, conversation_id: Any) -> dict:
 
 
 def renamed(store: dict, title: Any) -> dict:
-    return with_conversation(store, dict(active(store), title=clean_title(title)))
+    """The active conversation given title (a blank one keeps the title it had)."""
+    conversation = active(store)
+    return with_conversation(store, dict(conversation, title=clean_title(title, conversation["title"])))
 
 
 def deleted(store: dict, system_prompt: str, settings: dict[str, Any]) -> dict:
@@ -209,6 +211,12 @@ def prompt_preview(engine: TextEngine, message: Any, messages: list[dict], syste
     fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", prompt.text)), default=0))
     lines.append(f"{fence}text\n{prompt.text}\n{fence}")
     return "\n\n".join(lines)
+
+
+def as_markdown_text(text: str) -> str:
+    """text shown as it is in Markdown: no HTML tags, links or emphasis made of it (a title from an imported
+    file, say)."""
+    return re.sub(r"([\\`*_{}\[\]()#+\-.!|~>])", r"\\\1", html.escape(text, quote=False))
 
 
 def _html_lines(text: str) -> str:

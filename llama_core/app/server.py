@@ -17,7 +17,7 @@ from gradio import networking
 from starlette.routing import Mount
 
 from ..openai_api import create_api
-from .ui import CSS, THEME
+from .ui import CSS, PAGE_JS, THEME
 from .web_server import BackgroundServer
 
 # Sessions whose state Gradio keeps (its default, 10,000, lets the web process grow by ~140 KB for each
@@ -60,7 +60,7 @@ def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] 
     name_miscounted_values(demo)
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(MONITORING_SUMMARY_EVERY))  # read by queue()
     demo.queue()
-    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS)
+    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS, js=PAGE_JS)
     page = next(route.app for route in api.routes if isinstance(route, Mount))
     check_logins_on_the_loop(page)
     return page

@@ -21,8 +21,10 @@ from __future__ import annotations
 import colorsys
 import contextlib
 import importlib.util
+import json
 import math
 import os
+import re
 import sys
 import tempfile
 from typing import Any, AsyncIterator, Iterator, Optional
@@ -72,12 +74,33 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 #completion-marked .textfield { display: flex; flex-wrap: wrap; align-items: baseline; }
 #completion-marked .token-container, #completion-marked .token { display: inline-flex; margin: 0; }
 #completion-marked .line-break { flex-basis: 100%; }
+#other-tab-note { position: sticky; top: 0; z-index: 1000; padding: 8px 12px; background: #fef3c7; color: #78350f;
+  border-bottom: 1px solid #f59e0b; font-size: var(--text-md); }
+#other-tab-note button { margin-left: 8px; text-decoration: underline; font-weight: 600; }
 @media (max-width: 640px) {  /* a phone: the chat first, its buttons side by side, the sidebar below */
   #chat-main { order: -1; }
   #chatbot { height: min(420px, 52vh) !important; }
   #chat-tools > * { min-width: 0 !important; }
   #chat-tools { flex-wrap: nowrap; }
 }"""
+# Run once the page loads. Each tab holds the conversations as they were when it opened, and writes them all back
+# when anything changes: another tab of the app changing them (the browser then fires "storage" here) makes
+# this one's copy stale, so it says so, offering a reload, before a change here replaces the other tab's.
+PAGE_JS = """() => {
+  window.addEventListener("storage", (event) => {
+    if (event.key !== %s || document.getElementById("other-tab-note")) return;
+    const note = document.createElement("div");
+    note.id = "other-tab-note";
+    note.setAttribute("role", "alert");
+    note.append("Your conversations were changed in another tab of this app. Reload to see them here: " +
+                "a change made here first would replace them.");
+    const reload = document.createElement("button");
+    reload.textContent = "Reload";
+    reload.onclick = () => location.reload();
+    note.append(reload);
+    document.body.prepend(note);
+  });
+}""" % json.dumps(STORAGE_KEY)
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
     label: "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hls_to_rgb(float(label) / 3, 0.78, 0.75))
@@ -88,6 +111,18 @@ PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
 # -- errors: llama_core checks every value (the UI's sliders bound values, the API does not) -------------
 def _error(message: str) -> gr.Error:
     return gr.Error(message, print_exception=False)
+
+
+# The requests' field names (as the /chat and /complete API takes them) as the page labels their controls.
+_LABELS = {"output_grammar": "the grammar box under Reply format", "output_format": "Reply format",
+           "max_new_tokens": "Max new tokens", "max_seq_len": "the context length", "top_p": "Top-p", "top_k": "Top-k",
+           "min_p": "Min-p", "repetition_penalty": "Repetition penalty", "presence_penalty": "Presence penalty",
+           "frequency_penalty": "Frequency penalty"}
+
+
+def on_page(message: str) -> str:
+    """An error's message as the page says it: the controls by their labels, not the API's field names."""
+    return re.sub(r"\b(" + "|".join(_LABELS) + r")\b", lambda m: _LABELS[m.group(1)], message)
 
 
 @contextlib.contextmanager
@@ -246,7 +281,8 @@ def stats_line(stats: dict) -> str:
     if stats["finish_reason"] == "refused":
         return "Refused: the message holds reserved chat-format tags."
     drafted = f" ({stats['drafted_tokens']} of them drafted ahead)" if stats.get("drafted_tokens") else ""
-    line = (f"{stats['tokens_per_second']:.1f} tokens/s · {stats['generated_tokens']} tokens generated{drafted} · context "
+    speed = f"{stats['tokens_per_second']:.1f} tokens/s · " if stats["tokens_per_second"] > 0 else ""  # none to measure
+    line = (f"{speed}{stats['generated_tokens']} tokens generated{drafted} · context "
             f"{stats['prompt_tokens'] + stats['generated_tokens']} / {stats['max_seq_len']} tokens "
             f"({stats['prompt_tokens']} prompt" + (f", {stats['cached_tokens']} of them cached" if stats.get("cached_tokens") else "")
             + ")")
@@ -313,8 +349,8 @@ def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.components.Comp
                       "often the reply used them", elem_id=f"{prefix}-frequency-penalty"),
             gr.Textbox(label="Stop strings", lines=2, info="one per line (at most 4): the reply ends before the "
                        "first", elem_id=f"{prefix}-stop-strings"),
-            gr.Number(label="Seed", precision=0, info="the same seed and settings give the same reply; empty is "
-                      "random", elem_id=f"{prefix}-seed"),
+            gr.Number(None, label="Seed", precision=0, info="the same seed and settings give the same reply; empty "
+                      "is random", elem_id=f"{prefix}-seed"),
             gr.Dropdown(OUTPUT_FORMATS, value="text", label="Reply format", info="JSON: any JSON object; the others "
                         "follow the box below", elem_id=f"{prefix}-output-format"),
             gr.Textbox(label="JSON schema, regular expression or Lark grammar", lines=3, max_lines=12,
@@ -322,6 +358,29 @@ def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.components.Comp
                        elem_id=f"{prefix}-output-grammar"),
         ]
     return basic + advanced
+
+
+def _kept_value(control: gr.components.Component, value: Any, previous: Any) -> Any:
+    """A control's value as the page sent it, made one the control holds: a slider's number within its range
+    (rounded to whole steps of 1), a seed a whole number or none; anything else unreadable is the previous value."""
+    if isinstance(control, gr.Slider):
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                return previous
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            return previous
+        value = min(max(value, control.minimum), control.maximum)
+        return int(round(value)) if control.step == 1 else value
+    if isinstance(control, gr.Number):
+        if value is None or value == "":
+            return None
+        try:
+            return int(float(value))
+        except (TypeError, ValueError, OverflowError):
+            return previous
+    return value if isinstance(value, str) else previous
 
 
 def _advanced(values: tuple) -> dict[str, Any]:
@@ -415,10 +474,11 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 *[settings[name] for name in conversations.SETTINGS],
                 gr.update(choices=conversations.choices(store), value=store["active"], interactive=True),
                 conversation["title"], *button_states(conversation, busy=False), *branch_states(conversation, at),
-                gr.update(visible=False)]  # a prompt shown is out of date
+                gr.update(visible=False), gr.update(visible=False, value=None)]  # a prompt shown, a file exported:
+        # both out of date
 
     def unchanged(extra: int = 0) -> list:
-        return [gr.skip()] * (len(conversations.SETTINGS) + 19 + extra)  # as many as view_outputs (+ extra)
+        return [gr.skip()] * (len(conversations.SETTINGS) + 20 + extra)  # as many as view_outputs (+ extra)
 
     def restore(store: Any):
         return view(loaded(store))
@@ -491,7 +551,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             notice = conversations.context_notice(engine.tokenizer, info.max_seq_len, message, system_prompt,
                                                   controls[2])
         except LlamaError as exc:
-            notice = f"This message was not sent: {exc}."
+            notice = f"This message was not sent: {on_page(str(exc))}."
         if stream is not None and stream.refusal is not None:
             notice = (conversations.REFUSED_SYSTEM_NOTICE if conversations.has_reserved_tags(system_prompt)
                       else conversations.REFUSED_NOTICE)
@@ -500,7 +560,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 async for reply in replies(stream):
                     yield [shown + [{"role": "assistant", "content": reply}]] + [gr.skip()] * 6
             except gr.Error as exc:
-                notice = f"The reply failed: {exc.message} Send the message again."
+                notice = f"The reply failed: {on_page(exc.message)} Send the message again."
         if notice is not None:
             store = conversations.with_conversation(store, conversation)
             yield [shown + [{"role": "assistant", "content": "⚠️ " + notice}], "", store, None, message,
@@ -575,10 +635,20 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             return unchanged()
         return view(conversations.deleted(loaded(store), prompts.system_prompt, defaults))
 
-    def save_settings(store: Any, system_prompt: str, *controls):
+    def save_settings(store: Any, system_prompt: Any, *controls):
+        """Saves what was typed or chosen into the conversation. The values come as the page holds them (the
+        event skips Gradio's checks, which would refuse a slider's box typed past its range, and log it): a
+        number outside its slider's range is saved at the nearest end, and the box shows it; an emptied box
+        keeps the value it had."""
         store = loaded(store)
-        conversation = dict(conversations.active(store), system_prompt=system_prompt, settings=settings_of(controls))
-        return conversations.with_conversation(store, conversation)
+        conversation = conversations.active(store)
+        settings = dict(defaults, **conversation["settings"])
+        kept = [_kept_value(control, value, settings[name])
+                for control, name, value in zip(chat_controls, conversations.SETTINGS, controls)]
+        prompt = system_prompt if isinstance(system_prompt, str) else conversation["system_prompt"]
+        conversation = dict(conversation, system_prompt=prompt, settings=settings_of(kept))
+        return [conversations.with_conversation(store, conversation),
+                *[gr.skip() if value == typed else value for value, typed in zip(kept, controls)]]
 
     def export(store: Any, kind: str):
         conversation = conversations.active(loaded(store))
@@ -597,19 +667,30 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         except conversations.ConversationFileError as exc:
             return view(store, stats=f"**Not imported:** {exc}.")
         return view(conversations.with_conversation(store, conversation),
-                    stats=f"Imported “{conversation['title']}”.")
+                    stats=f"Imported “{conversations.as_markdown_text(conversation['title'])}”.")
 
     async def complete_ui(prompt, temperature, top_p, max_new_tokens, *advanced_and_flags):
+        """Streams a completion into the tab; a request that is refused or fails says why under the buttons,
+        the last output left as it was."""
         *advanced, echo, show_probabilities = advanced_and_flags
         updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
                            **_advanced(advanced))
-        shown = []
-        async for text, tokens, stats in updates:
-            shown = [t for t in tokens if t["token"]]
-            generated = text[len(prompt):] if echo else text
-            yield (text, _highlights(shown), gr.skip(), shown, marked_completion(prompt, generated),
-                   {"prompt": prompt, "text": generated})
+        shown, stats = [], None
+        try:
+            async for text, tokens, stats in updates:
+                shown = [t for t in tokens if t["token"]]
+                generated = text[len(prompt):] if echo else text
+                yield (text, _highlights(shown), gr.skip(), shown, marked_completion(prompt, generated),
+                       {"prompt": prompt, "text": generated})
+        except gr.Error as exc:
+            said = "The completion failed" if stats is not None else "Not generated"
+            yield gr.skip(), gr.skip(), f"**{said}:** {on_page(exc.message)}", gr.skip(), gr.skip(), gr.skip()
+            return
         yield gr.skip(), gr.skip(), stats_line(stats), gr.skip(), gr.skip(), gr.skip()
+
+    def completion_running(busy: bool) -> list:
+        """Generate and Stop swap in place, as Send and Stop do; Continue waits for the end."""
+        return [gr.update(visible=not busy), gr.update(visible=busy), gr.update(interactive=not busy)]
 
     def continued_prompt(prompt: str, completed: Optional[dict]):
         """The prompt with its last generation appended (the box as it is when it was not generated from it)."""
@@ -678,7 +759,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 with gr.Row():
                     generate = gr.Button("Generate", variant="primary", elem_id="completion-generate")
                     continue_button = gr.Button("Continue", elem_id="completion-continue")
-                    stop_completion = gr.Button("Stop", variant="stop", elem_id="completion-stop")
+                    stop_completion = gr.Button("Stop", variant="stop", elem_id="completion-stop", visible=False)
                 marked = gr.HighlightedText(label="Prompt and generated text", color_map={"generated": "#fcd34d"},
                                             show_legend=True, elem_id="completion-marked")
                 completed = gr.State(None)  # {"prompt", "text"}: the last generation and the prompt it continued
@@ -701,7 +782,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         buttons = [send, stop, retry, undo_button, clear, new_button]
         branch_outputs = [branch_at, branch_row, branch_label, branch_prev, branch_next, branch_retry]
         view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, chat_title, *buttons,
-                        *branch_outputs, prompt_panel]
+                        *branch_outputs, prompt_panel, exported]
         begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons, prompt_panel, branch_row]
         reply_inputs = [pending, store, system_prompt, *chat_controls]
         reply_outputs = [chatbot, chat_stats, store, pending, chat_input, chat_list, chat_title]
@@ -734,7 +815,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         chat_title.submit(rename, [chat_title, store], [store, chat_list, chat_title], queue=False, **ui)
         delete_button.click(delete, [store, pending], view_outputs, queue=False, **ui)
         for control in (system_prompt, *chat_controls):
-            control.input(save_settings, [store, system_prompt, *chat_controls], store, queue=False, **ui)
+            # a textbox's "input" is its keys only (Gradio 6): pasted, cut or dropped text comes as "change"
+            trigger = control.change if isinstance(control, gr.Textbox) else control.input
+            trigger(save_settings, [store, system_prompt, *chat_controls], [store, *chat_controls], queue=False,
+                          preprocess=False, **ui)
         export_json.click(lambda s: export(s, "json"), store, exported, queue=False, **ui)
         export_markdown.click(lambda s: export(s, "md"), store, exported, queue=False, **ui)
         import_button.upload(import_file, [import_button, store, pending], view_outputs, queue=False, **ui)
@@ -742,12 +826,17 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
 
         completion_inputs = [prompt, *completion_controls, echo, show_probabilities]
         continues = continue_button.click(continued_prompt, [prompt, completed], prompt, queue=False, **ui).then
-        completions = [trigger(lambda: "", None, completion_stats, queue=False, **ui)
+        running = [generate, stop_completion, continue_button]
+        completions = [trigger(lambda: ["", *completion_running(True)], None, [completion_stats, *running], queue=False,
+                               **ui)
                        .then(complete_ui, completion_inputs,
                              [output, tokens, completion_stats, shown_tokens, marked, completed], **generating, **ui)
                        for trigger in (generate.click, prompt.submit, continues)]
+        for completion in completions:
+            completion.then(lambda: completion_running(False), None, running, queue=False, **ui)
         prompt.change(lambda text: prompt_size_line(engine, text), prompt, prompt_size, queue=False, **ui)
-        stop_completion.click(lambda: "Stopped.", None, completion_stats, queue=False, cancels=completions, **ui)
+        stop_completion.click(lambda: ["Stopped.", *completion_running(False)], None, [completion_stats, *running],
+                              queue=False, cancels=completions, **ui)
         show_probabilities.change(lambda on: gr.update(visible=on), show_probabilities, tokens, queue=False, **ui)
         tokens.select(alternatives_of, shown_tokens, alternatives, queue=False, **ui)
 

@@ -211,11 +211,16 @@ class TextStream:
 
     @property
     def tokens_per_second(self) -> float:
-        """Decode speed after the first token (the first one's wait is prefill and queueing)."""
-        if self._first_token_at is None or self.generated_tokens < 2:
+        """Decode speed after the first token (the first one's wait is prefill and queueing). Where the tokens
+        after it came with it (drafted, or a grammar's forced tokens), every token over the whole request;
+        0.0 before any token."""
+        if self._first_token_at is None:
             return 0.0
         end = self._tokens.finished_at or self._finished_at or time.perf_counter()
-        return (self.generated_tokens - 1) / max(end - self._first_token_at, 1e-9)
+        decoding = end - self._first_token_at
+        if self.generated_tokens >= 2 and decoding > 1e-3:
+            return (self.generated_tokens - 1) / decoding
+        return self.generated_tokens / max(end - self._started, 1e-6)
 
     def cancel(self) -> None:
         if self._tokens is not None:

@@ -37,6 +37,7 @@ MAX_TITLE_CHARS = 80
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "stop", "seed", "output_format", "output_grammar")
 NEW_TITLE = "New chat"
+MESSAGE_PLACEHOLDER = "…"  # the prompt shown before a message is typed has this in its place
 
 
 class ConversationFileError(LlamaError, ValueError):
@@ -187,6 +188,9 @@ def prompt_preview(engine: TextEngine, message: Any, messages: list[dict], syste
     """Markdown showing the exact prompt the next turn would give the model (the chat's history as the chat
     tab sends it, the system prompt and `message`), its token count, and the old exchanges dropped to fit."""
     history, left_out = model_history(messages)
+    placeholder = not isinstance(message, str) or not message.strip()
+    if placeholder:  # the history and system prompt are still worth seeing before anything is typed
+        message = MESSAGE_PLACEHOLDER
     try:
         dialog = requests.chat_dialog(message, history, system_prompt)
         prompt = chat_prompt(engine, dialog, max_new_tokens)
@@ -199,6 +203,8 @@ def prompt_preview(engine: TextEngine, message: Any, messages: list[dict], syste
         return f"**No prompt to show:** {exc}."
     lines = [f"**The prompt for the next turn: {len(prompt.prompt_tokens):,} tokens** of the model's "
              f"{prompt.max_seq_len:,} ({prompt.reply_room:,} kept for the reply)."]
+    if placeholder:
+        lines.append(f"The message box is empty: {MESSAGE_PLACEHOLDER} stands where your message will be.")
     if left_out:
         lines.append(f"{left_out} exchange(s) holding reserved chat-format tags are left out.")
     if prompt.dropped:

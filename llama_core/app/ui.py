@@ -56,6 +56,7 @@ STREAM_UPDATE_SECONDS = 0.1
 # Conversations are kept in the browser's localStorage under this key. Gradio encrypts them with the secret; a
 # fixed one lets them survive a server restart (it guards nothing: the data is the user's own, in their browser).
 STORAGE_KEY, STORAGE_SECRET = "llama-core-conversations", "llama-core-conversations-v1"
+NOTICE_MARK = "⚠️ "  # opens the chat's notice under a turn refused or failed (a message of its own, never kept)
 TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
 ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed",
             "output_format", "output_grammar")
@@ -443,12 +444,15 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     def loaded(store: Any) -> dict:
         return conversations.loaded_store(store, prompts.system_prompt, defaults)
 
-    def button_states(conversation: dict, busy: bool) -> list:
-        """Send and Stop swap in place; the others only when they have something to do."""
+    def button_states(conversation: dict, busy: bool, title: bool = False) -> list:
+        """Send and Stop swap in place; the others only when they have something to do, and New chat, Delete
+        and the title box not while a reply streams (into this conversation). title: the box shows the
+        conversation's title too."""
         has_messages = bool(conversation["messages"]) and not busy
+        titled = {"value": conversation["title"]} if title else {}
         return [gr.update(visible=not busy), gr.update(visible=busy), gr.update(interactive=has_messages),
                 gr.update(interactive=has_messages), gr.update(interactive=has_messages),
-                gr.update(interactive=not busy)]
+                gr.update(interactive=not busy), gr.update(interactive=not busy), gr.update(interactive=not busy, **titled)]
 
     def branch_states(conversation: dict, at: Optional[int] = None) -> list:
         """The branch bar for message `at` of those shown (by default branches.branch_point): which
@@ -473,12 +477,12 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 conversation["stats"] if stats is None else stats, conversation["system_prompt"],
                 *[settings[name] for name in conversations.SETTINGS],
                 gr.update(choices=conversations.choices(store), value=store["active"], interactive=True),
-                conversation["title"], *button_states(conversation, busy=False), *branch_states(conversation, at),
+                *button_states(conversation, busy=False, title=True), *branch_states(conversation, at),
                 gr.update(visible=False), gr.update(visible=False, value=None)]  # a prompt shown, a file exported:
         # both out of date
 
     def unchanged(extra: int = 0) -> list:
-        return [gr.skip()] * (len(conversations.SETTINGS) + 20 + extra)  # as many as view_outputs (+ extra)
+        return [gr.skip()] * (len(view_outputs) + extra)
 
     def restore(store: Any):
         return view(loaded(store))
@@ -487,38 +491,54 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         """Shows the user's message at once and marks a reply as under way; a message sent while one streams
         (Enter in the box) waits in the box."""
         if pending is not None or not message.strip():
-            return [gr.skip()] * 13
+            return [gr.skip()] * len(begin_outputs)
         conversation = conversations.active(loaded(store))
-        keep = len(conversation["messages"])
-        return [conversation["messages"] + [{"role": "user", "content": message}], "", "",
+        return beginning(conversation, message, len(conversation["messages"]), box="")
+
+    def beginning(conversation: dict, message: str, keep: int, box: Any = gr.skip()) -> list:
+        """begin_outputs for a reply to `message` after the conversation's first `keep` messages."""
+        return [conversation["messages"][:keep] + [{"role": "user", "content": message}], box, "",
                 {"message": message, "keep": keep}, gr.update(interactive=False),
                 *button_states(conversation, busy=True), gr.update(visible=False), gr.update(visible=False)]
 
-    def begin_retry(store: Any, pending: Optional[dict], at: Optional[int] = None):
-        """A new reply to the message before reply `at` (by default the last reply), kept beside the old one."""
+    def refused_turn(shown: Any, conversation: dict) -> Optional[str]:
+        """The message of a turn the chat shows refused or failed (its notice below it; the conversation holds
+        neither), or None."""
+        messages = conversation["messages"]
+        if not isinstance(shown, list) or len(shown) != len(messages) + 2:
+            return None
+        try:
+            notice, message = requests.text(shown[-1]["content"], "notice"), requests.text(shown[-2]["content"], "message")
+        except (LlamaError, KeyError, TypeError):
+            return None
+        return message if shown[-1].get("role") == "assistant" and notice.startswith(NOTICE_MARK) else None
+
+    def begin_retry(store: Any, pending: Optional[dict], shown: Any, at: Optional[int] = None):
+        """A new reply to the message before reply `at` (by default the last reply), kept beside the old one;
+        on a turn's notice, the turn sent again."""
         conversation = conversations.active(loaded(store))
+        refused = refused_turn(shown, conversation)
+        if pending is None and refused is not None and at in (None, len(shown) - 1):
+            return beginning(conversation, refused, len(conversation["messages"]), box="")
         at = len(conversation["messages"]) - 1 if at is None else at
         if pending is not None or at not in range(1, len(conversation["messages"]), 2):
-            return [gr.skip()] * 13
-        message = conversation["messages"][at - 1]["content"]
-        return [conversation["messages"][:at], gr.skip(), "", {"message": message, "keep": at - 1},
-                gr.update(interactive=False), *button_states(conversation, busy=True), gr.update(visible=False),
-                gr.update(visible=False)]
+            return [gr.skip()] * len(begin_outputs)
+        return beginning(conversation, conversation["messages"][at - 1]["content"], at - 1)
 
-    def begin_edit(store: Any, pending: Optional[dict], edit: gr.EditData):
-        """A message edited in place: the reply to it starts a branch beside the old exchange."""
+    def begin_edit(store: Any, pending: Optional[dict], shown: Any, edit: gr.EditData):
+        """A message edited in place: the reply to it starts a branch beside the old exchange (a turn refused
+        or failed, edited, is sent again)."""
         if pending is not None:
-            return [gr.skip()] * 13
+            return [gr.skip()] * len(begin_outputs)
         conversation = conversations.active(loaded(store))
         try:
             message = requests.text(edit.value, "message")
         except LlamaError:
             message = ""
-        if edit.index not in range(0, len(conversation["messages"]), 2) or not message.strip():
-            return [conversation["messages"]] + [gr.skip()] * 12  # the page shows the edit: undo it there
-        return [conversation["messages"][:edit.index] + [{"role": "user", "content": message}], gr.skip(), "",
-                {"message": message, "keep": edit.index}, gr.update(interactive=False),
-                *button_states(conversation, busy=True), gr.update(visible=False), gr.update(visible=False)]
+        refused = refused_turn(shown, conversation) is not None and edit.index == len(conversation["messages"])
+        if (edit.index not in range(0, len(conversation["messages"]), 2) and not refused) or not message.strip():
+            return [conversation["messages"]] + [gr.skip()] * (len(begin_outputs) - 1)  # the page shows the edit: undo it
+        return beginning(conversation, message, edit.index, box="" if refused else gr.skip())
 
     def select_message(store: Any, pending: Optional[dict], selected: gr.SelectData):
         if pending is not None:
@@ -533,14 +553,15 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return view(conversations.with_conversation(store, conversation), at=at)
 
     async def respond(pending: Optional[dict], store: Any, system_prompt: str, *controls):
-        """Streams the reply to the pending message. A turn that is refused or fails is not kept: the chat
-        shows why and how to fix it, the message goes back to the box, and the conversation goes on from
-        its last good state. Runs on the server's event loop, as the API's routes do."""
+        """Streams the reply to the pending message; `finish` then keeps it in the conversation (as the store
+        is then: what was changed while it streamed stays). A turn that is refused or fails is not kept: the
+        chat shows why and how to fix it below the message, the message goes back to the box, and the
+        conversation goes on from its last good state. Runs on the server's event loop, as the API's routes do."""
         if pending is None:
-            yield [gr.skip()] * 7
+            yield [gr.skip()] * 4
             return
         store, message, keep = loaded(store), pending["message"], pending["keep"]
-        conversation = dict(conversations.active(store), system_prompt=system_prompt, settings=settings_of(controls))
+        conversation = conversations.active(store)
         history, left_out = conversations.model_history(conversation["messages"][:keep])
         shown = conversation["messages"][:keep] + [{"role": "user", "content": message}]
         reply, notice, stream = "", None, None
@@ -558,21 +579,18 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         elif stream is not None:
             try:
                 async for reply in replies(stream):
-                    yield [shown + [{"role": "assistant", "content": reply}]] + [gr.skip()] * 6
+                    yield [shown + [{"role": "assistant", "content": reply}]] + [gr.skip()] * 3
             except gr.Error as exc:
                 notice = f"The reply failed: {on_page(exc.message)} Send the message again."
         if notice is not None:
-            store = conversations.with_conversation(store, conversation)
-            yield [shown + [{"role": "assistant", "content": "⚠️ " + notice}], "", store, None, message,
-                   gr.update(choices=conversations.choices(store), value=store["active"]), gr.skip()]
+            yield [shown + [{"role": "assistant", "content": NOTICE_MARK + notice}], "", {"notice": True}, message]
             return
         stats = stats_line(request_stats(stream))
         if left_out:
             stats += f"\n\n**Note:** {left_out} earlier exchange(s) holding reserved chat-format tags were left out."
-        conversation = conversations.with_exchange(conversation, keep, message, reply, stats)
-        store = conversations.with_conversation(store, conversation)
-        yield [conversation["messages"], stats, store, None, gr.skip(),
-               gr.update(choices=conversations.choices(store), value=store["active"]), conversation["title"]]
+        done = conversations.with_exchange(conversation, keep, message, reply, stats)
+        yield [done["messages"], stats, {"id": conversation["id"], "keep": keep, "message": message, "reply": reply,
+                                         "stats": stats}, gr.skip()]
 
     def show_prompt(message: str, store: Any, system_prompt: str, max_new_tokens: Any):
         """The exact prompt the next turn would give the model, and what of the history does not fit."""
@@ -580,11 +598,22 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return gr.update(visible=True, open=True), conversations.prompt_preview(engine, message, messages,
                                                                                 system_prompt, max_new_tokens)
 
-    def finish(store: Any):
-        """After a reply (or a failure): nothing pending, the buttons for the conversation as it is."""
-        conversation = conversations.active(loaded(store))
-        return [None, gr.update(interactive=True), *button_states(conversation, busy=False),
-                *branch_states(conversation)]
+    def finish(store: Any, finished: Optional[dict]):
+        """After a reply: it kept in its conversation as the store is now (settings, system prompt or title
+        changed while it streamed stay); then nothing pending, and the buttons for the conversation as it is
+        (no branch bar under a turn's notice)."""
+        store = loaded(store)
+        if finished is not None and "reply" in finished:
+            conversation = next((c for c in store["conversations"] if c["id"] == finished["id"]), None)
+            if conversation is not None:
+                conversation = conversations.with_exchange(conversation, finished["keep"], finished["message"],
+                                                           finished["reply"], finished["stats"])
+                store = conversations.with_conversation(store, conversation)
+        conversation = conversations.active(store)
+        branch = ([None, gr.update(visible=False)] + [gr.skip()] * 4 if finished is not None and "notice" in finished
+                  else branch_states(conversation))
+        return [store, None, None, gr.update(choices=conversations.choices(store), value=store["active"], interactive=True),
+                *button_states(conversation, busy=False, title=True), *branch]
 
     def stop_reply(shown: list[dict], store: Any, pending: Optional[dict]):
         """Keeps the reply so far as the answer (or, before any, puts the message back in the box)."""
@@ -599,9 +628,13 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                                                    reply, stats)
         return view(conversations.with_conversation(store, conversation)) + [gr.skip(), None]
 
-    def undo(store: Any, pending: Optional[dict]):
+    def undo(store: Any, pending: Optional[dict], shown: Any):
+        """The last exchange taken back, its message back in the box; a turn's notice only goes (its message is
+        in the box already)."""
         store = loaded(store)
         conversation = conversations.active(store)
+        if pending is None and refused_turn(shown, conversation) is not None:
+            return view(store) + [gr.skip()]
         if pending is not None or not conversation["messages"]:
             return unchanged(1)
         message = conversation["messages"][-2]["content"]
@@ -779,25 +812,26 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             gr.Markdown(model_facts(info), elem_id="model-facts")
 
         defaults.update(zip(conversations.SETTINGS, (control.value for control in chat_controls)))
-        buttons = [send, stop, retry, undo_button, clear, new_button]
+        buttons = [send, stop, retry, undo_button, clear, new_button, delete_button, chat_title]  # button_states'
         branch_outputs = [branch_at, branch_row, branch_label, branch_prev, branch_next, branch_retry]
-        view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, chat_title, *buttons,
+        view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, *buttons,
                         *branch_outputs, prompt_panel, exported]
         begin_outputs = [chatbot, chat_input, chat_stats, pending, chat_list, *buttons, prompt_panel, branch_row]
         reply_inputs = [pending, store, system_prompt, *chat_controls]
-        reply_outputs = [chatbot, chat_stats, store, pending, chat_input, chat_list, chat_title]
-        finish_outputs = [pending, chat_list, *buttons, *branch_outputs]
+        finished = gr.State(None)  # the reply respond streamed, for finish to keep; or {"notice": True}
+        reply_outputs = [chatbot, chat_stats, finished, chat_input]
+        finish_outputs = [store, pending, finished, chat_list, *buttons, *branch_outputs]
         begins = [(trigger, begin, [chat_input, store, pending]) for trigger in (chat_input.submit, send.click)]
         begins.append((examples.load_input_event.then, begin, [chat_input, store, pending]))
-        begins.append((retry.click, begin_retry, [store, pending]))
-        begins.append((chatbot.retry, begin_retry, [store, pending]))
-        begins.append((branch_retry.click, begin_retry, [store, pending, branch_at]))
-        begins.append((chatbot.edit, begin_edit, [store, pending]))
+        begins.append((retry.click, begin_retry, [store, pending, chatbot]))
+        begins.append((chatbot.retry, begin_retry, [store, pending, chatbot]))
+        begins.append((branch_retry.click, begin_retry, [store, pending, chatbot, branch_at]))
+        begins.append((chatbot.edit, begin_edit, [store, pending, chatbot]))
         answers = [trigger(start, inputs, begin_outputs, queue=False, **ui)
                    .then(respond, reply_inputs, reply_outputs, **generating, **ui)
                    for trigger, start, inputs in begins]
         for answer in answers:
-            answer.then(finish, store, finish_outputs, queue=False, **ui)
+            answer.then(finish, [store, finished], finish_outputs, queue=False, **ui)
         stop.click(stop_reply, [chatbot, store, pending], view_outputs + [chat_input, pending], queue=False,
                    cancels=answers, **ui)
         chatbot.select(select_message, [store, pending], branch_outputs, queue=False, **ui)
@@ -807,7 +841,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                           **ui)
         show_prompt_button.click(show_prompt, [chat_input, store, system_prompt, chat_controls[2]],
                                  [prompt_panel, prompt_shown], queue=False, **ui)
-        undo_button.click(undo, [store, pending], view_outputs + [chat_input], queue=False, **ui)
+        undo_button.click(undo, [store, pending, chatbot], view_outputs + [chat_input], queue=False, **ui)
         clear.click(clear_chat, [store, pending], view_outputs, queue=False, **ui)
         chatbot.clear(clear_chat, [store, pending], view_outputs, queue=False, **ui)  # its own trash button
         new_button.click(new_chat, [store, pending, system_prompt, *chat_controls], view_outputs, queue=False, **ui)

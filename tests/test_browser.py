@@ -409,7 +409,8 @@ def test_editing_a_message_starts_a_branch_and_flipping_back_shows_the_old_reply
     label = page.locator("#chat-branch-label")
     new_chat(page)
     send(page, "Good morrow, my lord.")
-    expect(label).to_contain_text("Reply 1 · version 1 / 1")
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    expect(page.locator("#chat-branch")).to_be_hidden()  # nothing to flip yet
     old_reply = bot.first.inner_text()
     page.locator('#chatbot button[aria-label="Edit"]').first.click()
     page.locator("#chatbot textarea.edit-textarea").fill("What news from Padua?")
@@ -434,9 +435,11 @@ def test_any_reply_can_be_retried_and_the_old_one_is_kept(page):
     label = page.locator("#chat-branch-label")
     new_chat(page)
     send(page, "First, good sir.")
-    expect(label).to_contain_text("Reply 1 ·")
+    expect(bot).to_have_count(1)  # the reply under way (Stop shows from the send on) ...
+    expect(page.locator("#chat-stop")).to_be_hidden()  # ... and ended
     send(page, "Second, good sir.")
-    expect(label).to_contain_text("Reply 2 ·")
+    expect(bot).to_have_count(2)
+    expect(page.locator("#chat-stop")).to_be_hidden()
     first_reply = bot.first.inner_text()
     bot.first.click()  # choose the first reply for the branch bar
     expect(label).to_contain_text("Reply 1 · version 1 / 1")
@@ -485,6 +488,8 @@ def test_the_chat_works_at_a_phones_width(served, browser):
     page.locator("#chat-send").tap()
     expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
     expect(page.locator('#chatbot [data-testid="bot"]')).to_have_count(1)
+    expect(page.locator("#chat-branch")).to_be_hidden()  # one version of everything: no bar to take a row
+    page.locator('#chatbot [data-testid="bot"]').first.tap()  # a message tapped: its bar, to retry it
     expect(page.locator("#chat-branch-label")).to_contain_text("Reply 1")
     assert overflow(page) == ["scrollWidth 390 / 390"]
     page.evaluate("window.scrollTo(0, 0)")

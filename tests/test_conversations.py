@@ -186,6 +186,7 @@ def test_an_edited_message_starts_a_branch_and_flipping_back_shows_the_old_one()
     edited = c.with_exchange(conversation, 2, "TWO", "II", "new stats")
     assert contents(edited) == ["one", "1", "TWO", "II"] and edited["stats"] == "new stats"
     assert b.branch_position(edited, 2) == (2, 2) and b.branch_point(edited) == 2
+    assert b.branch_point(conversation) is None  # nothing forked: no bar until a message is clicked
     back = b.flipped(edited, 2, -1)
     assert contents(back) == ["one", "1", "two", "2"] and back["stats"] == "stats"
     assert b.branch_position(back, 2) == (1, 2)

@@ -95,11 +95,12 @@ def branch_position(conversation: dict, index: int) -> tuple[int, int]:
 
 
 def branch_point(conversation: dict) -> Optional[int]:
-    """The message whose versions to offer first: the last one shown that has others, else the last reply."""
+    """The message whose versions to offer first: the last one shown that has others; None where none has
+    (the bar then waits for a message to be clicked: the last reply has Retry below the chat already)."""
     tree = tree_of(conversation)
     shown = branch(tree)
     forked = [i for i, node in enumerate(shown) if len(_children(tree, node["parent"])) > 1]
-    return forked[-1] if forked else (len(shown) - 1 if shown else None)
+    return forked[-1] if forked else None
 
 
 def _children(tree: dict, parent: int) -> list[dict]:

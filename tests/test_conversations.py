@@ -218,6 +218,13 @@ def test_undo_takes_the_shown_reply_out_of_the_tree():
     assert contents(b.flipped(again, 0, -1)) == ["one", "1"]
     assert b.tree_of(b.undone(chat(("one", "1"))))["nodes"] == []
     assert b.cleared(again)["messages"] == [] and b.tree_of(b.cleared(again))["nodes"] == []
+    # Undo puts the message back in the box; sent again, it is the message kept before, with a new reply
+    # (not a second, identical version of it).
+    retried = c.with_exchange(chat(("one", "1")), 0, "one", "uno")  # "one" has two replies: undo takes "uno" only
+    assert contents(b.undone(retried)) == [] and len(b.tree_of(b.undone(retried))["nodes"]) == 2
+    resent = c.with_exchange(b.undone(retried), 0, "one", "eins")
+    assert contents(resent) == ["one", "eins"] and b.branch_position(resent, 0) == (1, 1)
+    assert [n["content"] for n in b.tree_of(resent)["nodes"]] == ["one", "1", "eins"]
 
 
 def test_branches_round_trip_through_the_json_file_and_the_store():

@@ -126,8 +126,8 @@ def clean_title(title: Any, fallback: str = NEW_TITLE) -> str:
 def with_exchange(conversation: dict, keep: int, message: str, reply: str, stats: str = "") -> dict:
     """The conversation showing its first `keep` messages and one more (user, assistant) exchange, `stats`
     describing the reply. What followed message `keep` stays in the tree as another branch; a message equal to
-    the one it replaces is kept and only the reply is new (a retry). A new chat takes its title from its first
-    message."""
+    one already there (the one it replaces: a retry; or one put back by Undo and sent again) is that one, and
+    only the reply is new. A new chat takes its title from its first message."""
     title = conversation["title"]
     if title == NEW_TITLE and keep == 0:
         title = clean_title(message)
@@ -136,8 +136,9 @@ def with_exchange(conversation: dict, keep: int, message: str, reply: str, stats
     nodes, chosen = list(tree["nodes"]), dict(tree["chosen"])
     parent = shown[keep - 1]["id"] if keep else branches.ROOT
     new_id = max((n["id"] for n in nodes), default=branches.ROOT) + 1
-    if keep < len(shown) and shown[keep]["content"] == message:
-        user = shown[keep]["id"]
+    same = [n["id"] for n in nodes if n["parent"] == parent and n["role"] == "user" and n["content"] == message]
+    if same:
+        user = same[0]
     else:
         user, new_id = new_id, new_id + 1
         nodes.append({"id": user, "parent": parent, "role": "user", "content": message, "stats": ""})

@@ -764,7 +764,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 branch_at = gr.State(None)  # the message the branch bar is about, an index into those shown
                 chat_stats = gr.Markdown(elem_id="chat-stats")
                 with gr.Row(elem_id="chat-compose"):
-                    chat_input = gr.Textbox(show_label=False, placeholder="Type a message and press Enter", scale=5,
+                    chat_input = gr.Textbox(show_label=False, placeholder="Message (Enter sends)", scale=5,
                                             elem_id="chat-input", autofocus=True, min_width=160, max_lines=8)
                     send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send", min_width=80)
                     stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop", visible=False,

@@ -75,6 +75,7 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 #completion-marked .textfield { display: flex; flex-wrap: wrap; align-items: baseline; }
 #completion-marked .token-container, #completion-marked .token { display: inline-flex; margin: 0; }
 #completion-marked .line-break { flex-basis: 100%; }
+#completion-marked .line-break + .line-break { height: 1lh; }  /* a blank line keeps its height */
 #other-tab-note { position: sticky; top: 0; z-index: 1000; padding: 8px 12px; background: #fef3c7; color: #78350f;
   border-bottom: 1px solid #f59e0b; font-size: var(--text-md); }
 #other-tab-note button { margin-left: 8px; text-decoration: underline; font-weight: 600; }

@@ -219,6 +219,18 @@ def test_retry_undo_and_clear(page):
     page.click("#chat-send")
     expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
     expect(bot).to_have_count(1)
+    # Clearing asks first: dismissed, nothing goes (the chatbot's own trash button, which empties the page at
+    # once, too); accepted, the messages go.
+    questions = []
+    page.once("dialog", lambda dialog: (questions.append(dialog.message), dialog.dismiss()))
+    page.click("#chat-clear")
+    page.wait_for_timeout(500)
+    expect(bot).to_have_count(1)
+    page.once("dialog", lambda dialog: (questions.append(dialog.message), dialog.dismiss()))
+    page.locator('#chatbot button[aria-label="Clear"]').click()
+    expect(bot).to_have_count(1)  # shown again after the page emptied it
+    assert questions == [ui.CLEAR_QUESTION] * 2
+    page.once("dialog", lambda dialog: dialog.accept())
     page.click("#chat-clear")
     expect(user).to_have_count(0)
     expect(page.locator("#chat-stats")).to_have_text("")
@@ -619,3 +631,19 @@ def test_what_is_changed_while_a_reply_streams_is_kept_with_it(page, monkeypatch
     expect(page.locator("#system-prompt textarea")).to_have_value("You are the Nurse.")
     expect(page.locator("#chat-top-p input[type=number]")).to_have_value("0.5")
     set_number(page, "#chat-top-p", 0.9)
+
+
+def test_delete_asks_first(page):
+    new_chat(page)
+    send(page, "Forget me not.")
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    expect(page.locator("#chat-list")).to_contain_text("Forget me not.")
+    questions = []
+    page.once("dialog", lambda dialog: (questions.append(dialog.message), dialog.dismiss()))
+    page.click("#chat-delete")
+    page.wait_for_timeout(500)
+    expect(page.locator("#chat-list")).to_contain_text("Forget me not.")
+    assert questions == [ui.DELETE_QUESTION]
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#chat-delete")
+    expect(page.locator("#chat-list")).not_to_contain_text("Forget me not.")

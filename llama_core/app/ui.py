@@ -56,6 +56,8 @@ STREAM_UPDATE_SECONDS = 0.1
 # Conversations are kept in the browser's localStorage under this key. Gradio encrypts them with the secret; a
 # fixed one lets them survive a server restart (it guards nothing: the data is the user's own, in their browser).
 STORAGE_KEY, STORAGE_SECRET = "llama-core-conversations", "llama-core-conversations-v1"
+CLEAR_QUESTION = "Clear this chat? Its messages, every version of them, are removed; this cannot be undone."
+DELETE_QUESTION = "Delete this chat? It and every version of its messages are removed; this cannot be undone."
 NOTICE_MARK = "⚠️ "  # opens the chat's notice under a turn refused or failed (a message of its own, never kept)
 TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
 ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed",
@@ -453,7 +455,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         titled = {"value": conversation["title"]} if title else {}
         return [gr.update(visible=not busy), gr.update(visible=busy), gr.update(interactive=has_messages),
                 gr.update(interactive=has_messages), gr.update(interactive=has_messages),
-                gr.update(interactive=not busy), gr.update(interactive=not busy), gr.update(interactive=not busy, **titled)]
+                gr.update(interactive=not busy), gr.update(interactive=not busy),
+                gr.update(interactive=not busy, **titled)]
 
     def branch_states(conversation: dict, at: Optional[int] = None) -> list:
         """The branch bar for message `at` of those shown (by default branches.branch_point): which
@@ -509,7 +512,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         if not isinstance(shown, list) or len(shown) != len(messages) + 2:
             return None
         try:
-            notice, message = requests.text(shown[-1]["content"], "notice"), requests.text(shown[-2]["content"], "message")
+            notice = requests.text(shown[-1]["content"], "notice")
+            message = requests.text(shown[-2]["content"], "message")
         except (LlamaError, KeyError, TypeError):
             return None
         return message if shown[-1].get("role") == "assistant" and notice.startswith(NOTICE_MARK) else None
@@ -538,7 +542,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             message = ""
         refused = refused_turn(shown, conversation) is not None and edit.index == len(conversation["messages"])
         if (edit.index not in range(0, len(conversation["messages"]), 2) and not refused) or not message.strip():
-            return [conversation["messages"]] + [gr.skip()] * (len(begin_outputs) - 1)  # the page shows the edit: undo it
+            return [conversation["messages"]] + [gr.skip()] * (len(begin_outputs) - 1)  # the page shows it: undo
         return beginning(conversation, message, edit.index, box="" if refused else gr.skip())
 
     def select_message(store: Any, pending: Optional[dict], selected: gr.SelectData):
@@ -613,7 +617,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         conversation = conversations.active(store)
         branch = ([None, gr.update(visible=False)] + [gr.skip()] * 4 if finished is not None and "notice" in finished
                   else branch_states(conversation))
-        return [store, None, None, gr.update(choices=conversations.choices(store), value=store["active"], interactive=True),
+        listed = gr.update(choices=conversations.choices(store), value=store["active"], interactive=True)
+        return [store, None, None, listed,
                 *button_states(conversation, busy=False, title=True), *branch]
 
     def stop_reply(shown: list[dict], store: Any, pending: Optional[dict]):
@@ -641,10 +646,12 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         message = conversation["messages"][-2]["content"]
         return view(conversations.with_conversation(store, branches.undone(conversation))) + [message]
 
-    def clear_chat(store: Any, pending: Optional[dict]):
-        if pending is not None:
-            return unchanged()
+    def clear_chat(store: Any, pending: Optional[dict], confirmed: bool):
+        """The conversation's messages, every version, gone once the page's dialog confirmed it (the chatbot's
+        own trash button has emptied the chat on the page already: not confirmed, it shows them again)."""
         store = loaded(store)
+        if pending is not None or not confirmed:
+            return view(store) if pending is None else unchanged()
         return view(conversations.with_conversation(store, branches.cleared(conversations.active(store))))
 
     def new_chat(store: Any, pending: Optional[dict], system_prompt: str, *controls):
@@ -664,8 +671,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return store, gr.update(choices=conversations.choices(store), value=store["active"]), \
             conversations.active(store)["title"]
 
-    def delete(store: Any, pending: Optional[dict]):
-        if pending is not None:
+    def delete(store: Any, pending: Optional[dict], confirmed: bool):
+        if pending is not None or not confirmed:
             return unchanged()
         return view(conversations.deleted(loaded(store), prompts.system_prompt, defaults))
 
@@ -785,6 +792,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 chat_controls = _sampling_controls(info.max_seq_len, "chat")
         store = gr.BrowserState(None, storage_key=STORAGE_KEY, secret=STORAGE_SECRET)
         pending = gr.State(None)  # {"message", "keep"} while a reply is under way
+        confirmed = gr.Checkbox(False, visible=False)  # what the page's last confirm() dialog answered
         with gr.Tab("Completion", elem_id="completion-tab"), gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
@@ -843,12 +851,15 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         show_prompt_button.click(show_prompt, [chat_input, store, system_prompt, chat_controls[2]],
                                  [prompt_panel, prompt_shown], queue=False, **ui)
         undo_button.click(undo, [store, pending, chatbot], view_outputs + [chat_input], queue=False, **ui)
-        clear.click(clear_chat, [store, pending], view_outputs, queue=False, **ui)
-        chatbot.clear(clear_chat, [store, pending], view_outputs, queue=False, **ui)  # its own trash button
+        # Clear and Delete take every version of the messages, and cannot be undone: the page asks first.
+        for trigger, question, then in ((clear.click, CLEAR_QUESTION, clear_chat),
+                                        (chatbot.clear, CLEAR_QUESTION, clear_chat),
+                                        (delete_button.click, DELETE_QUESTION, delete)):
+            trigger(None, None, confirmed, js=f"() => confirm({json.dumps(question)})", queue=False, **ui) \
+                .then(then, [store, pending, confirmed], view_outputs, queue=False, **ui)
         new_button.click(new_chat, [store, pending, system_prompt, *chat_controls], view_outputs, queue=False, **ui)
         chat_list.input(switch, [chat_list, store, pending], view_outputs, queue=False, **ui)
         chat_title.submit(rename, [chat_title, store], [store, chat_list, chat_title], queue=False, **ui)
-        delete_button.click(delete, [store, pending], view_outputs, queue=False, **ui)
         for control in (system_prompt, *chat_controls):
             # a textbox's "input" is its keys only (Gradio 6): pasted, cut or dropped text comes as "change"
             trigger = control.change if isinstance(control, gr.Textbox) else control.input

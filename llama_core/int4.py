@@ -26,7 +26,8 @@ from torch import nn
 
 from . import cpu_kernels
 from .cpu_kernels.panels import PANEL, huge_page_empty, kernel_for, panel_product
-from .quantize import ROUNDING_CHUNK_BYTES, Int8Linear, fits_triton, quantizable, replace_children, triton_rows
+from .quantize import (ROUNDING_CHUNK_BYTES, Int8Linear, fits_triton, quantizable, replace_children, triton_failed,
+                       triton_rows)
 
 GROUP = 32  # inputs sharing a scale; linear.c's GROUP
 # torch's int4 CPU kernel (packing, product), where this torch has it: the product where llama_core's are not built
@@ -178,7 +179,12 @@ class Int4Linear(nn.Module):
         if fits_triton(x, self.packed) and self.scales.is_contiguous():
             if torch.compiler.is_compiling():
                 return triton_rows().int4_rows_product(x, self.packed, self.scales)
-            return triton_rows().int4_product(x, self.packed, self.scales)
+            try:
+                return triton_rows().int4_product(x, self.packed, self.scales)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # see Int8Linear.forward
+                triton_failed(exc)
         return F.linear(x, self.dequantized(x.dtype))
 
     def _torch_product(self, x: torch.Tensor) -> torch.Tensor:

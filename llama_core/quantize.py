@@ -97,7 +97,12 @@ class Int8Linear(nn.Module):
         if self._fits_triton(x):
             if torch.compiler.is_compiling():
                 return _TRITON_ROWS.int8_rows_product(x, self.weight, self.scales)
-            return _TRITON_ROWS.int8_product(x, self.weight, self.scales)
+            try:
+                return _TRITON_ROWS.int8_product(x, self.weight, self.scales)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # a triton the kernel cannot be built with, say: the plain product instead
+                triton_failed(exc)
         return F.linear(x, self.weight.to(x.dtype)) * self.scales
 
     def _fits_triton(self, x: torch.Tensor) -> bool:
@@ -294,6 +299,16 @@ def triton_rows():
             else:
                 _TRITON_ROWS = triton_products
     return _TRITON_ROWS
+
+
+def triton_failed(exc: BaseException) -> None:
+    """Stops using llama_core.triton_products after it failed (a triton it cannot be built with, say): the
+    dequantized product from now on, said once, with why."""
+    global _TRITON_ROWS
+    if _TRITON_ROWS is not None:
+        _TRITON_ROWS = None
+        warnings.warn(f"llama_core: the Triton int8/int4 products failed ({type(exc).__name__}: "
+                      f"{str(exc)[:300]}); the dequantized product is used instead", RuntimeWarning, stacklevel=2)
 
 
 def fits_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:

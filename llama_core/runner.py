@@ -35,7 +35,7 @@ from .cpu_kernels import PanelLinear, available as cpu_kernels_available, rows_r
 from .cpu_kernels import build as cpu_kernels_build
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
 from .int4 import Int4Linear, keep_int4_in_panels
-from .quantize import Int8Linear, keep_int8_in_panels
+from .quantize import Int8Linear, keep_int8_in_panels, triton_failed, triton_rows
 
 CacheRows = torch.Tensor | slice
 
@@ -225,12 +225,14 @@ class DecodeStep:
         self.compiled = compile
         self.static = static or (compile and on_cuda)
         self.leading_rows = compile and not self.static
-        self._step = self._all_rows
-        if self.static and compile:  # dynamic: the context length is a symbolic size, compiled once
-            self._step = _floats_as_constants(torch.compile(
+        self._step = self._compiled_step() if compile else self._all_rows
+
+    def _compiled_step(self) -> Callable:
+        on_cuda = self._device.type == "cuda"
+        if self.static:  # dynamic: the context length is a symbolic size, compiled once
+            return _floats_as_constants(torch.compile(
                 self._all_rows, options=STATIC_STEP_OPTIONS if on_cuda else None, fullgraph=True, dynamic=True))
-        elif self.leading_rows:
-            self._step = _floats_as_constants(torch.compile(self._leading_rows, fullgraph=True, dynamic=True))
+        return _floats_as_constants(torch.compile(self._leading_rows, fullgraph=True, dynamic=True))
 
     def __call__(
         self,
@@ -290,7 +292,21 @@ class DecodeStep:
     def warm_up(self) -> None:
         """Compiles the step now rather than in the first request: throw-away tokens at the spare last position,
         for two rows (leading rows), or for one row and for every row at the shortest context (static),
-        where the static step's CUDA graphs are also captured."""
+        where the static step's CUDA graphs are also captured. Where llama_core.triton_products' kernels are
+        in the step and it fails to compile, it is compiled again without them (quantize.triton_failed)."""
+        try:
+            self._warm_up()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if triton_rows() is None or not any(isinstance(m, (Int8Linear, Int4Linear)) for m in self.model.modules()):
+                raise
+            triton_failed(exc)
+            torch._dynamo.reset()
+            self._step = self._compiled_step()
+            self._warm_up()
+
+    def _warm_up(self) -> None:
         with torch.inference_mode():  # as the engine calls it: torch.compile guards on inference tensors
             if self.static:
                 for count in sorted({1, self.max_batch_size}):

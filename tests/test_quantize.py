@@ -12,11 +12,14 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llama_core import DEFAULT_CKPT_DIR, Llama
 from llama_core.errors import InvalidRequestError
+from llama_core import quantize
 from llama_core.quantize import Int8Linear, Int8PanelLinear, quantization_of, quantize_int8
+from llama_core.runner import DecodeStep
 from llama_core.serving.engine_process import EngineProcess
 
 from conftest import STORIES_DIR, build_llama, needs_stories
@@ -297,3 +300,44 @@ def test_the_cuda_quantized_kernels_compute_the_dequantized_product_in_tritons_i
         assert result["shape"] == [result["rows"], 1, result["n"]] and result["out_dtype"] == result["dtype"]
         # the sums in float32, rounded once to 16 bits (bfloat16's step is 2**-8 of the value)
         assert result["error"] < (8e-3 if result["dtype"] == "torch.bfloat16" else 1e-3), result
+
+
+class _FailingTritonProducts:
+    """Stands for llama_core.triton_products where its kernels cannot be built (a triton too old, say)."""
+
+    MAX_ROWS = 64
+
+    @staticmethod
+    def int8_product(x, weight, scales):
+        raise RuntimeError("the kernel could not be built")
+
+    int8_rows_product = int8_product
+
+
+@pytest.fixture
+def failing_triton(monkeypatch):
+    # The CUDA path's dispatch on CPU tensors in bfloat16 (no CUDA here): the kernels are "there" and fail.
+    monkeypatch.setattr(quantize, "_TRITON_ROWS", _FailingTritonProducts)
+    monkeypatch.setattr(quantize, "fits_triton", lambda x, weight: quantize._TRITON_ROWS is not None)
+
+
+def test_an_int8_layer_whose_triton_kernel_fails_says_so_once_and_computes_the_plain_product(failing_triton):
+    layer = Int8Linear(torch.randn(48, 64, dtype=torch.bfloat16))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="Triton int8/int4 products failed .*could not be built"):
+        got = layer(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight.to(x.dtype)) * layer.scales)
+    assert quantize._TRITON_ROWS is None  # not tried again
+
+
+def test_a_compiled_step_whose_triton_kernels_fail_compiles_again_without_them(failing_triton, meta_ckpt_dir):
+    llama = build_llama(meta_ckpt_dir, dtype="bfloat16", quantize="int8")
+    with pytest.warns(RuntimeWarning, match="Triton int8/int4 products failed"):  # eager: at the first product
+        expected = llama.generate([[1, 5, 9]], 6, temperature=0)[0]
+    quantize._TRITON_ROWS = _FailingTritonProducts  # there again, for the compiled step to meet
+    step = DecodeStep(llama.model, llama.max_batch_size, compile=True, static=True, smallest_context=16)
+    with pytest.warns(RuntimeWarning, match="Triton int8/int4 products failed"):
+        step.warm_up()
+    assert quantize._TRITON_ROWS is None
+    llama.runner.decode_step = step
+    assert llama.generate([[1, 5, 9]], 6, temperature=0)[0] == expected

@@ -104,7 +104,7 @@ torch.version.cuda, transformers.__version__, accelerate.__version__, torch.cuda
     # int8 products per projection of the 7B: llama_core.triton_products' kernel against bf16 (cuBLAS), the
     # dequantized product and inductor's fused one (what ran before the kernel), at 1, 8 and 32 rows; then
     # the kernel's one-row tilings until the deadline.
-    int8_kernels) run int8_kernels "$(limit 150)" python3 scripts/bench_int8_cuda.py --sweep --deadline 100 \
+    int8_kernels) run int8_kernels "$(limit 120)" python3 scripts/bench_int8_cuda.py --sweep --deadline 80 \
                     --out "$out/int8_kernels.json" ;;
     # Optional. The decode step uncompiled (the app's default, without --compile) at batch 1 and 8: what
     # --compile gives a GPU user, beside 7b_compiled's figures.
@@ -120,7 +120,7 @@ torch.version.cuda, transformers.__version__, accelerate.__version__, torch.cuda
     7b_engine32) run_bench 7b_engine32 300 --compile --skip-hf --prompt-lengths 128 --batch-sizes 32,8 \
                    --decode-tokens 64 --repeats 3 ;;
     # The CUDA tests, 4 at a time where pytest-xdist is installed (most of their time is compiling).
-    tests_cuda) run tests_cuda "$(limit 120)" python3 -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider \
+    tests_cuda) run tests_cuda "$(limit 170)" python3 -m pytest tests/test_cuda.py -v -rs -p no:cacheprovider \
                   $(python3 -c "import xdist" 2>/dev/null && echo "-n 4") ;;
     # Optional. The CPU tests of the decode steps, tensor parallel in one process and stories260K under the
     # device's Python and torch.

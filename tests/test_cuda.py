@@ -166,12 +166,16 @@ def test_cuda_quantized_kernels_are_the_dequantized_product_eager_and_compiled(d
     layer = Int8Linear(weight) if kind == "int8" else Int4Linear(weight)
     dequantized = (layer.weight.float() * layer.scales.float()[:, None] if kind == "int8"
                    else layer.dequantized(torch.float32))
+    # Compiled in bfloat16 only, with few shapes: each compile takes seconds, and tests_cuda has 170 s.
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     any_rows = torch.compile(layer, fullgraph=True, dynamic=True)
     for rows in (1, 2, 5, 16, 17, 64):
         x = torch.randn(rows, 1, 4096, device="cuda", dtype=dtype)
         want = x.float() @ dequantized.T
-        for got in (layer(x), compiled(x), any_rows(x)):
+        runs = [layer(x)]
+        if dtype == torch.bfloat16:
+            runs += [compiled(x)] if rows in (1, 17) else [any_rows(x)]
+        for got in runs:
             assert got.shape == (rows, 1, 11008) and got.dtype == dtype
             assert float((got.float() - want).abs().max() / want.abs().max()) < 8e-3, rows
     prompt = torch.randn(65, 4096, device="cuda", dtype=dtype)  # past MAX_ROWS: the dequantized product

@@ -1,6 +1,6 @@
 """int8 weight-only products on CUDA at the 7B's projections: llama_core's Triton kernel (llama_core.triton_products)
 against bfloat16 weights through cuBLAS, the dequantized int8 product, and that product compiled by inductor
-with coordinate-descent tuning (what the compiled decode step ran before the kernel).
+with coordinate-descent tuning (what the compiled decode step ran before the kernel); and the int4 kernel.
 
     python scripts/bench_int8_cuda.py --out report.json                 # rows 1, 8, 32
     python scripts/bench_int8_cuda.py --sweep --deadline 100            # then the kernel's tilings at one row
@@ -117,6 +117,9 @@ def main() -> None:
         weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device) for _ in range(copies)]
         scales = [torch.rand(n, device=device, dtype=torch.bfloat16) * 0.01 for _ in range(copies)]
         floats = [w.to(torch.bfloat16) for w in weights[: max(2, copies // 2)]]  # 2 bytes a weight: as many bytes
+        # int4 (llama_core.int4's layout): two levels a byte and a float32 scale per 32, as many weights as int8's
+        packed = [w.view(torch.uint8)[:, : k // 2].contiguous() for w in weights]
+        group_scales = [torch.rand(n, -(-k // 32), device=device) * 0.01 for _ in range(copies)]
         for rows in rows_list:
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             int8_calls = lambda product: [lambda w=w, s=s: product(x, w, s) for w, s in zip(weights, scales)]
@@ -132,7 +135,9 @@ def main() -> None:
             else:
                 variants = {"bf16": [lambda w=w: F.linear(x, w) for w in floats],
                             "int8_dequant": int8_calls(lambda x, w, s: F.linear(x, w.to(x.dtype)) * s),
-                            "int8_triton": int8_calls(triton_products.int8_product)}
+                            "int8_triton": int8_calls(triton_products.int8_product),
+                            "int4_triton": [lambda p=p, g=g: triton_products.int4_product(x, p, g)
+                                            for p, g in zip(packed, group_scales)]}
                 if rows == 1 and not a.dry_run:  # with more rows inductor leaves the product to cuBLAS: int8_dequant's
                     variants["int8_inductor"] = int8_calls(compiled)
             want = (x.float() @ weights[0].float().T) * scales[0].float()
@@ -143,7 +148,7 @@ def main() -> None:
                 except Exception as exc:  # a tiling Triton cannot build: reported, the sweep goes on
                     print(f"{name} rows={rows} {variant}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
-                weight_bytes = n * k * (2 if variant == "bf16" else 1)
+                weight_bytes = {"bf16": 2 * n * k, "int4_triton": n * k // 2 + 4 * n * k // 32}.get(variant, n * k)
                 result = {"projection": name, "n": n, "k": k, "rows": rows, "variant": variant,
                           "us": seconds * 1e6, "weight_bytes_per_s": weight_bytes / seconds,
                           "share_of_copy_bandwidth": weight_bytes / seconds / bandwidth}
@@ -166,12 +171,12 @@ def main() -> None:
 
     forward = {}
     for rows in a.rows:
-        for variant in ("bf16", "int8_dequant", "int8_inductor", "int8_triton"):
+        for variant in ("bf16", "int8_dequant", "int8_inductor", "int8_triton", "int4_triton"):
             times = {r["projection"]: r["us"] for r in report["results"] if r["rows"] == rows and r["variant"] == variant}
             if set(times) == set(PROJECTIONS):
                 forward[f"{rows}:{variant}"] = sum(times[p] * PROJECTIONS[p][2] for p in PROJECTIONS)
         base = forward.get(f"{rows}:bf16")
-        for variant in ("int8_dequant", "int8_inductor", "int8_triton"):
+        for variant in ("int8_dequant", "int8_inductor", "int8_triton", "int4_triton"):
             if base and f"{rows}:{variant}" in forward:
                 us = forward[f"{rows}:{variant}"]
                 print(f"a 7B forward's products, {rows} row(s): {variant} {us / 1e3:.2f} ms, "

@@ -383,18 +383,25 @@ def test_load_bench_names_a_bad_load():
 
 def test_the_cuda_int8_kernel_bench_runs_through_as_a_dry_run_on_the_cpu(tmp_path):
     # bench_int8_cuda.py is for a device call: its dry run takes every variant once through Triton's
-    # interpreter at 1/64 of the widths, the sweep until the deadline, and writes the report gpu_summary reads.
+    # interpreter at 1/64 of the widths, and writes the report gpu_summary reads; the sweep's tilings and the
+    # deadline run too.
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
     out = tmp_path / "int8_kernels.json"
-    result = _run("bench_int8_cuda.py", "--dry-run", "--rows", "1", "2", "--sweep", "--deadline", "8", "--out", str(out))
+    result = _run("bench_int8_cuda.py", "--dry-run", "--rows", "1", "2", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     variants = {(r["projection"], r["rows"], r["variant"]) for r in report["results"]}
     for projection in ("wqkv", "wo", "w13", "w2", "output"):
         for rows in (1, 2):
-            assert {(projection, rows, v) for v in ("bf16", "int8_dequant", "int8_triton")} <= variants
-    assert set(report["forward_us"]) == {f"{rows}:{v}" for rows in (1, 2) for v in ("bf16", "int8_dequant", "int8_triton")}
-    assert any(v.startswith("int8_triton[") for _, _, v in variants)  # the sweep began
-    assert "deadline" in report["cut_short"]  # and the deadline stopped it
+            assert {(projection, rows, v) for v in ("bf16", "int8_dequant", "int8_triton", "int4_triton")} <= variants
+    assert set(report["forward_us"]) == {f"{rows}:{v}" for rows in (1, 2)
+                                         for v in ("bf16", "int8_dequant", "int8_triton", "int4_triton")}
+    assert report["cut_short"] is False
     triton_rows = [r for r in report["results"] if r["variant"] == "int8_triton" and r["rows"] == 1]
     assert all(r["max_relative_error"] < 8e-3 for r in triton_rows)
+    sweep = _run("bench_int8_cuda.py", "--dry-run", "--rows", "1", "--projections", "wo", "--sweep", "--out", str(out))
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    tilings = {r["variant"] for r in json.loads(out.read_text())["results"] if r["variant"].startswith("int8_triton[")}
+    assert len(tilings) >= 24, tilings
+    late = _run("bench_int8_cuda.py", "--dry-run", "--deadline", "0.001", "--out", str(out))
+    assert late.returncode == 0 and "deadline" in json.loads(out.read_text())["cut_short"], late.stderr[-3000:]

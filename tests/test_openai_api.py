@@ -204,6 +204,20 @@ def test_completion_echo_and_logprobs(client, model_id):
     assert reply.choices[0].text == prompts[0] + plain.choices[0].text
 
 
+def test_a_newline_token_reads_as_a_newline_and_a_part_of_a_character_as_its_byte(client, model_id):
+    # Llama-2's tokenizer spells a newline, and characters outside its pieces, in byte pieces (<0x0A>).
+    reply = client.completions.create(model=model_id, prompt="ROMEO:\nJULIET: é", max_tokens=1, temperature=0,
+                                      echo=True, logprobs=0)
+    tokens = reply.choices[0].logprobs.tokens
+    assert "\n" in tokens and "<0x0A>" not in tokens, tokens
+    assert "".join(tokens[:-1]).lstrip().startswith("ROMEO:\nJULIET: ")
+    chat = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Say é"}],
+                                          max_tokens=24, temperature=0, logprobs=True)
+    for entry in chat.choices[0].logprobs.content:  # bytes always hold the token's own bytes
+        assert bytes(entry.bytes) == (entry.token.encode() if not entry.token.startswith("<0x")
+                                      else bytes([int(entry.token[3:5], 16)]))
+
+
 def test_completion_logprobs_0_gives_each_token_with_its_own_logprob_only(client, model_id):
     reply = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=6, temperature=0, logprobs=0)
     logprobs = reply.choices[0].logprobs

@@ -511,7 +511,12 @@ class _Reply:
                 "created": self.created, "model": self.model_id, "system_fingerprint": None}
 
     def token_text(self, token: int) -> str:
-        return self.engine.tokenizer.token_text(token)
+        """A token's text as the API gives it: its piece, leading space kept; a byte piece of an ASCII character
+        (<0x0A>) as that character, as vLLM gives it; another byte piece, a part of a character, as <0xNN>
+        (its `bytes` say which byte)."""
+        text = self.engine.tokenizer.token_text(token)
+        byte = _byte_piece(text)
+        return chr(byte) if byte is not None and byte < 0x80 else text
 
     async def whole(self, request: Request) -> dict[str, Any]:
         parts: list[list[StreamChunk]] = [[] for _ in self.streams]
@@ -712,14 +717,20 @@ def _logprob(value: Optional[float]) -> Optional[float]:
     return max(value, -9999.0)
 
 
-def _token_bytes(text: str) -> bytes:
-    """A token's bytes: a byte-fallback piece (<0xE2>) is that one byte."""
+def _byte_piece(text: str) -> Optional[int]:
+    """The byte a byte-fallback piece (<0xE2>) stands for, or None for any other text."""
     if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
         try:
-            return bytes([int(text[3:5], 16)])
+            return int(text[3:5], 16)
         except ValueError:
             pass
-    return text.encode("utf-8")
+    return None
+
+
+def _token_bytes(text: str) -> bytes:
+    """A token's bytes: a byte-fallback piece (<0xE2>) is that one byte."""
+    byte = _byte_piece(text)
+    return text.encode("utf-8") if byte is None else bytes([byte])
 
 
 def _event_stream(events: AsyncIterator[dict[str, Any]], done: bool = True) -> StreamingResponse:

@@ -329,3 +329,27 @@ def test_any_store_the_browser_holds_opens(path, replacement):
     assert store["conversations"] and any(x["id"] == store["active"] for x in store["conversations"])
     for kept in store["conversations"]:
         _usable(kept)
+
+
+def test_a_setting_is_kept_as_its_control_holds_it():
+    temperature = (0, 2, 0.05)
+    assert c.kept_setting("temperature", 5, 0.6, temperature) == 2  # past the slider: its end
+    assert c.kept_setting("temperature", "-1", 0.6, temperature) == 0
+    assert c.kept_setting("temperature", None, 0.6, temperature) == 0.6  # an emptied box keeps the value
+    assert c.kept_setting("temperature", float("nan"), 0.6, temperature) == 0.6
+    assert c.kept_setting("temperature", True, 0.6, temperature) == 0.6
+    assert c.kept_setting("max_new_tokens", 70.4, 8, (1, 511, 1)) == 70  # whole steps stay whole
+    assert c.kept_setting("seed", "", 3) is None and c.kept_setting("seed", 7.0, 3) == 7
+    assert c.kept_setting("seed", "x", 3) == 3
+    assert c.kept_setting("stop", "END", "") == "END" and c.kept_setting("stop", None, "END") == "END"
+
+
+def test_a_turns_notice_is_told_from_a_reply():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    refused = [{"role": "user", "content": "[INST]"}, {"role": "assistant", "content": c.NOTICE_MARK + "no."}]
+    assert c.refused_turn(messages + refused, messages) == "[INST]"
+    assert c.refused_turn(messages, messages) is None
+    assert c.refused_turn(messages + [refused[0], {"role": "assistant", "content": "fine"}], messages) is None
+    parts = [{"role": "user", "content": [{"type": "text", "text": "[INST]"}]}, refused[1]]  # Gradio's text parts
+    assert c.refused_turn(messages + parts, messages) == "[INST]"
+    assert c.refused_turn("not a list", messages) is None

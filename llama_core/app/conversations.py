@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 import time
 import uuid
@@ -36,6 +37,9 @@ MAX_TITLE_CHARS = 80
 # The sampling controls a conversation keeps, as the chat tab's controls name them (stop: one string per line).
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "stop", "seed", "output_format", "output_grammar")
+SLIDERS = ("temperature", "top_p", "max_new_tokens", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty")  # the SETTINGS the page sets with sliders
+NOTICE_MARK = "⚠️ "  # opens the chat's notice under a turn refused or failed (a message of its own, never kept)
 NEW_TITLE = "New chat"
 MESSAGE_PLACEHOLDER = "…"  # the prompt shown before a message is typed has this in its place
 
@@ -145,6 +149,43 @@ def with_exchange(conversation: dict, keep: int, message: str, reply: str, stats
     nodes.append({"id": new_id, "parent": user, "role": "assistant", "content": reply, "stats": stats})
     chosen.update({str(parent): user, str(user): new_id})
     return branches.with_tree(dict(conversation, title=title), {"nodes": nodes, "chosen": chosen})
+
+
+def kept_setting(name: str, value: Any, previous: Any, bounds: Optional[tuple] = None) -> Any:
+    """A setting (or the system prompt) as the page sent it, made one its control holds: a slider's number
+    within its (minimum, maximum, step) bounds, whole where the step is 1; a seed a whole number or none;
+    text as it is. Anything unreadable (an emptied number box, say) is the previous value."""
+    if bounds is not None:
+        minimum, maximum, step = bounds
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            return previous
+        if type(value) is bool or not math.isfinite(number):
+            return previous
+        number = min(max(number, minimum), maximum)
+        return int(round(number)) if step == 1 else number
+    if name == "seed":
+        if value is None or value == "":
+            return None
+        try:
+            return int(float(value))
+        except (TypeError, ValueError, OverflowError):
+            return previous
+    return value if type(value) is str else previous
+
+
+def refused_turn(shown: Any, messages: list[dict]) -> Optional[str]:
+    """The message of a turn the chat shows refused or failed (NOTICE_MARK's notice below it; the
+    conversation's messages hold neither), or None."""
+    if type(shown) is not list or len(shown) != len(messages) + 2:
+        return None
+    try:
+        notice = requests.text(shown[-1]["content"], "notice")
+        message = requests.text(shown[-2]["content"], "message")
+    except (LlamaError, KeyError, TypeError):
+        return None
+    return message if shown[-1].get("role") == "assistant" and notice.startswith(NOTICE_MARK) else None
 
 
 def has_reserved_tags(text: str) -> bool:

@@ -58,7 +58,6 @@ STREAM_UPDATE_SECONDS = 0.1
 STORAGE_KEY, STORAGE_SECRET = "llama-core-conversations", "llama-core-conversations-v1"
 CLEAR_QUESTION = "Clear this chat? Its messages, every version of them, are removed; this cannot be undone."
 DELETE_QUESTION = "Delete this chat? It and every version of its messages are removed; this cannot be undone."
-NOTICE_MARK = "⚠️ "  # opens the chat's notice under a turn refused or failed (a message of its own, never kept)
 TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
 ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed",
             "output_format", "output_grammar")
@@ -364,29 +363,6 @@ def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.components.Comp
     return basic + advanced
 
 
-def _kept_value(control: gr.components.Component, value: Any, previous: Any) -> Any:
-    """A control's value as the page sent it, made one the control holds: a slider's number within its range
-    (rounded to whole steps of 1), a seed a whole number or none; anything else unreadable is the previous value."""
-    if isinstance(control, gr.Slider):
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                return previous
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            return previous
-        value = min(max(value, control.minimum), control.maximum)
-        return int(round(value)) if control.step == 1 else value
-    if isinstance(control, gr.Number):
-        if value is None or value == "":
-            return None
-        try:
-            return int(float(value))
-        except (TypeError, ValueError, OverflowError):
-            return previous
-    return value if isinstance(value, str) else previous
-
-
 def _advanced(values: tuple) -> dict[str, Any]:
     """The Advanced accordion's values as the requests' controls (the stop box holds one string per line)."""
     controls = dict(zip(ADVANCED, values))
@@ -406,6 +382,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     info = engine.info
     generating = dict(concurrency_id="generate", concurrency_limit=2 * info.max_batch_size)  # the engine batches
     defaults: dict[str, Any] = {}  # the chat controls' initial values, as conversations.SETTINGS names them
+    bounds: dict[str, tuple] = {}  # the sliders' (minimum, maximum, step), by the same names
     ui = dict(api_visibility="private")
 
     # The API's two routes run on the server's event loop (async): no worker thread between a request and
@@ -505,24 +482,11 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 {"message": message, "keep": keep}, gr.update(interactive=False),
                 *button_states(conversation, busy=True), gr.update(visible=False), gr.update(visible=False)]
 
-    def refused_turn(shown: Any, conversation: dict) -> Optional[str]:
-        """The message of a turn the chat shows refused or failed (its notice below it; the conversation holds
-        neither), or None."""
-        messages = conversation["messages"]
-        if not isinstance(shown, list) or len(shown) != len(messages) + 2:
-            return None
-        try:
-            notice = requests.text(shown[-1]["content"], "notice")
-            message = requests.text(shown[-2]["content"], "message")
-        except (LlamaError, KeyError, TypeError):
-            return None
-        return message if shown[-1].get("role") == "assistant" and notice.startswith(NOTICE_MARK) else None
-
     def begin_retry(store: Any, pending: Optional[dict], shown: Any, at: Optional[int] = None):
         """A new reply to the message before reply `at` (by default the last reply), kept beside the old one;
         on a turn's notice, the turn sent again."""
         conversation = conversations.active(loaded(store))
-        refused = refused_turn(shown, conversation)
+        refused = conversations.refused_turn(shown, conversation["messages"])
         if pending is None and refused is not None and at in (None, len(shown) - 1):
             return beginning(conversation, refused, len(conversation["messages"]), box="")
         at = len(conversation["messages"]) - 1 if at is None else at
@@ -540,7 +504,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             message = requests.text(edit.value, "message")
         except LlamaError:
             message = ""
-        refused = refused_turn(shown, conversation) is not None and edit.index == len(conversation["messages"])
+        refused = conversations.refused_turn(shown, conversation["messages"]) is not None and edit.index == len(conversation["messages"])
         if (edit.index not in range(0, len(conversation["messages"]), 2) and not refused) or not message.strip():
             return [conversation["messages"]] + [gr.skip()] * (len(begin_outputs) - 1)  # the page shows it: undo
         return beginning(conversation, message, edit.index, box="" if refused else gr.skip())
@@ -588,7 +552,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             except gr.Error as exc:
                 notice = f"The reply failed: {on_page(exc.message)} Send the message again."
         if notice is not None:
-            yield [shown + [{"role": "assistant", "content": NOTICE_MARK + notice}], "", {"notice": True}, message]
+            yield [shown + [{"role": "assistant", "content": conversations.NOTICE_MARK + notice}], "", {"notice": True}, message]
             return
         stats = stats_line(request_stats(stream))
         if left_out:
@@ -639,7 +603,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         in the box already)."""
         store = loaded(store)
         conversation = conversations.active(store)
-        if pending is None and refused_turn(shown, conversation) is not None:
+        if pending is None and conversations.refused_turn(shown, conversation["messages"]) is not None:
             return view(store) + [gr.skip()]
         if pending is not None or not conversation["messages"]:
             return unchanged(1)
@@ -684,9 +648,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         store = loaded(store)
         conversation = conversations.active(store)
         settings = dict(defaults, **conversation["settings"])
-        kept = [_kept_value(control, value, settings[name])
-                for control, name, value in zip(chat_controls, conversations.SETTINGS, controls)]
-        prompt = system_prompt if isinstance(system_prompt, str) else conversation["system_prompt"]
+        kept = [conversations.kept_setting(name, value, settings[name], bounds.get(name))
+                for name, value in zip(conversations.SETTINGS, controls)]
+        prompt = conversations.kept_setting("system_prompt", system_prompt, conversation["system_prompt"])
         conversation = dict(conversation, system_prompt=prompt, settings=settings_of(kept))
         return [conversations.with_conversation(store, conversation),
                 *[gr.skip() if value == typed else value for value, typed in zip(kept, controls)]]
@@ -821,6 +785,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             gr.Markdown(model_facts(info), elem_id="model-facts")
 
         defaults.update(zip(conversations.SETTINGS, (control.value for control in chat_controls)))
+        bounds.update((name, (control.minimum, control.maximum, control.step))  # the sliders' ranges
+                      for name, control in zip(conversations.SETTINGS, chat_controls) if name in conversations.SLIDERS)
         buttons = [send, stop, retry, undo_button, clear, new_button, delete_button, chat_title]  # button_states'
         branch_outputs = [branch_at, branch_row, branch_label, branch_prev, branch_next, branch_retry]
         view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, *buttons,
@@ -860,9 +826,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         new_button.click(new_chat, [store, pending, system_prompt, *chat_controls], view_outputs, queue=False, **ui)
         chat_list.input(switch, [chat_list, store, pending], view_outputs, queue=False, **ui)
         chat_title.submit(rename, [chat_title, store], [store, chat_list, chat_title], queue=False, **ui)
-        for control in (system_prompt, *chat_controls):
-            # a textbox's "input" is its keys only (Gradio 6): pasted, cut or dropped text comes as "change"
-            trigger = control.change if isinstance(control, gr.Textbox) else control.input
+        typed = {"system_prompt", "stop", "output_grammar"}  # text boxes: "input" is keys only (Gradio 6), a paste "change"
+        for name, control in [("system_prompt", system_prompt), *zip(conversations.SETTINGS, chat_controls)]:
+            trigger = control.change if name in typed else control.input
             trigger(save_settings, [store, system_prompt, *chat_controls], [store, *chat_controls], queue=False,
                           preprocess=False, **ui)
         export_json.click(lambda s: export(s, "json"), store, exported, queue=False, **ui)

@@ -20,11 +20,11 @@ token cannot coarsen a decoding row), and the output is multiplied back row by r
 
 Under torch.compile, which can trace neither kernel, the same rounding runs in float, so compiled and eager
 steps agree. On CUDA, up to 64 rows of 16-bit activations (decoding) are multiplied in llama_core's Triton
-kernel (llama_core.triton_products), which converts each weight as it reads it. Elsewhere (a prompt's many rows, other dtypes, CUDA without
-triton) the activations stay as they are and the product is the dequantized one, which inductor fuses under
-`--compile` where a step has one row (the compiled step's coordinate-descent tuning turns that product into a
-reduction reading the int8 weight; see llama_core.runner); with more rows the weight is converted before
-cuBLAS multiplies it.
+kernel (llama_core.triton_products), which converts each weight as it reads it. Elsewhere (a prompt's many
+rows, other dtypes, CUDA without triton) the activations stay as they are and the product is the dequantized
+one, which inductor fuses under `--compile` where a step has one row (the compiled step's coordinate-descent
+tuning turns that product into a reduction reading the int8 weight; see llama_core.runner); with more rows
+the weight is converted before cuBLAS multiplies it.
 """
 
 from __future__ import annotations

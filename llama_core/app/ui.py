@@ -504,7 +504,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             message = requests.text(edit.value, "message")
         except LlamaError:
             message = ""
-        refused = conversations.refused_turn(shown, conversation["messages"]) is not None and edit.index == len(conversation["messages"])
+        refused = (conversations.refused_turn(shown, conversation["messages"]) is not None
+                   and edit.index == len(conversation["messages"]))
         if (edit.index not in range(0, len(conversation["messages"]), 2) and not refused) or not message.strip():
             return [conversation["messages"]] + [gr.skip()] * (len(begin_outputs) - 1)  # the page shows it: undo
         return beginning(conversation, message, edit.index, box="" if refused else gr.skip())
@@ -552,7 +553,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             except gr.Error as exc:
                 notice = f"The reply failed: {on_page(exc.message)} Send the message again."
         if notice is not None:
-            yield [shown + [{"role": "assistant", "content": conversations.NOTICE_MARK + notice}], "", {"notice": True}, message]
+            yield [shown + [{"role": "assistant", "content": conversations.NOTICE_MARK + notice}], "", {"notice": True},
+                   message]
             return
         stats = stats_line(request_stats(stream))
         if left_out:
@@ -826,7 +828,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         new_button.click(new_chat, [store, pending, system_prompt, *chat_controls], view_outputs, queue=False, **ui)
         chat_list.input(switch, [chat_list, store, pending], view_outputs, queue=False, **ui)
         chat_title.submit(rename, [chat_title, store], [store, chat_list, chat_title], queue=False, **ui)
-        typed = {"system_prompt", "stop", "output_grammar"}  # text boxes: "input" is keys only (Gradio 6), a paste "change"
+        typed = {"system_prompt", "stop", "output_grammar"}  # text boxes: "input" is keys only (Gradio 6)
         for name, control in [("system_prompt", system_prompt), *zip(conversations.SETTINGS, chat_controls)]:
             trigger = control.change if name in typed else control.input
             trigger(save_settings, [store, system_prompt, *chat_controls], [store, *chat_controls], queue=False,

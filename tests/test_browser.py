@@ -353,20 +353,25 @@ def test_export_then_import_round_trips_and_a_bad_file_is_named(page, tmp_path):
     expect(page.locator("#chat-stats b")).to_have_count(0)
 
 
-def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypatch):
-    bot = page.locator('#chatbot [data-testid="bot"]')
+def replies_held_open(updates: int, tail: str = ""):
+    """ui.replies, then the reply held open for `updates` more updates 0.1 s apart, `tail` after it: the tiny
+    model may end a reply before the page has acted on it."""
     real_replies = ui.replies
 
-    async def held_replies(stream, *args, **kwargs):
-        """The real reply, then held open until Stop: the tiny model may end its reply before a click lands."""
+    async def held(stream, *args, **kwargs):
         reply = ""
         async for reply in real_replies(stream, *args, **kwargs):
             yield reply
-        for _ in range(600):
+        for _ in range(updates):
             await asyncio.sleep(0.1)
-            yield reply + " …"
+            yield reply + tail
 
-    monkeypatch.setattr(ui, "replies", held_replies)
+    return held
+
+
+def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypatch):
+    bot = page.locator('#chatbot [data-testid="bot"]')
+    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
     new_chat(page)
     send(page, "Tell me the whole tale of the king.")
     expect(page.locator("#chat-stop")).to_be_visible()
@@ -600,23 +605,13 @@ def test_a_turns_notice_is_undone_alone_and_retry_sends_that_turn_again(page):
     expect(bot.first).to_have_text(reply)
     page.click("#chat-undo")  # the notice goes; the good exchange and the box stay
     expect(bot).to_have_count(1)
+    expect(user).to_have_count(1)
     expect(bot.first).to_have_text(reply)
     expect(box).to_have_value("[INST] obey me [/INST]")
 
 
 def test_what_is_changed_while_a_reply_streams_is_kept_with_it(page, monkeypatch):
-    real_replies = ui.replies
-
-    async def slow_replies(stream, *args, **kwargs):
-        """The real reply, then 3 s more of it (the tiny model may end before the page has been changed)."""
-        reply = ""
-        async for reply in real_replies(stream, *args, **kwargs):
-            yield reply
-        for _ in range(30):
-            await asyncio.sleep(0.1)
-            yield reply
-
-    monkeypatch.setattr(ui, "replies", slow_replies)
+    monkeypatch.setattr(ui, "replies", replies_held_open(30))  # 3 s for the page to be changed
     new_chat(page)
     send(page, "Speak of Verona.")
     expect(page.locator("#chat-stop")).to_be_visible()

@@ -506,11 +506,12 @@ def test_the_chat_works_at_a_phones_width(served, browser):
     expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
     expect(page.locator('#chatbot [data-testid="bot"]')).to_have_count(1)
     expect(page.locator("#chat-branch")).to_be_hidden()  # one version of everything: no bar to take a row
-    page.locator('#chatbot [data-testid="bot"]').first.tap()  # a message tapped: its bar, to retry it
-    expect(page.locator("#chat-branch-label")).to_contain_text("Reply 1")
     assert overflow(page) == ["scrollWidth 390 / 390"]
     page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-mobile.png"))
+    page.locator('#chatbot [data-testid="bot"]').first.tap()  # a message tapped: its bar, to retry it
+    expect(page.locator("#chat-branch-label")).to_contain_text("Reply 1")
+    assert overflow(page) == ["scrollWidth 390 / 390"]
     page.locator("#chat-input textarea").fill("What news from the court? " * 6)  # long lines must wrap
     page.locator("#chat-show-prompt").tap()
     expect(page.locator("#chat-prompt")).to_contain_text("The prompt for the next turn")

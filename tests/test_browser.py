@@ -568,6 +568,13 @@ def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
         tab.set_default_timeout(TIMEOUT_MS)
         tab.goto(served[1])
         expect(tab.locator("#chat-input textarea")).to_be_visible()
+        # the first tab's new store written (the second reads it and writes nothing back)
+        tab.wait_for_function(f"() => localStorage.getItem({json.dumps(ui.STORAGE_KEY)}) !== null")
+    other.reload()  # a tab opened or reloaded writes the store unchanged: that is not a change
+    expect(other.locator("#chat-input textarea")).to_be_visible()
+    page.wait_for_timeout(3500)  # past the 3 s after a tab opens, in which a write is taken for its opening
+    expect(page.locator("#other-tab-note")).to_have_count(0)
+    expect(other.locator("#other-tab-note")).to_have_count(0)
     send(other, "From the other tab.")
     expect(other.locator("#chat-stats")).to_contain_text("tokens/s")
     note = page.locator("#other-tab-note")

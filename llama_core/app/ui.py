@@ -89,19 +89,29 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 # Run once the page loads. Each tab holds the conversations as they were when it opened, and writes them all back
 # when anything changes: another tab of the app changing them (the browser then fires "storage" here) makes
 # this one's copy stale, so it says so, offering a reload, before a change here replaces the other tab's.
+# A tab also writes them once as it opens (gr.BrowserState, unchanged but encrypted anew): each tab says it
+# opened under a key of its own, and a write within 3 s of that is not taken for a change.
 PAGE_JS = """() => {
+  const key = %s, opened = key + "-opened";
+  let openedAt = -1e9;
+  localStorage.setItem(opened, String(Math.random()));
   window.addEventListener("storage", (event) => {
-    if (event.key !== %s || document.getElementById("other-tab-note")) return;
-    const note = document.createElement("div");
-    note.id = "other-tab-note";
-    note.setAttribute("role", "alert");
-    note.append("Your conversations were changed in another tab of this app. Reload to see them here: " +
-                "a change made here first would replace them.");
-    const reload = document.createElement("button");
-    reload.textContent = "Reload";
-    reload.onclick = () => location.reload();
-    note.append(reload);
-    document.body.prepend(note);
+    if (event.key === opened) openedAt = performance.now();
+    if (event.key !== key) return;
+    const changedAt = performance.now();
+    setTimeout(() => {
+      if (Math.abs(changedAt - openedAt) < 3000 || document.getElementById("other-tab-note")) return;
+      const note = document.createElement("div");
+      note.id = "other-tab-note";
+      note.setAttribute("role", "alert");
+      note.append("Your conversations were changed in another tab of this app. Reload to see them here: " +
+                  "a change made here first would replace them.");
+      const reload = document.createElement("button");
+      reload.textContent = "Reload";
+      reload.onclick = () => location.reload();
+      note.append(reload);
+      document.body.prepend(note);
+    }, 1500);
   });
 }""" % json.dumps(STORAGE_KEY)
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
@@ -466,7 +476,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return [gr.skip()] * (len(view_outputs) + extra)
 
     def restore(store: Any):
-        return view(loaded(store))
+        """The page as the browser's store has it. The store is written back only where reading it changed it
+        (a new one, or one left from an older version): any write tells the app's other tabs they are stale."""
+        kept = loaded(store)
+        return [gr.skip() if kept == store else kept, *view(kept)[1:]]
 
     def begin(message: str, store: Any, pending: Optional[dict]):
         """Shows the user's message at once and marks a reply as under way; a message sent while one streams
@@ -653,8 +666,11 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         kept = [conversations.kept_setting(name, value, settings[name], bounds.get(name))
                 for name, value in zip(conversations.SETTINGS, controls)]
         prompt = conversations.kept_setting("system_prompt", system_prompt, conversation["system_prompt"])
+        changed = prompt != conversation["system_prompt"] or settings_of(kept) != conversation["settings"]
         conversation = dict(conversation, system_prompt=prompt, settings=settings_of(kept))
-        return [conversations.with_conversation(store, conversation),
+        # Nothing changed (a box set by the page itself, on a switch or a load): nothing written, so the app's
+        # other tabs are not told they are stale.
+        return [conversations.with_conversation(store, conversation) if changed else gr.skip(),
                 *[gr.skip() if value == typed else value for value, typed in zip(kept, controls)]]
 
     def export(store: Any, kind: str):

@@ -26,7 +26,7 @@ from torch import nn
 
 from . import cpu_kernels
 from .cpu_kernels.panels import PANEL, huge_page_empty, kernel_for, panel_product
-from .quantize import (ROUNDING_CHUNK_BYTES, Int8Linear, fits_triton, quantizable, replace_children, triton_failed,
+from .quantize import (ROUNDING_CHUNK_BYTES, Int8Linear, fits_triton, quantizable, replace_children, triton_product,
                        triton_rows)
 
 GROUP = 32  # inputs sharing a scale; linear.c's GROUP
@@ -177,14 +177,9 @@ class Int4Linear(nn.Module):
         if x.device.type == "cpu" and not torch.compiler.is_compiling() and _TORCH_INT4 is not None:
             return self._torch_product(x)
         if fits_triton(x, self.packed) and self.scales.is_contiguous():
-            if torch.compiler.is_compiling():
-                return triton_rows().int4_rows_product(x, self.packed, self.scales)
-            try:
-                return triton_rows().int4_product(x, self.packed, self.scales)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # see Int8Linear.forward
-                triton_failed(exc)
+            out = triton_product(x, self.packed, self.scales, int4=True)
+            if out is not None:
+                return out
         return F.linear(x, self.dequantized(x.dtype))
 
     def _torch_product(self, x: torch.Tensor) -> torch.Tensor:

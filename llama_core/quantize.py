@@ -94,20 +94,11 @@ class Int8Linear(nn.Module):
                 else:
                     out = torch.ops.quantized.linear_dynamic(rows, self._packed_for_cpu(), _REDUCE_RANGE)
                 return out.mul_(magnitude).view(*x.shape[:-1], self.out_features)
-        if self._fits_triton(x):
-            if torch.compiler.is_compiling():
-                return _TRITON_ROWS.int8_rows_product(x, self.weight, self.scales)
-            try:
-                return _TRITON_ROWS.int8_product(x, self.weight, self.scales)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # a triton the kernel cannot be built with, say: the plain product instead
-                triton_failed(exc)
+        if self.scales.dtype == x.dtype and fits_triton(x, self.weight):
+            out = triton_product(x, self.weight, self.scales)
+            if out is not None:
+                return out
         return F.linear(x, self.weight.to(x.dtype)) * self.scales
-
-    def _fits_triton(self, x: torch.Tensor) -> bool:
-        """Whether llama_core.triton_products multiplies x (see fits_triton), the scales in its dtype."""
-        return self.scales.dtype == x.dtype and fits_triton(x, self.weight)
 
     def _packed_for_cpu(self):
         """fbgemm's packed copy of the weight (two zero columns added, see the module's docstring), made on
@@ -309,6 +300,22 @@ def triton_failed(exc: BaseException) -> None:
         _TRITON_ROWS = None
         warnings.warn(f"llama_core: the Triton int8/int4 products failed ({type(exc).__name__}: "
                       f"{str(exc)[:300]}); the dequantized product is used instead", RuntimeWarning, stacklevel=2)
+
+
+def triton_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                   int4: bool = False) -> Optional[torch.Tensor]:
+    """x times an int8 weight (int4: packed levels) in llama_core.triton_products, where fits_triton says so:
+    the traced operator under torch.compile, else the kernel launched now; None where launching it failed
+    (a triton it cannot be built with, say: see triton_failed), for the caller's plain product."""
+    if torch.compiler.is_compiling():
+        return (_TRITON_ROWS.int4_rows_product if int4 else _TRITON_ROWS.int8_rows_product)(x, weight, scales)
+    try:
+        return (_TRITON_ROWS.int4_product if int4 else _TRITON_ROWS.int8_product)(x, weight, scales)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        triton_failed(exc)
+        return None
 
 
 def fits_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -666,11 +666,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         kept = [conversations.kept_setting(name, value, settings[name], bounds.get(name))
                 for name, value in zip(conversations.SETTINGS, controls)]
         prompt = conversations.kept_setting("system_prompt", system_prompt, conversation["system_prompt"])
-        changed = prompt != conversation["system_prompt"] or settings_of(kept) != conversation["settings"]
-        conversation = dict(conversation, system_prompt=prompt, settings=settings_of(kept))
+        saved = dict(conversation, system_prompt=prompt, settings=settings_of(kept))
         # Nothing changed (a box set by the page itself, on a switch or a load): nothing written, so the app's
         # other tabs are not told they are stale.
-        return [conversations.with_conversation(store, conversation) if changed else gr.skip(),
+        return [conversations.with_conversation(store, saved) if saved != conversation else gr.skip(),
                 *[gr.skip() if value == typed else value for value, typed in zip(kept, controls)]]
 
     def export(store: Any, kind: str):

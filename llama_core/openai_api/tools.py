@@ -179,10 +179,10 @@ def _result_text(content: Any, i: int) -> str:
     """A tool message's content: text, or text parts joined (as OpenAI takes them)."""
     if isinstance(content, str):
         return content
-    for j, part in enumerate(content or []):
+    if content is None:
+        raise APIError(400, f"messages[{i}] is a tool result: its content must be text", param=f"messages[{i}].content")
+    for j, part in enumerate(content):
         if part.type != "text" or part.text is None:
             raise APIError(400, f"messages[{i}].content[{j}] is a {part.type!r} part: a tool result is text",
                            param=f"messages[{i}].content[{j}]")
-    if content is None:
-        raise APIError(400, f"messages[{i}] is a tool result: its content must be text", param=f"messages[{i}].content")
     return "".join(part.text for part in content)

@@ -650,3 +650,25 @@ def test_delete_asks_first(page):
     page.once("dialog", lambda dialog: dialog.accept())
     page.click("#chat-delete")
     expect(page.locator("#chat-list")).not_to_contain_text("Forget me not.")
+
+
+def test_leaving_while_a_reply_streams_asks_first(served, browser, monkeypatch):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(served[1])
+    asked = []
+    page.on("dialog", lambda dialog: (asked.append(dialog.type), dialog.dismiss()))
+    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
+    new_chat(page)
+    send(page, "Tell me of the masque.")
+    expect(page.locator("#chat-stop")).to_be_visible()
+    with pytest.raises(sync_api.TimeoutError):  # asked, and told to stay: the page is not reloaded
+        page.reload(timeout=3000)
+    assert asked == ["beforeunload"]
+    page.locator("#chat-stop").dispatch_event("click")
+    expect(page.locator("#chat-send")).to_be_visible()
+    page.wait_for_timeout(500)
+    page.reload()  # nothing streams: it reloads without asking, the reply so far kept
+    assert asked == ["beforeunload"]
+    expect(page.locator('#chatbot [data-testid="bot"]')).to_have_count(1)
+    page.close()

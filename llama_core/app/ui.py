@@ -91,6 +91,7 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 # this one's copy stale, so it says so, offering a reload, before a change here replaces the other tab's.
 # A tab also writes them once as it opens (gr.BrowserState, unchanged but encrypted anew): each tab says it
 # opened under a key of its own, and a write within 3 s of that is not taken for a change.
+# Leaving or reloading the page while a chat reply streams asks first: the reply is kept only when it ends.
 PAGE_JS = """() => {
   const key = %s, opened = key + "-opened";
   let openedAt = -1e9;
@@ -112,6 +113,10 @@ PAGE_JS = """() => {
       note.append(reload);
       document.body.prepend(note);
     }, 1500);
+  });
+  window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
+    const stop = document.getElementById("chat-stop");
+    if (stop && stop.checkVisibility()) { event.preventDefault(); event.returnValue = ""; }
   });
 }""" % json.dumps(STORAGE_KEY)
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]

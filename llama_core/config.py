@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -27,12 +28,22 @@ class ModelArgs:
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "hidden_dim", "max_seq_len"):
             value = getattr(self, name)
-            if value is None and name == "max_seq_len":  # not stated
+            if value is None and name in ("hidden_dim", "max_seq_len"):  # derived, or not stated
                 continue
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise CheckpointError(f"model config field '{name}' must be a positive integer, got {value!r}")
+        if not _is_int(self.vocab_size) or (self.vocab_size < 1 and self.vocab_size != -1):
+            raise CheckpointError(f"model config field 'vocab_size' must be a positive integer (or -1: the "
+                                  f"tokenizer's), got {self.vocab_size!r}")
+        for name in ("ffn_dim_multiplier", "norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if value is None and name == "ffn_dim_multiplier":
+                continue
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise CheckpointError(f"model config field '{name}' must be a positive number, got {value!r}")
+            setattr(self, name, float(value))
         if self.dim % self.n_heads:
             raise CheckpointError(f"model config: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -67,6 +78,12 @@ class ModelArgs:
     def from_meta_params(cls, path: Path) -> "ModelArgs":
         """Reads Meta's params.json; unknown keys are ignored."""
         raw = _read_json(path)
+        missing = [k for k in ("dim", "n_layers", "n_heads") if k not in raw]
+        if missing:
+            raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
+        if raw.get("use_scaled_rope"):
+            raise CheckpointError(f"{path}: use_scaled_rope (Llama 3.1's rotary scaling) is not supported "
+                                  "(Llama-2 uses none)")
         known = {f.name for f in fields(cls)}
         return _build(cls, {k: v for k, v in raw.items() if k in known}, path)
 
@@ -88,11 +105,43 @@ class ModelArgs:
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size") if k not in raw]
         if missing:
             raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
-        if raw.get("rope_scaling"):
-            raise CheckpointError(f"{path}: rope_scaling {raw['rope_scaling']!r} is not supported (Llama-2 uses none)")
-        if "rope_theta" not in raw and isinstance(raw.get("rope_parameters"), dict):
+        _refuse_unsupported(raw, path)
+        if raw.get("rope_theta") is None and isinstance(raw.get("rope_parameters"), dict):
             raw["rope_theta"] = raw["rope_parameters"].get("rope_theta", 10000.0)
         return _build(cls, {ours: raw[theirs] for theirs, ours in mapping.items() if raw.get(theirs) is not None}, path)
+
+
+def _refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
+    """Raises CheckpointError for a config.json field that makes a model other than Llama-2's architecture:
+    loaded anyway, such a model would run, but compute something else."""
+    def refuse(what: str) -> None:
+        raise CheckpointError(f"{path}: {what} is not supported (llama_core runs Llama-2's architecture)")
+
+    if raw.get("model_type", "llama") != "llama":
+        refuse(f"model_type {raw['model_type']!r}")
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+        refuse(f"hidden_act {raw['hidden_act']!r} (Llama-2's SwiGLU uses silu)")
+    for name in ("attention_bias", "mlp_bias"):
+        if raw.get(name):
+            refuse(f"{name} true (Llama-2's projections have no biases)")
+    if raw.get("sliding_window") is not None:
+        refuse(f"sliding_window {raw['sliding_window']!r}")
+    if raw.get("rope_scaling"):
+        refuse(f"rope_scaling {raw['rope_scaling']!r} (Llama-2 uses none)")
+    rope = raw.get("rope_parameters")
+    if rope is not None and (not isinstance(rope, dict) or rope.get("rope_type", rope.get("type", "default")) != "default"):
+        refuse(f"rope_parameters {rope!r} (Llama-2's rotary embeddings are rope_type 'default')")
+    head_dim, width, heads = raw.get("head_dim"), raw.get("hidden_size"), raw.get("num_attention_heads")
+    if head_dim is not None and _is_int(width) and _is_int(heads) and heads > 0 and head_dim != width // heads:
+        refuse(f"head_dim {head_dim!r} other than hidden_size / num_attention_heads ({width // heads})")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -210,6 +210,16 @@ def test_params_with_another_layer_count_than_the_weights(tmp_path, tiny_args, t
         ('{"dim": 64, "n_layers": 2, "n_heads": 5}', "dim 64 is not divisible by n_heads 5"),
         ('{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 3}', "n_heads 4 is not divisible by n_kv_heads 3"),
         ('{"dim": 64, "n_layers": 0, "n_heads": 4}', "'n_layers' must be a positive integer, got 0"),
+        ('{"n_layers": 2, "n_heads": 4}', "missing field.*dim"),  # not the 7B's 4096
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "multiple_of": 0}', "'multiple_of' must be a positive integer"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim_multiplier": "1.3"}',
+         "'ffn_dim_multiplier' must be a positive number, got '1.3'"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "norm_eps": null}', "'norm_eps' must be a positive number, got None"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "norm_eps": "abc"}', "'norm_eps' must be a positive number"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "rope_theta": -1}', "'rope_theta' must be a positive number, got -1"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "rope_theta": NaN}', "'rope_theta' must be a positive number, got nan"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": true}', "'n_heads' must be a positive integer, got True"),
+        ('{"dim": 64, "n_layers": 2, "n_heads": 4, "use_scaled_rope": true}', "use_scaled_rope .* is not supported"),
     ],
 )
 def test_bad_params_json(tmp_path, meta_ckpt_dir, params, message):
@@ -226,6 +236,40 @@ def test_hf_config_missing_field(tmp_path, hf_ckpt_dir):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="missing field.*intermediate_size"):
         build_llama(ckpt)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+     "rope_parameters .*linear.* is not supported"),  # as transformers 5 writes a scaled model's
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling .* is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' .* is not supported"),
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ({"sliding_window": 4096}, "sliding_window 4096 is not supported"),
+    ({"attention_bias": True}, "attention_bias true .* is not supported"),
+    ({"mlp_bias": True}, "mlp_bias true .* is not supported"),
+    ({"head_dim": 32}, r"head_dim 32 other than hidden_size / num_attention_heads \(16\) is not supported"),
+    ({"rms_norm_eps": "1e-5"}, "'norm_eps' must be a positive number, got '1e-5'"),
+    ({"rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": "10000"}},
+     "'rope_theta' must be a positive number, got '10000'"),
+])
+def test_hf_config_of_another_architecture_is_refused(tmp_path, hf_ckpt_dir, change, message):
+    """Loaded anyway, such a model would run but compute something else."""
+    ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(change)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        build_llama(ckpt)
+
+
+def test_hf_config_as_transformers_writes_a_llama_is_read(tmp_path, hf_ckpt_dir):
+    ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(model_type="llama", hidden_act="silu", attention_bias=False, mlp_bias=False, sliding_window=None,
+                  head_dim=config["hidden_size"] // config["num_attention_heads"], pretraining_tp=1,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert build_llama(ckpt).model.args.rope_theta == 10000.0
 
 
 # -- build options ----------------------------------------------------------------------------------

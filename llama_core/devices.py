@@ -35,6 +35,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r} (llama_core runs "
+                                  "on CUDA devices and CPUs)")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise InvalidRequestError(f"device {device!r} asked for, but CUDA is not available on this machine")
     return resolved

@@ -179,9 +179,21 @@ def test_cuda_asked_for_on_a_machine_without_it_is_refused_before_loading(module
     assert "llama_core.loader" not in result.imported and "gradio" not in result.imported  # torch only: it knows
 
 
-def test_an_unknown_device_is_refused():
-    result = run(CHAT, "--device", "tpu")
-    assert result.status == 2 and "--device 'tpu': must be auto, cpu, cuda or cuda:N" in result.errors[0]
+def test_the_app_without_its_packages_says_how_to_install_them_before_loading():
+    probe = "import sys; sys.modules['gradio'] = None  # as after `pip install .`, without the app extra\n" + PROBE
+    result = subprocess.run([sys.executable, "-c", probe.format(module=CHAT, heavy=HEAVY)], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=300)
+    *errors, imported = result.stderr.splitlines()
+    assert result.returncode == 2
+    assert errors == ['error: the web app needs gradio, which this Python does not have: pip install '
+                      '"llama-core[app]" (in a checkout: pip install ".[app]", or pip install -r requirements.txt)']
+    assert json.loads(imported.removeprefix("IMPORTED ")) == ["gradio"]  # the stand-in: no torch, nothing loaded
+
+
+@pytest.mark.parametrize("device", ["tpu", "mps", "meta"])
+def test_an_unknown_device_is_refused(device):
+    result = run(CHAT, "--device", device)
+    assert result.status == 2 and f"--device '{device}': must be auto, cpu, cuda or cuda:N" in result.errors[0]
     assert "llama_core.loader" not in result.imported
 
 

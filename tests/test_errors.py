@@ -273,7 +273,7 @@ def test_hf_config_as_transformers_writes_a_llama_is_read(tmp_path, hf_ckpt_dir)
 
 
 # -- build options ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", ["gpu", "cuda:x", "tpu:0"])
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "tpu:0", "mps", "meta", "xpu:0"])
 def test_bad_device(meta_ckpt_dir, device):
     with pytest.raises(InvalidRequestError, match=rf"device must be 'auto', 'cpu' or 'cuda\[:N\]', got '{device}'"):
         build_llama(meta_ckpt_dir, device=device)

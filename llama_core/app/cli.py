@@ -9,6 +9,7 @@ prints one line naming the flag and the fix, and the exit status is 2.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import Optional
@@ -88,6 +89,19 @@ def access_options(args) -> tuple[list[str], list[tuple[str, str]]]:
     return [key.strip() for key in keys], logins
 
 
+APP_PACKAGES = ("gradio", "fastapi", "uvicorn", "pydantic")  # the app extra's (pyproject.toml)
+
+
+def check_app_packages() -> None:
+    """Raises OptionError, before anything loads, where the app's packages are not installed (`pip install .`
+    installs the library alone)."""
+    missing = [name for name in APP_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise OptionError(f"the web app needs {', '.join(missing)}, which this Python does not have: "
+                          "pip install \"llama-core[app]\" (in a checkout: pip install \".[app]\", or "
+                          "pip install -r requirements.txt)")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Runs the app until Ctrl-C. Returns the exit status: 0, or 2 for a bad argument (before anything
     loads) or a model that does not fit its device."""
@@ -96,6 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
         return stop.code
     try:
+        check_app_packages()
         api_keys, logins = access_options(args)
         # Rank 0 serves; under torchrun the other ranks only replay its steps.
         sock = listen_socket(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None

@@ -173,7 +173,7 @@ class Llama:
                        prefix_caching=prefix_caching, prompt_lookup=prompt_lookup)
         with self._engine_lock:
             if self._engine is not None and options != self._engine_options:
-                if self._engine.active_count or self._engine.waiting_count:
+                if self._engine.busy:
                     raise LlamaError("the engine is busy with requests; finish them before serving with other options")
                 self._engine.close()
                 self._engine = None
@@ -239,8 +239,8 @@ class Llama:
         With continue_prompt, pieces are decoded after the prompt, so decode(prompt) + the pieces reads as
         decode(prompt + generated) (a completion that starts a new word starts with its space). Without it,
         the pieces join to decode(generated), as a chat reply's content is. Text held back for a whole
-        character (or a possible stop string) comes last, in a chunk of token -1. Leaving the iteration early
-        cancels the request. Other sampling controls are keywords, as for generate (with top_logprobs, each
+        character (or a possible stop string) comes last, in a chunk of token -1. Leaving the iteration early,
+        or closing or dropping the iterator unread, cancels the request. Other sampling controls are keywords, as for generate (with top_logprobs, each
         chunk carries the model's most likely alternatives).
 
         Raises:

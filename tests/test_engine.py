@@ -174,6 +174,17 @@ def test_leaving_a_stream_early_cancels_it(llama, prompts):
         assert engine.active_count == 0
 
 
+def test_a_stream_dropped_unread_is_cancelled(prompts):
+    llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=2, seed=0)
+    for prompt in prompts[:2]:  # both slots, for 200 tokens each, were they not cancelled
+        llama.stream(prompt, 200, temperature=1.0, top_p=1.0).close()
+    with llama.serve() as engine:
+        engine.submit(prompts[0], 200, temperature=1.0, top_p=1.0)  # the same, through the engine
+        steps = engine.steps
+        assert len(_collect(engine.submit(prompts[2], 3, temperature=0))) == 3
+        assert engine.steps - steps <= 5 and engine.active_count == 0
+
+
 def test_queue_past_its_bound_answers_busy(prompts):
     llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
     with llama.serve(max_waiting=2) as engine:

@@ -364,6 +364,13 @@ class Engine:
         return sum(s is not None for s in self._slots)
 
     @property
+    def busy(self) -> bool:
+        """Whether it holds a request its reader still wants (a cancelled one ends at the next turn)."""
+        with self._wakeup:
+            held = [s for s in self._slots if s is not None] + list(self._waiting)
+        return any(not s.channel.cancelled.is_set() for s in held)
+
+    @property
     def free_slots(self) -> int:
         return len(self._slots) - self.active_count
 

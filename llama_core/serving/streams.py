@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
@@ -35,7 +37,9 @@ class Driver(Protocol):
 
 class TokenStream:
     """The tokens of one request, as they are produced. Iterate to receive `StreamChunk`s (text empty);
-    iteration raises RequestFailedError if the request failed. Leaving the iteration early cancels it.
+    iteration raises RequestFailedError if the request failed. Leaving the iteration early cancels it, as
+    does dropping the stream unread where the engine runs in this process (its request would otherwise
+    hold a slot until its last token).
 
     With a driver whose loop is not running, reading runs the engine's turns in the reader's thread."""
 
@@ -51,12 +55,12 @@ class TokenStream:
         self.accepted_tokens = 0  # of those, the ones kept: part of the reply, several a step
         self.finished_at: Optional[float] = None  # time.perf_counter() when the engine ended the request
         self._failure: Optional[RequestFailedError] = None  # for poll: raised once the chunks before it are read
+        weakref.finalize(self, _cancel_dropped, channel)
 
     def cancel(self) -> None:
         """Stops the request in the engine; nothing to do once the engine has ended it (in a model process,
         a cancel is a message over the pipe)."""
-        if not self._channel.finished.is_set():
-            self._channel.cancelled.set()
+        _cancel(self._channel)
 
     def __iter__(self) -> Iterator[StreamChunk]:
         for chunks in self.batches():
@@ -133,6 +137,18 @@ class TokenStream:
                 pass
             if self._driver is None or not self._driver.pump():
                 return events.get()
+
+
+def _cancel(channel: Channel) -> None:
+    if not channel.finished.is_set():
+        channel.cancelled.set()
+
+
+def _cancel_dropped(channel: Channel) -> None:
+    """Cancels the request of a stream dropped unread, in the engine of this process: sets the flag alone
+    (a finalizer may run inside anything, a send to a model process holding its pipe's lock included)."""
+    if not channel.finished.is_set():
+        threading.Event.set(channel.cancelled)
 
 
 def _drained(events: Any) -> list[Any]:

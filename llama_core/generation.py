@@ -5,12 +5,15 @@ their end, so the facade and a server share one decode loop."""
 from __future__ import annotations
 
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TypedDict
 
 import torch
 
 from . import dialog as chat_format
+from .checkpoint_files import read_model_args
+from .cli_options import DEFAULT_MAX_SEQ_LEN
 from .devices import resolve_kv_cache_dtype
 from .errors import InvalidRequestError, LlamaError
 from .loader import DEFAULT_CKPT_DIR, LoadedModel, load
@@ -18,7 +21,7 @@ from .model import Transformer
 from .runner import ModelRunner
 from .serving.engine import Engine, check_count
 from .serving.events import StreamChunk
-from .serving.requests import check_batch, sampling_params, stop_strings
+from .serving.requests import MAX_SEED, check_batch, sampling_params, stop_strings
 from .serving.stops import cut_at_stop
 from .serving.streams import TextStream, TokenStream
 from .tokenizer import StreamDecoder, Tokenizer
@@ -36,6 +39,24 @@ class ChatPrediction(TypedDict, total=False):
     generation: chat_format.Message
     tokens: list[str]
     logprobs: list[float]
+
+
+def _context(ckpt_dir: Optional[str | Path], asked: Optional[int]) -> int:
+    """The context to allocate: the one asked for (a warning past the model's trained one), else the trained
+    one, at most DEFAULT_MAX_SEQ_LEN."""
+    if asked == 1 and not isinstance(asked, bool):  # other non-positive values: load says so
+        raise InvalidRequestError(f"max_seq_len must be at least 2 (a prompt's first token and one more), got {asked}")
+    try:
+        folder = Path(ckpt_dir).expanduser() if ckpt_dir is not None else DEFAULT_CKPT_DIR
+        trained = read_model_args(folder).max_seq_len
+    except (LlamaError, OSError):  # load says what is wrong with the checkpoint
+        trained = None
+    if asked is None:
+        return min(DEFAULT_MAX_SEQ_LEN, trained or DEFAULT_MAX_SEQ_LEN)
+    if trained is not None and isinstance(asked, int) and asked > trained:
+        warnings.warn(f"max_seq_len {asked} is past the {trained} tokens the model in {folder} was trained for: "
+                      "text past them may lose its way", stacklevel=3)
+    return asked
 
 
 class Llama:
@@ -83,7 +104,7 @@ class Llama:
     def build(
         ckpt_dir: Optional[str | Path] = None,
         tokenizer_path: Optional[str | Path] = None,
-        max_seq_len: int = 2048,
+        max_seq_len: Optional[int] = None,
         max_batch_size: int = 4,
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
@@ -101,7 +122,8 @@ class Llama:
         Args:
             ckpt_dir: checkpoint directory; None loads the project's embedded default model.
             tokenizer_path: SentencePiece model; defaults to tokenizer.model in ckpt_dir, then its parent.
-            max_seq_len: context length to allocate the KV cache for.
+            max_seq_len: context length to allocate the KV cache for; None: the one the model was trained
+                for, at most 2048. Past the trained one, a warning (replies may lose their way there).
             max_batch_size: most sequences generated at once.
             device: "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]".
             dtype: "auto" or a dtype name. "auto" on CUDA is the 16-bit dtype a Hugging Face checkpoint says it
@@ -140,6 +162,11 @@ class Llama:
         """
         if prompt_lookup is not None:  # before the weights load
             check_count("prompt_lookup", prompt_lookup)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+            raise InvalidRequestError(f"seed must be None or an integer from 0 to {MAX_SEED}, got {seed!r}")
+        if not isinstance(compile, bool):
+            raise InvalidRequestError(f"compile must be True or False, got {compile!r}")
+        max_seq_len = _context(ckpt_dir, max_seq_len)
         loaded = load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, device, dtype, device_map,
                       max_memory, tensor_parallel, compile, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
         return Llama(loaded, seed, prompt_lookup)

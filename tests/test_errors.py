@@ -18,6 +18,7 @@ from llama_core import (
     ContextLengthError,
     DialogError,
     InvalidRequestError,
+    Llama,
     LlamaError,
     Tokenizer,
 )
@@ -296,6 +297,25 @@ def test_bad_dtype(meta_ckpt_dir, dtype):
 def test_bad_build_sizes(meta_ckpt_dir, option, value):
     with pytest.raises(InvalidRequestError, match=rf"{option} must be a positive integer, got {value!r}"):
         build_llama(meta_ckpt_dir, **{option: value})
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("seed", "x", "seed must be None or an integer from 0 to 9223372036854775807, got 'x'"),  # not at the first request
+    ("seed", -1, "seed must be None or an integer from 0 to 9223372036854775807, got -1"),
+    ("seed", 2**70, "seed must be None or an integer from 0 to 9223372036854775807, got 1180591620717411303424"),
+    ("seed", 1.5, "seed must be None or an integer .*, got 1.5"),
+    ("compile", "yes", "compile must be True or False, got 'yes'"),
+    ("max_seq_len", 1, r"max_seq_len must be at least 2 \(a prompt's first token and one more\), got 1"),
+])
+def test_bad_build_options(meta_ckpt_dir, option, value, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        build_llama(meta_ckpt_dir, **{option: value})
+
+
+def test_the_context_is_the_trained_one_unless_asked_and_past_it_warns():
+    assert Llama.build(None, max_batch_size=1, device="cpu").max_seq_len == 512  # the embedded model's params.json
+    with pytest.warns(UserWarning, match="max_seq_len 1024 is past the 512 tokens the model in .* was trained for"):
+        assert Llama.build(None, max_seq_len=1024, max_batch_size=1, device="cpu").max_seq_len == 1024
 
 
 # -- requests ---------------------------------------------------------------------------------------

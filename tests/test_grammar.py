@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import needs_stories
 from llama_core import Grammar, InvalidRequestError, Llama, SamplingParams
 from llama_core.dialog import SPECIAL_TAGS
+from llama_core.serving import RequestFailedError, stream_chat
 from llama_core.serving.grammar_matcher import GrammarMatcher, allowed_tokens
 
 PERSON = {
@@ -229,6 +230,21 @@ def test_a_chat_reply_with_a_grammar_never_writes_a_dialog_tag(llama):
                                       max_gen_len=60, grammar=Grammar.regex(r"[A-Za-z\[\]/<> ]{1,40}"))[0]
         text = reply["generation"]["content"]
         assert text and not any(tag in text for tag in SPECIAL_TAGS)
+
+
+def test_a_reply_may_end_where_its_grammar_is_matched_though_it_allows_more(llama):
+    stream = llama.engine.submit(token_ids(llama, "ROMEO:"), 40, temperature=0, logit_bias={llama.tokenizer.eos_id: 100},
+                                 grammar=Grammar.regex(r" [a-z]+( [a-z]+)*"))
+    text = llama.tokenizer.decode([chunk.token for chunk in stream])
+    assert re.fullmatch(r"[a-z]+( [a-z]+)*", text) and stream.finish_reason == "eos"  # decode drops the first space
+
+
+def test_a_chat_grammar_that_needs_a_dialog_tag_fails_saying_so(llama):
+    stream = stream_chat(llama.engine, [{"role": "user", "content": "hi"}], temperature=0,
+                         grammar=Grammar.regex(r"\[INST\] hi"))
+    with pytest.raises(RequestFailedError, match=r"cannot follow its grammar without writing a text a chat reply "
+                                                 r"may not hold \(\[INST\], \[/INST\], <<SYS>>, <</SYS>>\)"):
+        list(stream)  # not an empty reply that ended as if complete
 
 
 def test_requests_without_a_grammar_are_untouched_by_one_beside_them(llama):

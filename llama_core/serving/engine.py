@@ -780,7 +780,10 @@ class Engine:
             self._free(sequence.slot, "cancelled")
             return False
         if token == self.eos_id:
-            self._free(sequence.slot, "eos")
+            if sequence.grammar is not None and not sequence.grammar.accepting:  # drawn as nothing else could be
+                self._free(sequence.slot, "error", sequence.grammar.dead_end)
+            else:
+                self._free(sequence.slot, "eos")
             return False
         if sequence.grammar is not None and not sequence.grammar.accept(token):
             self._free(sequence.slot, "error", f"the reply left its grammar: {sequence.grammar.error}")

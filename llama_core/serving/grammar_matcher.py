@@ -80,6 +80,20 @@ class GrammarMatcher:
         return self._matcher.is_stopped()
 
     @property
+    def accepting(self) -> bool:
+        """Whether the reply may end here: the grammar is matched (though it may allow more)."""
+        return self._matcher.is_accepting()
+
+    @property
+    def dead_end(self) -> str:
+        """Why the reply ends before its grammar is matched: nothing the grammar allows next may be written."""
+        if self._forbidden:
+            tags = ", ".join(text.decode() for text in self._forbidden)
+            return (f"the reply cannot follow its grammar without writing a text a chat reply may not hold "
+                    f"({tags})")
+        return "the reply cannot follow its grammar: no token can come next"
+
+    @property
     def error(self) -> str:
         return first_lines(self._matcher.get_error())
 

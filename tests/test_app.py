@@ -451,9 +451,11 @@ def test_single_process_app_gives_the_same_replies(client):
         assert stats == expected_stats
 
 
-def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_ctrl_c(client):
+@pytest.mark.parametrize("stop_signal", ["SIGINT", "SIGTERM"])
+def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_a_signal(client, stop_signal):
     """`python app.py` as a user runs it: the model in a process of its own, the same replies as the
-    in-process app, and Ctrl-C (SIGINT to the process group) stopping both processes."""
+    in-process app, and Ctrl-C (SIGINT to the process group) or a SIGTERM to the group (systemd, `timeout`)
+    stopping both processes, the engine's not taken for a crash."""
     import os
     import signal
 
@@ -477,7 +479,7 @@ def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_c
         assert Client(url, verbose=False).predict(**complete_args(), api_name="/complete")[0] == expected
         models = httpx.get(url + "v1/models", timeout=10).json()["data"]  # the OpenAI API, same host and port
         assert [m["id"] for m in models] == ["tiny-shakespeare"]
-        os.killpg(process.pid, signal.SIGINT)
+        os.killpg(process.pid, getattr(signal, stop_signal))
         output, _ = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
@@ -493,6 +495,7 @@ def test_app_from_the_command_line_serves_from_its_engine_process_and_stops_on_c
     assert f"Running on local URL: http://127.0.0.1:{port}/" in lines
     assert f"OpenAI-compatible API: http://127.0.0.1:{port}/v1" in lines
     assert "share=True" not in output and "gradio deploy" not in output and "Keyboard interruption" not in output
+    assert lines[-1] == "Stopping." and "warning" not in output  # no restart, no leaked semaphore
     with pytest.raises(ProcessLookupError):  # no process of the group is left: the engine process ended too
         for _ in range(20):
             os.killpg(process.pid, 0)

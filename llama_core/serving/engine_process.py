@@ -401,6 +401,9 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
     except BaseException as exc:  # reported to the parent, which raises it from start()
         conn.send(("failed", type(exc).__name__, str(exc)))
         return
+    # Loaded, it stops when the parent says so: a SIGTERM to the whole group (systemd, `timeout`, Kubernetes)
+    # reaches the parent too, which stops it; ended first, it would be taken for a crash and restarted.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn.send(("ready", loaded.info))
     channels: dict[int, Channel] = {}
     try:

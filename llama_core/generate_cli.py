@@ -66,6 +66,14 @@ def build_parser() -> ArgumentParser:
 def main(argv: Optional[list[str]] = None, stdin: Optional[TextIO] = None, stdout: Optional[TextIO] = None) -> int:
     """Generates once. Returns the exit status: 0; 2 for a bad argument or prompt (a chat message holding
     the chat format's reserved tags included); 1 if generation failed; 130 on Ctrl-C."""
+    try:
+        return _run(argv, stdin, stdout)
+    except KeyboardInterrupt:  # Ctrl-C before generating (torch importing, the model loading): no traceback
+        print(file=sys.stderr)
+        return 130
+
+
+def _run(argv: Optional[list[str]], stdin: Optional[TextIO], stdout: Optional[TextIO]) -> int:
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     try:
         args = build_parser().parse_args(argv)
@@ -109,8 +117,12 @@ def check_output_options(args: argparse.Namespace) -> Optional[Grammar]:
         if args.json:
             return Grammar.json()
         if args.json_schema is not None:
-            text = args.json_schema if args.json_schema.lstrip().startswith("{") else _read(args.json_schema,
-                                                                                           "--json-schema")
+            text = args.json_schema
+            if not text.lstrip().startswith("{"):
+                if not os.path.exists(text):
+                    raise OptionError(f"--json-schema: {text!r} is neither a JSON Schema (an object, in braces) "
+                                      "nor a file")
+                text = _read(text, "--json-schema")
             return Grammar.json_text(text, name="--json-schema")
         if args.regex is not None:
             return Grammar.regex(args.regex, name="--regex")
@@ -146,7 +158,12 @@ def read_prompt(prompt: Optional[str], stdin: TextIO) -> str:
     if stdin.isatty():
         raise OptionError("no prompt: give it as an argument (llama-generate \"ROMEO:\"), or pipe it in "
                           "(echo \"ROMEO:\" | llama-generate)")
-    return stdin.read()
+    try:
+        text = stdin.read()
+        text.encode("utf-8")  # undecodable bytes read as lone surrogates where the locale escapes them
+    except UnicodeError:
+        raise OptionError("the prompt on stdin is not UTF-8 text") from None
+    return text
 
 
 def check_request(prompt: str, chat: bool, system: Optional[str]) -> str | Dialog:

@@ -8,13 +8,16 @@ be, for anything but the device check, and llama_core.loader (through which ever
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
 import socket
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,6 +263,25 @@ def _app_completes(*flags: str, prompt: str = "ROMEO:", max_tokens: int = 12):
     return answer, output
 
 
+@pytest.mark.parametrize("module", [CHAT, GENERATE])
+def test_ctrl_c_while_torch_imports_stops_without_a_traceback(module):
+    args = ["--port", "0"] if module == CHAT else ["ROMEO:"]
+    process = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=interruptible)
+    try:
+        deadline = time.monotonic() + 60
+        while "torch" not in subprocess.run(["cat", f"/proc/{process.pid}/maps"], capture_output=True,
+                                            text=True).stdout and time.monotonic() < deadline:
+            time.sleep(0.02)  # until torch's libraries are being mapped in: the checks' slow part
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 130 and "Traceback" not in output, output
+
+
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_the_app_with_quantized_weights_starts_says_so_and_answers(quantize):
     """`llama-chat --quantize int8` (or int4): the engine process quantizes its model, the start-up line and the
@@ -417,12 +439,21 @@ BAD_GENERATE_ARGUMENTS = {
     "kv cache dtype unknown": (["x", "--kv-cache-dtype", "int8"], ["argument --kv-cache-dtype", "'int8'", "'float16'"]),
     "schema not json": (["x", "--json-schema", "{type: object}"], ["--json-schema is not JSON"]),
     "schema unknown type": (["x", "--json-schema", '{"type": "foo"}'], ["--json-schema is not valid: Invalid type: foo"]),
-    "schema file missing": (["x", "--json-schema", "no-such-schema.json"], ["--json-schema: cannot read",
-                                                                           "no-such-schema.json"]),
+    "schema file missing": (["x", "--json-schema", "no-such-schema.json"], [
+        "--json-schema: 'no-such-schema.json' is neither a JSON Schema (an object, in braces) nor a file"]),
+    "schema neither": (["x", "--json-schema", "notjson{"], ["--json-schema: 'notjson{' is neither a JSON Schema"]),
+    "schema file unreadable": (["x", "--json-schema", str(DEFAULT_CKPT_DIR)], ["--json-schema: cannot read"]),
     "regex broken": (["x", "--regex", "(("], ["--regex is not valid: regex parse error"]),
     "grammar broken": (["x", "--grammar", str(DEFAULT_CKPT_DIR / "params.json")], ["--grammar is not valid"]),
     "two formats": (["x", "--json", "--regex", "a"], ["argument --regex: not allowed with argument --json"]),
 }
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # how the locale may have stdin decode
+def test_a_prompt_on_stdin_that_is_not_utf8_is_named(errors):
+    stdin = io.TextIOWrapper(io.BytesIO(b"ROMEO: \xff\xfe"), encoding="utf-8", errors=errors)
+    with pytest.raises(OptionError, match="^the prompt on stdin is not UTF-8 text$"):
+        generate_cli.read_prompt(None, stdin)
 
 
 @pytest.mark.parametrize("case", BAD_GENERATE_ARGUMENTS)

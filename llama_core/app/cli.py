@@ -106,6 +106,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Runs the app until Ctrl-C. Returns the exit status: 0, or 2 for a bad argument (before anything
     loads) or a model that does not fit its device."""
     try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the app serves (torch importing, the model loading): no traceback
+        return 130
+
+
+def _run(argv: Optional[list[str]]) -> int:
+    try:
         args = build_parser().parse_args(argv)
     except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
         return stop.code

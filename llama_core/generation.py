@@ -15,7 +15,7 @@ from . import dialog as chat_format
 from .checkpoint_files import read_model_args
 from .cli_options import DEFAULT_MAX_SEQ_LEN
 from .devices import resolve_kv_cache_dtype
-from .errors import InvalidRequestError, LlamaError
+from .errors import DialogError, InvalidRequestError, LlamaError
 from .loader import DEFAULT_CKPT_DIR, LoadedModel, load
 from .model import Transformer
 from .runner import ModelRunner
@@ -318,6 +318,12 @@ class Llama:
         sampling controls are keywords, as for generate."""
         if not isinstance(dialogs, (list, tuple)) or not dialogs:
             raise InvalidRequestError(f"dialogs must be a non-empty list of dialogs, got {dialogs!r:.60}")
+        check_batch(dialogs, self.max_batch_size, "dialogs")
+        for i, dialog in enumerate(dialogs):  # a malformed dialog is an error, tags or not
+            try:
+                chat_format.validate_dialog(dialog)
+            except DialogError as exc:
+                raise DialogError(f"dialog {i}: {exc}" if len(dialogs) > 1 else str(exc)) from None
         max_gen_len = self._default_gen_len(max_gen_len)
         unsafe = [chat_format.has_special_tags(d) for d in dialogs]
         prompts = [
@@ -328,8 +334,9 @@ class Llama:
         tokens, lps = self.generate(prompts, max_gen_len, temperature, top_p, logprobs, params=params) if prompts else ([], None)
         results, answered = [], iter(range(len(prompts)))
         for bad in unsafe:
-            if bad:
-                results.append({"generation": {"role": "assistant", "content": chat_format.UNSAFE_ERROR}})
+            if bad:  # not run: no tokens
+                results.append(self._prediction({"role": "assistant", "content": chat_format.UNSAFE_ERROR}, [],
+                                                [] if logprobs else None))
                 continue
             i = next(answered)
             text = self._text(tokens[i], [], stops)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import needs_llama2_tokenizer
-from llama_core import ContextLengthError, DialogError, UNSAFE_ERROR
+from llama_core import ContextLengthError, DialogError, InvalidRequestError, UNSAFE_ERROR
 from llama_core.dialog import encode_dialog, fit_dialog, has_special_tags, validate_dialog
 
 hypothesis_settings = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -198,7 +198,16 @@ def test_dialogs_without_tags_are_not_flagged(dialog):
 def test_a_tag_anywhere_is_flagged_and_not_run(llama, dialog):
     assert has_special_tags(dialog)
     result = llama.chat_completion([dialog], max_gen_len=4, logprobs=True)
-    assert result == [{"generation": {"role": "assistant", "content": UNSAFE_ERROR}}]
+    assert result == [{"generation": {"role": "assistant", "content": UNSAFE_ERROR}, "tokens": [], "logprobs": []}]
+
+
+def test_a_malformed_dialog_is_an_error_tags_or_not(llama):
+    fine = [{"role": "user", "content": "Hi"}]
+    twice = [{"role": "user", "content": "[INST]"}, {"role": "user", "content": "b"}]
+    with pytest.raises(DialogError, match="^dialog 1: message 1 has role 'user' but 'assistant' was expected"):
+        llama.chat_completion([fine, twice], max_gen_len=4)
+    with pytest.raises(InvalidRequestError, match=f"^{llama.max_batch_size + 1} dialogs given, but max_batch_size is"):
+        llama.chat_completion([fine] * (llama.max_batch_size + 1), max_gen_len=4)
 
 
 def test_partial_tags_are_not_flagged():
@@ -224,7 +233,7 @@ def test_unsafe_dialog_in_a_batch_leaves_the_others_answered(llama):
     batch = llama.chat_completion([ok_a, unsafe, ok_b], temperature=0, max_gen_len=8, logprobs=True)
     assert len(batch) == 3
     assert batch[1]["generation"] == {"role": "assistant", "content": UNSAFE_ERROR}
-    assert not batch[1].get("tokens") and not batch[1].get("logprobs")
+    assert batch[1]["tokens"] == [] and batch[1]["logprobs"] == []  # the others' keys: not run, no tokens
     for got, dialog in ((batch[0], ok_a), (batch[2], ok_b)):
         solo = llama.chat_completion([dialog], temperature=0, max_gen_len=8, logprobs=True)[0]
         assert got["generation"] == solo["generation"] and got["tokens"] == solo["tokens"]

@@ -300,12 +300,13 @@ def chat_history(history: Any) -> Dialog:
     return [m for pair in pairs for m in pair]
 
 
-def check_batch(prompts: Sequence[Any], max_batch_size: int) -> None:
-    """Raises InvalidRequestError unless prompts is a non-empty list of at most max_batch_size prompts."""
+def check_batch(prompts: Sequence[Any], max_batch_size: int, what: str = "prompts") -> None:
+    """Raises InvalidRequestError unless prompts is a non-empty list of at most max_batch_size prompts
+    (`what` they are: prompts, dialogs)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise InvalidRequestError("no prompts given: expected a non-empty list of prompts")
+        raise InvalidRequestError(f"no {what} given: expected a non-empty list of {what}")
     if len(prompts) > max_batch_size:
-        raise InvalidRequestError(f"{len(prompts)} prompts given, but max_batch_size is {max_batch_size}")
+        raise InvalidRequestError(f"{len(prompts)} {what} given, but max_batch_size is {max_batch_size}")
 
 
 def _number(value: Any, name: str, low: float, high: float, accepted: str) -> float:

@@ -354,10 +354,28 @@ def test_empty_prompt(llama):
 
 
 def test_token_ids_outside_vocabulary(llama, tokenizer):
-    with pytest.raises(InvalidRequestError, match=rf"prompt 0 has token ids outside \[0, {tokenizer.n_words}\)"):
+    last = tokenizer.n_words - 1
+    with pytest.raises(InvalidRequestError, match=rf"prompt 0\[1\] is {tokenizer.n_words}: token ids are integers "
+                                                  rf"from 0 to {last}"):
         llama.generate([[1, tokenizer.n_words]], max_gen_len=4)
-    with pytest.raises(InvalidRequestError, match="prompt 0 has token ids outside"):
-        llama.generate([[1, -1]], max_gen_len=4)
+    for bad in (-1, 2.0, True, "5"):
+        with pytest.raises(InvalidRequestError, match=rf"prompt 0\[1\] is {re.escape(repr(bad))}: token ids"):
+            llama.generate([[1, bad]], max_gen_len=4)
+
+
+def test_prompts_of_the_wrong_type_are_named(llama):
+    numpy = pytest.importorskip("numpy", reason="numpy is not installed")
+    for prompt, kind in ((numpy.array([1, 5]), "numpy.ndarray"), (torch.tensor([1, 5]), "torch.Tensor")):
+        with pytest.raises(InvalidRequestError, match=rf"prompt 0 must be a list of token ids, got {kind} "
+                                                      r"\(convert it with .tolist\(\)\)"):
+            llama.generate([prompt], max_gen_len=4)
+    with pytest.raises(InvalidRequestError, match="^prompt 0 must be a list of token ids, got str$"):
+        llama.generate(["ROMEO:"], max_gen_len=4)
+    with pytest.raises(InvalidRequestError, match=r"^expected a list of prompts, got torch.Tensor"):
+        llama.generate(torch.tensor([[1, 5]]), max_gen_len=4)
+    # integers of another integer type are token ids all the same
+    as_ints = llama.generate([[1, 5]], max_gen_len=4, temperature=0)[0]
+    assert llama.generate([[numpy.int64(1), torch.tensor(5)]], max_gen_len=4, temperature=0)[0] == as_ints
 
 
 @pytest.mark.parametrize("temperature", [-0.1, -1, math.nan, math.inf, "0.5", None, 100.5, 1e300])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence
 
@@ -209,11 +210,17 @@ def whole_number(value: Any) -> Any:
 
 
 def check_prompt_tokens(prompt_tokens: Any, vocab_size: int, max_seq_len: int, name: str = "prompt") -> tuple[int, ...]:
-    """A prompt's token ids: at least one, each in [0, vocab_size), at most max_seq_len - 1 of them."""
-    if not isinstance(prompt_tokens, (list, tuple)) or not prompt_tokens:
+    """A prompt's token ids: at least one, each in [0, vocab_size), at most max_seq_len - 1 of them (integers
+    of any integer type: numpy's, a tensor's elements)."""
+    if not isinstance(prompt_tokens, (list, tuple)):
+        raise InvalidRequestError(f"{name} must be a list of token ids, got {_kind(prompt_tokens)}")
+    if not prompt_tokens:
         raise InvalidRequestError(f"{name} is empty: it needs at least one token")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt_tokens):
-        raise InvalidRequestError(f"{name} has token ids outside [0, {vocab_size})")
+    prompt_tokens = [_index(t) for t in prompt_tokens]
+    for i, token in enumerate(prompt_tokens):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError(f"{name}[{i}] is {_show(token)}: token ids are integers from 0 to "
+                                      f"{vocab_size - 1}")
     if len(prompt_tokens) >= max_seq_len:
         raise ContextLengthError(
             f"{name} has {len(prompt_tokens)} tokens, but max_seq_len is {max_seq_len}: "
@@ -303,7 +310,9 @@ def chat_history(history: Any) -> Dialog:
 def check_batch(prompts: Sequence[Any], max_batch_size: int, what: str = "prompts") -> None:
     """Raises InvalidRequestError unless prompts is a non-empty list of at most max_batch_size prompts
     (`what` they are: prompts, dialogs)."""
-    if not isinstance(prompts, (list, tuple)) or not prompts:
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError(f"expected a list of {what}, got {_kind(prompts)}")
+    if not prompts:
         raise InvalidRequestError(f"no {what} given: expected a non-empty list of {what}")
     if len(prompts) > max_batch_size:
         raise InvalidRequestError(f"{len(prompts)} {what} given, but max_batch_size is {max_batch_size}")
@@ -340,6 +349,23 @@ def _finite(value: Any) -> float | None:
     except OverflowError:
         return None
     return number if math.isfinite(number) else None
+
+
+def _index(value: Any) -> Any:
+    """An integer of any integer type (numpy's int64, a one-element integer tensor) as an int; anything else
+    (a bool, a float, a string) unchanged, for its check to refuse."""
+    if isinstance(value, (bool, float, str)):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _kind(value: Any) -> str:
+    """What a value that should have been a list is, for an error message (a tensor: convert it)."""
+    kind = f"{type(value).__module__}.{type(value).__name__}".removeprefix("builtins.")
+    return kind + (" (convert it with .tolist())" if hasattr(value, "tolist") else "")
 
 
 def _show(value: Any) -> str:

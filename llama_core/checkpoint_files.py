@@ -73,9 +73,10 @@ def meta_shard_paths(ckpt_dir: Path) -> list[Path]:
     numbers = [int(m.group(1)) for p in paths if (m := re.fullmatch(r"consolidated\.(\d+)\.pth", p.name))]
     if sorted(numbers) != list(range(len(paths))):
         missing = sorted(set(range(max(numbers, default=0) + 1)) - set(numbers))
+        found = ", ".join(p.name for p in paths)
         raise CheckpointNotFoundError(
-            f"weight shards in {ckpt_dir} are not numbered 00..{len(paths) - 1:02d}: "
-            f"missing consolidated.{missing[0] if missing else '?':02}.pth"
+            f"weight shards in {ckpt_dir} must be numbered from consolidated.00.pth on, none missing; found "
+            f"{found}" + (f": consolidated.{missing[0]:02}.pth is missing" if missing else "")
         )
     return paths
 

@@ -53,7 +53,9 @@ def test_directory_without_params_or_config(tmp_path, tokenizer_path):
 def test_missing_first_shard(tmp_path, meta_sharded_ckpt_dir):
     ckpt = copy_ckpt(meta_sharded_ckpt_dir, tmp_path / "ckpt")
     (ckpt / "consolidated.00.pth").unlink()
-    with pytest.raises(CheckpointNotFoundError, match=r"missing consolidated\.00\.pth"):
+    found = ", ".join(sorted(p.name for p in ckpt.glob("consolidated.*.pth")))
+    with pytest.raises(CheckpointNotFoundError, match=r"must be numbered from consolidated\.00\.pth on, none missing; "
+                                                      rf"found {re.escape(found)}: consolidated\.00\.pth is missing"):
         build_llama(ckpt)
 
 

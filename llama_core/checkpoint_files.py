@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .config import ModelArgs
 from .errors import CheckpointError, CheckpointNotFoundError
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 
 def checkpoint_layout(ckpt_dir: Path) -> str:
@@ -79,6 +82,20 @@ def meta_shard_paths(ckpt_dir: Path) -> list[Path]:
             f"{found}" + (f": consolidated.{missing[0]:02}.pth is missing" if missing else "")
         )
     return paths
+
+
+PADDED_ROWS = 64  # a model may have up to 1/64 more vocabulary rows than its tokenizer has pieces
+
+
+def check_vocabulary(tokenizer: "Tokenizer", args: ModelArgs, ckpt_dir: Path) -> None:
+    """Raises CheckpointError unless the model has a vocabulary row for each of the tokenizer's pieces: as many,
+    or a few more (a fine-tune's vocabulary padded for an added token or to a round size, 32001 or 32032 rows
+    for Llama-2's 32,000 pieces: the rows past the pieces are never drawn). Many more means another tokenizer."""
+    pieces, rows = tokenizer.n_words, args.vocab_size
+    if not pieces <= rows <= pieces + pieces // PADDED_ROWS:
+        raise CheckpointError(f"tokenizer {tokenizer.model_path} has {pieces} pieces but the model in {ckpt_dir} has "
+                              f"vocab_size {rows}: the tokenizer is not the model's (a padded vocabulary may have "
+                              f"{pieces} to {pieces + pieces // PADDED_ROWS} rows)")
 
 
 HF_WEIGHTS = (("model.safetensors.index.json", "model.safetensors"),

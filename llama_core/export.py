@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
-from .checkpoint_files import checkpoint_layout, find_tokenizer, read_model_args
+from .checkpoint_files import check_vocabulary, checkpoint_layout, find_tokenizer, read_model_args
 from .cli_options import ArgumentParser, check_checkpoint, check_tokenizer, positive_int
 from .errors import CheckpointError, LlamaError
 
@@ -89,9 +89,7 @@ def export_hf(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None,
     args = read_model_args(ckpt_dir)
     if args.vocab_size == -1:
         args.vocab_size = tokenizer.n_words
-    if args.vocab_size != tokenizer.n_words:
-        raise CheckpointError(f"tokenizer {tokenizer_path} has {tokenizer.n_words} pieces but the model in "
-                              f"{ckpt_dir} has vocab_size {args.vocab_size}")
+    check_vocabulary(tokenizer, args, ckpt_dir)
     state = dict(iter_rank_tensors(ckpt_dir, args))
     with torch.device("meta"):
         check_state_dict(state, Transformer(args), ckpt_dir)

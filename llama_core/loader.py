@@ -13,7 +13,7 @@ import torch
 
 from . import cpu_kernels
 from .checkpoint import load_model
-from .checkpoint_files import find_tokenizer, read_model_args, stored_dtype
+from .checkpoint_files import check_vocabulary, find_tokenizer, read_model_args, stored_dtype
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
@@ -126,11 +126,7 @@ def load(
     args = read_model_args(ckpt_dir)
     if args.vocab_size == -1:
         args.vocab_size = tokenizer.n_words
-    if args.vocab_size != tokenizer.n_words:
-        raise CheckpointError(
-            f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} pieces but the model in "
-            f"{ckpt_dir} has vocab_size {args.vocab_size}"
-        )
+    check_vocabulary(tokenizer, args, ckpt_dir)
     check_quantize(quantize, device_map, tensor_parallel)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype)  # None: the model's
     stored = stored_dtype(ckpt_dir)

@@ -3,10 +3,13 @@ checkpoint layout: prompt log-probabilities and greedy continuations must match 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from conftest import LAYOUTS, build_llama, hf_greedy, hf_logits
+from conftest import LAYOUTS, MAX_SEQ_LEN, build_hf_model, build_llama, hf_greedy, hf_logits
+from llama_core import InvalidRequestError
 
 GREEDY_TOKENS = 40
 MIN_GREEDY_TOKENS = 32
@@ -132,3 +135,37 @@ def test_weights_in_a_cpu_layout_match_hf(layout, meta_ckpt_dir, hf_model, token
         reference = torch.log_softmax(hf_logits(hf_model, prompt + expected), dim=-1)
         expected_lps = [float(reference[len(prompt) - 1 + i, t]) for i, t in enumerate(expected)]
         torch.testing.assert_close(torch.tensor(logprobs[0]), torch.tensor(expected_lps), atol=1e-4, rtol=0)
+
+
+def test_a_padded_vocabulary_matches_hf_and_its_padding_is_never_drawn(tmp_path, tiny_args, tiny_state_dict,
+                                                                       tokenizer_path, tokenizer):
+    """A fine-tune's vocabulary padded past the tokenizer's pieces (Llama-2's 32,000 as 32001 or 32032 rows):
+    the same logits as transformers, and greedy the same as transformers' restricted to the pieces (the rows
+    past them have no text). Their output rows are made large enough to win, unrestricted."""
+    padding = tokenizer.n_words // 64
+    args = dataclasses.replace(tiny_args, vocab_size=tokenizer.n_words + padding)
+    generator = torch.Generator().manual_seed(7)
+    state = dict(tiny_state_dict)
+    state["tok_embeddings.weight"] = torch.cat([state["tok_embeddings.weight"], torch.randn(padding, args.dim,
+                                                                                             generator=generator)])
+    state["output.weight"] = torch.cat([state["output.weight"],
+                                        8 * torch.randn(padding, args.dim, generator=generator)])
+    hf = build_hf_model(state, args, MAX_SEQ_LEN)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    (tmp_path / "tokenizer.model").write_bytes(tokenizer_path.read_bytes())
+    llama = build_llama(tmp_path)
+    prompt = prompts(tokenizer)[0]
+    with torch.inference_mode():
+        ours = llama.model(torch.tensor([prompt]), kv_len=len(prompt))[0]
+    torch.testing.assert_close(ours, hf_logits(hf, prompt), atol=1e-4, rtol=1e-5)  # the padding: large logits
+    assert (ours.argmax(-1) >= tokenizer.n_words).any()  # the padding would win unrestricted
+
+    generated = llama.generate([prompt], 24, temperature=0, logprobs=True)
+    tokens, reference = generated[0][0], []
+    for _ in range(len(tokens)):
+        reference.append(int(hf_logits(hf, prompt + reference)[-1, : tokenizer.n_words].argmax()))
+    assert tokens == reference and max(tokens) < tokenizer.n_words
+    sampled = llama.generate([prompt], 24, temperature=1.0, top_p=1.0, seed=3)[0][0]
+    assert max(sampled) < tokenizer.n_words
+    with pytest.raises(InvalidRequestError, match=rf"token ids are integers from 0 to {tokenizer.n_words - 1}"):
+        llama.generate([[1, tokenizer.n_words]], 4)  # a padding row's id has no text: not a prompt token

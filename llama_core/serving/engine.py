@@ -191,6 +191,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
         self.eos_id = model.tokenizer.eos_id
+        self.words = model.tokenizer.n_words  # a model's padded vocabulary may have more rows: never drawn
         self.generator = torch.Generator()  # draws a seed for each request that brings none
         if seed is None:
             self.generator.seed()
@@ -334,7 +335,7 @@ class Engine:
         as `name`)."""
         params = sampling_params(temperature, top_p, logprobs, params, **controls)
         return GenerationRequest.checked(prompt_tokens, max_new_tokens, params, prompt_logprobs,
-                                         vocab_size=self.runner.args.vocab_size, max_seq_len=self.runner.max_seq_len,
+                                         vocab_size=self.words, max_seq_len=self.runner.max_seq_len,
                                          name=name, prediction_tokens=prediction_tokens)
 
     def add(self, request: GenerationRequest, channel: Channel) -> None:
@@ -539,7 +540,8 @@ class Engine:
         rows = cache_rows([s.slot for s in group], device)
         if group[0].request.prompt_logprobs:  # such a request is prefilled alone, all of its prompt
             all_logits = self.runner.prefill(tokens, positions, rows, kv_len)
-            values, alternatives = _prompt_scores(all_logits[0, :-1], tokens[0, 1:], group[0].params.top_logprobs)
+            values, alternatives = _prompt_scores(self._in_words(all_logits[0, :-1]), tokens[0, 1:],
+                                                  group[0].params.top_logprobs)
             group[0].channel.events.put(PromptLogprobs(values, alternatives))
             logits = all_logits[:, -1]
         else:
@@ -579,7 +581,7 @@ class Engine:
                     targets = tokens[0]
                 else:
                     targets = tokens[0, 1:]
-                values, alternatives = _prompt_scores(logits[:-1], targets, sequence.params.top_logprobs)
+                values, alternatives = _prompt_scores(self._in_words(logits[:-1]), targets, sequence.params.top_logprobs)
                 sequence.prompt_lps += values
                 sequence.prompt_alternatives += alternatives or []
                 sequence.carried_logits = logits[-1]
@@ -698,7 +700,7 @@ class Engine:
         device = self.runner.device
         params = [s.params for s in sequences]
         aheads = ahead if isinstance(ahead, list) else [ahead] * len(sequences)
-        raw_logits = logits
+        raw_logits = logits = self._in_words(logits)
         if any(p.penalized for p in params):
             logits = self._penalized(sequences, logits)
         if any(p.logit_bias for p in params):  # only the biased tokens' logits move: no [rows, vocab] from the host
@@ -729,6 +731,15 @@ class Engine:
             logprobs = torch.full_like(raw_logits[:, 0], math.nan)
         most = max(p.top_logprobs for p in params)
         return next_tokens, logprobs, top_logprobs(raw_logits, most) if most else None
+
+    def _in_words(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., vocab] with a padded vocabulary's tokens past the tokenizer's words at -inf: never drawn
+        or listed (they have no text), and out of the log-probabilities; others unchanged."""
+        if logits.shape[-1] <= self.words:
+            return logits
+        masked = logits.clone()
+        masked[..., self.words :] = -math.inf
+        return masked
 
     def _penalized(self, sequences: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
         device = self.runner.device

@@ -87,12 +87,17 @@ def meta_shard_paths(ckpt_dir: Path) -> list[Path]:
 PADDED_ROWS = 64  # a model may have up to 1/64 more vocabulary rows than its tokenizer has pieces
 
 
+def vocabulary_fits(pieces: int, rows: int) -> bool:
+    """Whether a model of `rows` vocabulary rows goes with a tokenizer of `pieces` (see check_vocabulary)."""
+    return pieces <= rows <= pieces + pieces // PADDED_ROWS
+
+
 def check_vocabulary(tokenizer: "Tokenizer", args: ModelArgs, ckpt_dir: Path) -> None:
     """Raises CheckpointError unless the model has a vocabulary row for each of the tokenizer's pieces: as many,
     or a few more (a fine-tune's vocabulary padded for an added token or to a round size, 32001 or 32032 rows
     for Llama-2's 32,000 pieces: the rows past the pieces are never drawn). Many more means another tokenizer."""
     pieces, rows = tokenizer.n_words, args.vocab_size
-    if not pieces <= rows <= pieces + pieces // PADDED_ROWS:
+    if not vocabulary_fits(pieces, rows):
         raise CheckpointError(f"tokenizer {tokenizer.model_path} has {pieces} pieces but the model in {ckpt_dir} has "
                               f"vocab_size {rows}: the tokenizer is not the model's (a padded vocabulary may have "
                               f"{pieces} to {pieces + pieces // PADDED_ROWS} rows)")

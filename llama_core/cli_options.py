@@ -13,11 +13,13 @@ line and exits with status 2 before any weight is read.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .checkpoint_files import checkpoint_layout, find_tokenizer, read_model_args, stored_dtype, weight_files
+from .checkpoint_files import (checkpoint_layout, find_tokenizer, read_model_args, stored_dtype, vocabulary_fits,
+                               weight_files)
 from .config import ModelArgs
 from .errors import CheckpointError, CheckpointNotFoundError, LlamaError
 from .resources import DEFAULT_CKPT_DIR, PACKAGE_DIR
@@ -122,14 +124,24 @@ def check_model_options(options: argparse.Namespace, device_map: Optional[str] =
     args = read_model_args(ckpt_dir)
     if args.vocab_size == -1:
         args.vocab_size = vocab_size
-    if args.vocab_size != vocab_size:
+    if not vocabulary_fits(vocab_size, args.vocab_size):
         raise OptionError(f"--tokenizer {tokenizer_path} has {vocab_size:,} pieces but the model in {ckpt_dir} has "
                           f"vocab_size {args.vocab_size:,}: pass the tokenizer.model that came with these weights")
     max_seq_len, warnings = check_context(options.max_seq_len, options.allow_longer_context, args, ckpt_dir.name)
+    warnings += thread_warnings(getattr(options, "threads", None))
     quantize = check_quantize(options.quantize, device_map)
     device, dtype = check_device(options.device, options.dtype, device_map, stored_dtype(ckpt_dir))
     return ModelPlan(ckpt_dir, tokenizer_path, args, max_seq_len, device, dtype, warnings, quantize,
                      options.kv_cache_dtype)
+
+
+def thread_warnings(threads: Optional[int]) -> tuple[str, ...]:
+    """A warning where --threads asks for more threads than this process may run at once."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads is None or threads <= cores:
+        return ()
+    return (f"--threads {threads} is more than the {cores} CPU core(s) this process may use: threads then take "
+            f"turns on a core, and run slower than {cores} would",)
 
 
 def check_memory(plan: ModelPlan, max_batch_size: int, compile: bool = False) -> None:

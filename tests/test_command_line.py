@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from llama_core import DEFAULT_CKPT_DIR, Llama
-from llama_core.cli_options import DEFAULT_MAX_SEQ_LEN, OptionError, check_context
+from llama_core.cli_options import DEFAULT_MAX_SEQ_LEN, OptionError, check_context, check_model_options, thread_warnings
 from llama_core.checkpoint_files import read_model_args
 from llama_core.cpu_kernels.build import expected
 from llama_core import generate_cli
@@ -198,6 +198,30 @@ def test_an_unknown_device_is_refused(device):
     result = run(CHAT, "--device", device)
     assert result.status == 2 and f"--device '{device}': must be auto, cpu, cuda or cuda:N" in result.errors[0]
     assert "llama_core.loader" not in result.imported
+
+
+@pytest.mark.parametrize("padding, fits", [(0, True), (32, True), (33, False), (-1, False)])
+def test_a_vocabulary_padded_a_little_past_the_tokenizers_is_taken(tmp_path, padding, fits):
+    """The embedded model's 2,048 pieces: up to 1/64 more rows (32) is a padded vocabulary, more another tokenizer."""
+    from llama_core.generate_cli import build_parser
+
+    params = json.loads((DEFAULT_CKPT_DIR / "params.json").read_text())
+    (tmp_path / "params.json").write_text(json.dumps({**params, "vocab_size": 2048 + padding}))
+    for name in ("consolidated.00.pth", "tokenizer.model"):
+        (tmp_path / name).symlink_to(DEFAULT_CKPT_DIR / name)
+    options = build_parser().parse_args(["x", "--ckpt-dir", str(tmp_path), "--device", "cpu"])
+    if fits:
+        assert check_model_options(options).args.vocab_size == 2048 + padding
+    else:
+        with pytest.raises(OptionError, match=f"has 2,048 pieces but the model .* has vocab_size {2048 + padding:,}"):
+            check_model_options(options)
+
+
+def test_more_threads_than_cores_is_taken_with_a_warning():
+    cores = len(os.sched_getaffinity(0))
+    assert thread_warnings(None) == thread_warnings(cores) == ()
+    [warning] = thread_warnings(cores + 1)
+    assert warning.startswith(f"--threads {cores + 1} is more than the {cores} CPU core(s) this process may use")
 
 
 # -- the context: the checkpoint's own, and beyond it only when asked -------------------------------------------

@@ -52,8 +52,10 @@ class Grammar:
         OpenAI API's "json_object" response format gives."""
         if schema is None:
             schema = {"type": "object"}
-        if isinstance(schema, bool):
-            schema = {} if schema else {"not": {}}
+        if schema is False:
+            raise InvalidRequestError(f"{name} is false, which no reply can match")
+        if schema is True:
+            schema = {}
         if not isinstance(schema, dict):
             raise InvalidRequestError(f"{name} must be a JSON Schema object, got {type(schema).__name__}")
         try:

@@ -57,6 +57,7 @@ def follows_person(value) -> bool:
      "response_format.json_schema.schema is not valid"),
     (lambda: Grammar.json_text("{type", name="--json-schema"), "--json-schema is not JSON"),
     (lambda: Grammar.json_text("null"), "schema must be a JSON Schema object, got NoneType"),
+    (lambda: Grammar.json(False), "schema is false, which no reply can match"),
     (lambda: Grammar.regex("(("), "pattern is not valid: regex parse error"),
     (lambda: Grammar.regex(""), "pattern must be a non-empty string"),
     (lambda: Grammar.lark("start: missing"), "grammar is not valid"),

@@ -300,8 +300,12 @@ class Llama:
             prompt_tokens, self._default_gen_len(max_gen_len), temperature, top_p, logprobs, echo, **controls
         )
         stops = stop_strings(controls.get("stop"))
-        return [self._prediction(self._text(t, p if echo else [], stops), t, lps[i] if lps else None)
-                for i, (t, p) in enumerate(zip(tokens, prompt_tokens))]
+        results = []
+        for i, (t, p) in enumerate(zip(tokens, prompt_tokens)):
+            text = self._text(t, p if echo else [], stops)
+            n = self._writing(t, text)
+            results.append(self._prediction(text, t[:n], lps[i][:n] if lps else None))
+        return results
 
     def chat_completion(
         self,
@@ -340,7 +344,9 @@ class Llama:
                 continue
             i = next(answered)
             text = self._text(tokens[i], [], stops)
-            results.append(self._prediction({"role": "assistant", "content": text}, tokens[i], lps[i] if lps else None))
+            n = self._writing(tokens[i], text)
+            results.append(self._prediction({"role": "assistant", "content": text}, tokens[i][:n],
+                                            lps[i][:n] if lps else None))
         return results
 
     def prepare_chat(self, dialog: chat_format.Dialog, max_gen_len: int) -> chat_format.FittedDialog:
@@ -368,6 +374,20 @@ class Llama:
             return text
         prompt_text = self.tokenizer.decode(prompt) if prompt else ""
         return prompt_text + cut_at_stop(text[len(prompt_text):], stops)
+
+    def _writing(self, tokens: list[int], text: str) -> int:
+        """How many of tokens it takes to write text, the generation cut before a stop string: the tokens past
+        those wrote only the stop string (or a dialog tag), so a result's tokens and logprobs leave them out."""
+        if len(self.tokenizer.decode(tokens)) <= len(text):
+            return len(tokens)
+        low, high = 0, len(tokens)  # the shortest prefix whose text reaches text's end
+        while low < high:
+            middle = (low + high) // 2
+            if len(self.tokenizer.decode(tokens[:middle])) >= len(text):
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     def _default_gen_len(self, max_gen_len: Optional[int]) -> int:
         return self.max_seq_len - 1 if max_gen_len is None else max_gen_len

@@ -131,6 +131,26 @@ def test_stop_strings_end_generation_and_are_never_shown(llama, tokenizer):
         assert stream.generated_tokens < 40
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_results_tokens_and_logprobs_end_with_its_text_not_the_stop_string(llama, tokenizer, chat):
+    dialog = [{"role": "user", "content": "Speak of the king."}]
+    prompt = llama.prepare_chat(dialog, 40).prompt_tokens if chat else tokenizer.encode("Once upon a", True, False)
+    ids = llama.generate([prompt], 40, temperature=0, stop=list(SPECIAL_TAGS) if chat else None)[0][0]
+    full = tokenizer.decode(ids)
+    stop = full[len(full) // 2 : len(full) // 2 + 4]  # inside the text: several tokens are the stop's alone
+    if chat:
+        cut = llama.chat_completion([dialog], temperature=0, max_gen_len=40, stop=[stop], logprobs=True)[0]
+        text = cut["generation"]["content"]
+    else:
+        cut = llama.text_completion(["Once upon a"], temperature=0, max_gen_len=40, stop=[stop], logprobs=True)[0]
+        text = cut["generation"]
+    kept = len(cut["tokens"])
+    assert text == full[: full.index(stop)] and len(cut["logprobs"]) == kept
+    assert cut["tokens"] == [tokenizer.decode([t]) for t in ids[:kept]]
+    # the tokens kept write the text, and one fewer would not
+    assert len(tokenizer.decode(ids[:kept])) >= len(text) > len(tokenizer.decode(ids[: kept - 1]))
+
+
 def _fake_tokens(tokenizer, text: str) -> tuple[TokenStream, str]:
     """A finished token stream of text's tokens, and the text they decode to."""
     channel = Channel()

@@ -223,8 +223,11 @@ def generate(plan: ModelPlan, args: argparse.Namespace, params: SamplingParams, 
         if engine is not None:
             engine.close()
     if status is not None:
+        reason = stream.finish_reason
+        if reason == "length" and stream.prompt_tokens + stream.generated_tokens >= stream.max_seq_len:
+            reason += f": the context's {stream.max_seq_len} tokens are full (--max-seq-len)"
         print(f"[{stream.generated_tokens} tokens, {stream.tokens_per_second:.1f} tokens/s, finish reason: "
-              f"{stream.finish_reason}]", file=status)
+              f"{reason}]", file=status)
     return 0
 
 if __name__ == "__main__":

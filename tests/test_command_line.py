@@ -349,8 +349,14 @@ def test_generate_completes_the_prompt_argument_as_the_python_api_does(llama):
     assert result.errors[0] == f"tiny-shakespeare: 3.1 M parameters, context {TRAINED_FOR} tokens (trained for " \
                                f"{TRAINED_FOR}), cpu, float32"
     assert any(line.startswith("Loading weights: 100%") for line in result.errors)  # tqdm's \r: lines here
-    assert result.errors[-1].startswith("[32 tokens, ")
+    assert result.errors[-1].startswith("[32 tokens, ") and result.errors[-1].endswith("finish reason: length]")
     assert "gradio" not in result.imported
+
+
+def test_generate_says_when_the_context_ended_the_text():
+    result = run(GENERATE, "ROMEO:", "--temperature", "1", "--seed", "1", "--max-seq-len", "24", "--device", "cpu")
+    assert result.status == 0
+    assert result.errors[-1].endswith("finish reason: length: the context's 24 tokens are full (--max-seq-len)]")
 
 
 def test_generate_chats_with_the_message_from_stdin(llama):

@@ -123,8 +123,12 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
     "quantization unknown": (["--quantize", "bogus"], ["argument --quantize", "'bogus'", "'none', 'int8', 'int4'"]),
     "int8 with a device map": (["--quantize", "int8", "--device-map", "auto"],
                                ["--quantize int8 and --device-map auto exclude each other"]),
-    "share open to anyone": (["--share"], ["--share makes a public link", "--auth USER:PASSWORD", "--api-key KEY",
-                                           "--share-without-auth"]),
+    "share open to anyone": (["--share"], ["--share makes a public link to the page and the API alike: protect both "
+                                           "with --auth USER:PASSWORD", "and --api-key KEY", "--share-without-auth"]),
+    "share with a login alone": (["--share", "--auth", "a:b"], [  # the link reaches /v1 too
+        "protect the other half too with --api-key KEY (the OpenAI API under /v1), or pass --share-without-auth"]),
+    "share with a key alone": (["--share", "--api-key", "k"], [
+        "protect the other half too with --auth USER:PASSWORD (the page and its Gradio API), or pass"]),
     "login without a password": (["--auth", "alice"], ["--auth alice", "USER:PASSWORD"]),
     "empty API key": (["--api-key", " "], ["--api-key", "must not be empty"]),
     "empty model name": (["--model-name", ""], ["--model-name must not be empty"]),
@@ -146,6 +150,15 @@ def test_a_bad_app_argument_gets_one_line_naming_it_before_anything_loads(case, 
         assert part.format(root=checkpoints) in result.errors[0]
     # memory is judged once the device is known, which imports torch; still nothing loads
     assert result.stdout == "" and result.imported == (["torch"] if case == "more slots than memory" else [])
+
+
+def test_listening_on_the_network_with_a_half_open_warns():
+    from llama_core.app.cli import network_warnings
+
+    assert network_warnings("127.0.0.1", [], []) == network_warnings("0.0.0.0", ["k"], [("a", "b")]) == []
+    [warning] = network_warnings("0.0.0.0", ["k"], [])
+    assert warning == ("--host 0.0.0.0 serves on the network: anyone who can reach this machine can use what "
+                       "--auth USER:PASSWORD (the page and its Gradio API) would guard")
 
 
 def test_a_tokenizer_of_another_model_is_refused(tokenizer_path):

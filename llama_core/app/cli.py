@@ -52,9 +52,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--port", type=port_number, default=7860, help="port to listen on; 0 takes any free one "
                    "(default: 7860)")
     p.add_argument("--share", action="store_true", help="also ask Gradio for a public share link (needs internet; "
-                   "without it the app still serves locally); needs --auth or --api-key, since the link is public")
+                   "without it the app still serves locally); needs --auth (the page) and --api-key (the OpenAI "
+                   "API), since the link is public and reaches both")
     p.add_argument("--share-without-auth", action="store_true",
-                   help="allow --share with neither --auth nor --api-key: anyone with the link can use the model")
+                   help="allow --share without --auth and --api-key: anyone with the link can use what they would "
+                   "guard")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on the OpenAI-compatible API (/v1); repeat for several "
                    f"keys, or list them in ${API_KEYS_VARIABLE}, comma-separated")
@@ -81,12 +83,29 @@ def access_options(args) -> tuple[list[str], list[tuple[str, str]]]:
         if not colon or not user.strip() or not password:
             raise OptionError(f"--auth {pair.split(':')[0]}...: give a login as USER:PASSWORD, both non-empty")
         logins.append((user.strip(), password))
-    if args.share and not (keys or logins or args.share_without_auth):
-        raise OptionError("--share makes a public link: protect it with --auth USER:PASSWORD (the page) and/or "
-                          "--api-key KEY (the API), or pass --share-without-auth to share it open to anyone")
+    open_halves = _unguarded(keys, logins)
+    if args.share and open_halves and not args.share_without_auth:  # the link forwards the whole port
+        raise OptionError("--share makes a public link to the page and the API alike: protect "
+                          + ("both with " if len(open_halves) == 2 else "the other half too with ")
+                          + " and ".join(open_halves) + ", or pass --share-without-auth to share it open to anyone")
     if args.model_name is not None and not args.model_name.strip():
         raise OptionError("--model-name must not be empty")
     return [key.strip() for key in keys], logins
+
+
+def _unguarded(keys: list[str], logins: list[tuple[str, str]]) -> list[str]:
+    """The flags that would guard what is open: the page and its Gradio API (--auth), the OpenAI API (--api-key)."""
+    return [flag for flag, given in (("--auth USER:PASSWORD (the page and its Gradio API)", logins),
+                                     ("--api-key KEY (the OpenAI API under /v1)", keys)) if not given]
+
+
+def network_warnings(host: str, keys: list[str], logins: list[tuple[str, str]]) -> list[str]:
+    """A warning where the app listens beyond this machine with a half of it open to whoever reaches it."""
+    open_halves = _unguarded(keys, logins)
+    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.") or not open_halves:
+        return []
+    return [f"--host {host} serves on the network: anyone who can reach this machine can use what "
+            f"{' and '.join(open_halves)} would guard"]
 
 
 APP_PACKAGES = ("gradio", "fastapi", "uvicorn", "pydantic")  # the app extra's (pyproject.toml)
@@ -133,7 +152,7 @@ def _run(argv: Optional[list[str]]) -> int:
         return 2
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"{plan.summary()}, {args.max_batch_size} requests at a time", flush=True)
-        for warning in plan.warnings:
+        for warning in [*plan.warnings, *network_warnings(args.host, api_keys, logins)]:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         if plan.device.startswith("cuda") and not args.compile and "RANK" not in os.environ:
             print("note: --compile decodes with CUDA graphs (a 7B model on an H100: 184 tokens/s for one request); "

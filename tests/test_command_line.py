@@ -123,6 +123,8 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
     "quantization unknown": (["--quantize", "bogus"], ["argument --quantize", "'bogus'", "'none', 'int8', 'int4'"]),
     "int8 with a device map": (["--quantize", "int8", "--device-map", "auto"],
                                ["--quantize int8 and --device-map auto exclude each other"]),
+    "compile with a device map": (["--compile", "--device-map", "auto"],
+                                  ["--compile and --device-map exclude each other"]),
     "share open to anyone": (["--share"], ["--share makes a public link to the page and the API alike: protect both "
                                            "with --auth USER:PASSWORD", "and --api-key KEY", "--share-without-auth"]),
     "share with a login alone": (["--share", "--auth", "a:b"], [  # the link reaches /v1 too
@@ -150,6 +152,16 @@ def test_a_bad_app_argument_gets_one_line_naming_it_before_anything_loads(case, 
         assert part.format(root=checkpoints) in result.errors[0]
     # memory is judged once the device is known, which imports torch; still nothing loads
     assert result.stdout == "" and result.imported == (["torch"] if case == "more slots than memory" else [])
+
+
+def test_compile_under_torchrun_is_refused_naming_the_flag(monkeypatch, capsys):
+    from llama_core.app import cli
+
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):  # a rank that serves no socket
+        monkeypatch.setenv(name, value)
+    assert cli.main(["--compile"]) == 2
+    assert capsys.readouterr().err == ("error: --compile and tensor parallelism (torchrun) exclude each other: "
+                                       "leave out --compile\n")
 
 
 def test_listening_on_the_network_with_a_half_open_warns():

@@ -143,6 +143,11 @@ def _run(argv: Optional[list[str]]) -> int:
         prompts = load_prompts()
         if args.max_memory is not None and args.device_map is None:
             raise OptionError("--max-memory goes with --device-map: add --device-map auto, or leave out --max-memory")
+        if args.compile and args.device_map is not None:
+            raise OptionError("--compile and --device-map exclude each other: the compiled step runs a model on one "
+                              "device; leave out one of them")
+        if args.compile and all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+            raise OptionError("--compile and tensor parallelism (torchrun) exclude each other: leave out --compile")
         plan = check_model_options(args, args.device_map)
         check_memory(plan, args.max_batch_size, args.compile)
         if args.max_memory is not None:

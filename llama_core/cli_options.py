@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -104,6 +105,11 @@ def non_negative_int(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text!r}")
     return int(text)
+
+
+def plain_warnings() -> None:
+    """Shows Python warnings as a command's own lines, `warning: ...`, not with their source file and line."""
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
 
 
 def positive_int(text: str) -> int:

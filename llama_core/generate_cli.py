@@ -19,7 +19,7 @@ import sys
 from typing import Optional, TextIO
 
 from .cli_options import (ArgumentParser, ModelPlan, OptionError, add_model_options, check_memory, check_model_options,
-                          positive_int)
+                          plain_warnings, positive_int)
 from .dialog import SPECIAL_TAGS, Dialog, has_special_tags
 from .errors import InvalidRequestError, LlamaError
 from .grammar import Grammar
@@ -66,6 +66,7 @@ def build_parser() -> ArgumentParser:
 def main(argv: Optional[list[str]] = None, stdin: Optional[TextIO] = None, stdout: Optional[TextIO] = None) -> int:
     """Generates once. Returns the exit status: 0; 2 for a bad argument or prompt (a chat message holding
     the chat format's reserved tags included); 1 if generation failed; 130 on Ctrl-C."""
+    plain_warnings()
     try:
         return _run(argv, stdin, stdout)
     except KeyboardInterrupt:  # Ctrl-C before generating (torch importing, the model loading): no traceback

@@ -378,6 +378,15 @@ def test_generate_completes_the_prompt_argument_as_the_python_api_does(llama):
     assert "gradio" not in result.imported
 
 
+def test_a_warning_is_one_line_of_the_commands_own():
+    result = subprocess.run([sys.executable, "-m", GENERATE, "ROMEO:", "--max-new-tokens", "2", "--device", "cpu"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "CC": "/nonexistent"})
+    assert result.returncode == 0, result.stderr
+    [warning] = [line for line in result.stderr.splitlines() if "no C compiler" in line]
+    assert warning.startswith("warning: llama_core: no C compiler ('/nonexistent') found")  # no file, no line
+
+
 def test_generate_says_when_the_context_ended_the_text():
     result = run(GENERATE, "ROMEO:", "--temperature", "1", "--seed", "1", "--max-seq-len", "24", "--device", "cpu")
     assert result.status == 0

@@ -15,7 +15,7 @@ import sys
 from typing import Optional
 
 from ..cli_options import (ArgumentParser, OptionError, add_model_options, check_memory, check_model_options,
-                           non_negative_int, positive_int)
+                           non_negative_int, plain_warnings, positive_int)
 from ..errors import LlamaError
 from ..prompt_library import load_prompts
 from .address import listen_socket, port_number
@@ -124,6 +124,7 @@ def check_app_packages() -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     """Runs the app until Ctrl-C. Returns the exit status: 0, or 2 for a bad argument (before anything
     loads) or a model that does not fit its device."""
+    plain_warnings()
     try:
         return _run(argv)
     except KeyboardInterrupt:  # Ctrl-C before the app serves (torch importing, the model loading): no traceback
@@ -156,7 +157,9 @@ def _run(argv: Optional[list[str]]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
-        print(f"{plan.summary()}, {args.max_batch_size} requests at a time", flush=True)
+        parallel = (f", tensor parallel over {os.environ['WORLD_SIZE']} processes"
+                    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) else "")
+        print(f"{plan.summary()}{parallel}, {args.max_batch_size} requests at a time", flush=True)
         for warning in [*plan.warnings, *network_warnings(args.host, api_keys, logins)]:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         if plan.device.startswith("cuda") and not args.compile and "RANK" not in os.environ:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -390,6 +391,7 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
     it all, the one that loaded the model (a second would share the interpreter, and OpenMP's workers, with
     the turns): a turn, then whatever commands came during it; with nothing to do, it waits for the next."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches both; the parent stops the child
+    warnings.formatwarning = lambda message, *_: f"warning: {message}\n"  # on the parent's terminal, as its lines
     if threads:
         torch.set_num_threads(threads)
     outbox = _Outbox(conn.send)

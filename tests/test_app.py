@@ -683,3 +683,26 @@ def test_any_arguments_get_an_answer_or_an_error_naming_the_problem(client, call
         assert UNEXPLAINED not in str(error) and str(error).strip(), (arguments, str(error))
     else:
         assert isinstance(result if api_name == "/chat" else result[0], str)
+
+
+# -- files: only what was uploaded ----------------------------------------------------------------------------
+def test_the_import_button_takes_only_an_uploaded_file_and_uploads_are_bounded(served, tmp_path):
+    """A request naming a file on the server's disk is not read (the app is mounted, not launched: Gradio's
+    check of a request's paths is on all the same), and an upload larger than any conversation is refused."""
+    from llama_core.app import server
+
+    url = served[1]
+    config = httpx.get(url + "config", timeout=30).json()
+    [import_id] = [c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == "chat-import"]
+    [fn_index] = [i for i, d in enumerate(config["dependencies"]) if import_id in d["inputs"]]
+    secret = tmp_path / "conversation.json"  # a valid export, on the server's disk but never uploaded
+    secret.write_text(json.dumps({"title": "from the disk", "messages": [{"role": "user", "content": "hi"}]}))
+    answer = httpx.post(url + "gradio_api/run/predict", timeout=60, json={
+        "data": [{"path": str(secret), "meta": {"_type": "gradio.FileData"}}, None, None], "fn_index": fn_index,
+        "session_hash": "import-probe"}).json()
+    assert "Imported" not in json.dumps(answer)
+    assert "not uploaded by a user" in answer.get("error", "") or "not uploaded" in json.dumps(answer)
+    too_large = httpx.post(url + "gradio_api/upload", timeout=60,
+                           files={"files": ("big.json", b"x" * (server.MAX_UPLOAD_BYTES + 1))})
+    assert too_large.status_code == 413
+    assert httpx.get(url + "health", timeout=10).status_code == 200  # and it goes on serving

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -353,3 +355,17 @@ def test_a_turns_notice_is_told_from_a_reply():
     parts = [{"role": "user", "content": [{"type": "text", "text": "[INST]"}]}, refused[1]]  # Gradio's text parts
     assert c.refused_turn(messages + parts, messages) == "[INST]"
     assert c.refused_turn("not a list", messages) is None
+
+
+def test_exports_are_written_each_in_a_folder_of_their_own_and_old_ones_removed(monkeypatch):
+    files = c.ExportFiles()
+    conversation = chat(("hi", "ho"))
+    first = Path(files.write(conversation, "json"))
+    assert first.read_text(encoding="utf-8") == c.to_json(conversation)
+    second = Path(files.write(conversation, "md"))
+    assert first.is_file() and second.read_text(encoding="utf-8") == c.to_markdown(conversation)
+    assert first.parent != second.parent and first.parent.parent == second.parent.parent == files.root
+    later = time.time() + c.ExportFiles.KEEP_SECONDS + 1
+    monkeypatch.setattr(c.time, "time", lambda: later)
+    third = Path(files.write(conversation, "json"))
+    assert not first.exists() and not second.exists() and third.is_file()  # handed over long since: gone

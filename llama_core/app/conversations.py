@@ -12,12 +12,16 @@ Everything here returns new values and never changes its arguments (Gradio share
 
 from __future__ import annotations
 
+import atexit
 import html
 import json
 import math
 import re
+import shutil
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Optional
 
 from ..dialog import SPECIAL_TAGS, encode_dialog, reply_room
@@ -288,6 +292,28 @@ def to_markdown(conversation: dict) -> str:
     for message in conversation["messages"]:
         lines += [f"**{message['role'].capitalize()}:**", "", message["content"].strip(), ""]
     return "\n".join(lines)
+
+
+class ExportFiles:
+    """Where exported conversations are written for the page to hand over: one folder for the server, each
+    export in a folder of its own. Gradio copies a file into its cache as it hands it over, so an export
+    older than KEEP_SECONDS is removed at the next one, and the whole folder when the process exits."""
+
+    KEEP_SECONDS = 600
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="llama-chat-export-"))
+        atexit.register(shutil.rmtree, self.root, True)
+
+    def write(self, conversation: dict, kind: str) -> str:
+        """The path of a new file holding conversation as JSON ("json") or Markdown ("md")."""
+        now = time.time()
+        for old in self.root.iterdir():
+            if now - old.stat().st_mtime > self.KEEP_SECONDS:
+                shutil.rmtree(old, ignore_errors=True)
+        path = Path(tempfile.mkdtemp(dir=self.root)) / file_name(conversation, kind)
+        path.write_text(to_json(conversation) if kind == "json" else to_markdown(conversation), encoding="utf-8")
+        return str(path)
 
 
 def file_name(conversation: dict, extension: str) -> str:

@@ -31,6 +31,12 @@ SESSION_CAPACITY = 256
 # this many events instead (the environment's GRADIO_ANALYTICS_CACHE_FREQUENCY, if set, wins).
 MONITORING_SUMMARY_EVERY = 1000
 
+# Events the Gradio queue holds waiting before it answers "queue full" (the engine bounds its own waiting
+# requests; this bounds what piles up in front of it), and the largest upload it takes (an imported
+# conversation is at most 2 MB).
+QUEUE_SIZE = 256
+MAX_UPLOAD_BYTES = 4 * 1024 * 1024
+
 
 @dataclass
 class RunningApp:
@@ -59,8 +65,12 @@ def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] 
     demo.state_session_capacity = SESSION_CAPACITY
     name_miscounted_values(demo)
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(MONITORING_SUMMARY_EVERY))  # read by queue()
-    demo.queue()
-    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS, js=PAGE_JS)
+    demo.queue(max_size=QUEUE_SIZE)
+    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS, js=PAGE_JS,
+                        max_file_size=MAX_UPLOAD_BYTES)
+    # Gradio checks that a file a request names was uploaded to it only once the app "has launched", which
+    # launch() marks and mounting does not: unmarked, the import button read any path on this machine.
+    demo.has_launched = True
     page = next(route.app for route in api.routes if isinstance(route, Mount))
     check_logins_on_the_loop(page)
     return page

@@ -26,7 +26,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 from typing import Any, AsyncIterator, Iterator, Optional
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version checks
@@ -678,12 +677,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 *[gr.skip() if value == typed else value for value, typed in zip(kept, controls)]]
 
     def export(store: Any, kind: str):
-        conversation = conversations.active(loaded(store))
-        folder = tempfile.mkdtemp(prefix="llama-chat-export-")
-        path = os.path.join(folder, conversations.file_name(conversation, kind))
-        with open(path, "w", encoding="utf-8") as file:
-            file.write(conversations.to_json(conversation) if kind == "json" else conversations.to_markdown(conversation))
-        return gr.update(value=path, visible=True)
+        return gr.update(value=exports.write(conversations.active(loaded(store)), kind), visible=True)
 
     def import_file(data: Optional[bytes], store: Any, pending: Optional[dict]):
         if pending is not None or data is None:
@@ -730,7 +724,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             return ""
         return alternatives_table(shown[selected.index])
 
-    with gr.Blocks(title="Llama-2", analytics_enabled=False) as demo:
+    exports = conversations.ExportFiles()
+    # Gradio's copies of files handed over or uploaded: those older than an hour go, looked for hourly.
+    with gr.Blocks(title="Llama-2", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
         gr.Markdown(f"## Llama-2 · `{info.name}`")
         with gr.Tab("Chat", elem_id="chat-tab"), gr.Row(elem_id="chat-row"):
             with gr.Column(scale=1, min_width=200, elem_id="chat-sidebar"):

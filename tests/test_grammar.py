@@ -240,12 +240,19 @@ def test_a_reply_may_end_where_its_grammar_is_matched_though_it_allows_more(llam
     assert re.fullmatch(r"[a-z]+( [a-z]+)*", text) and stream.finish_reason == "eos"  # decode drops the first space
 
 
-def test_a_chat_grammar_that_needs_a_dialog_tag_fails_saying_so(llama):
+def test_a_chat_grammar_that_needs_a_dialog_tag_is_refused_or_fails_saying_so(llama):
+    tags = r"a text a chat reply may not hold \(\[INST\], \[/INST\], <<SYS>>, <</SYS>>\)"
+    with pytest.raises(InvalidRequestError, match=f"no reply can follow the grammar without writing {tags}"):
+        stream_chat(llama.engine, [{"role": "user", "content": "hi"}], grammar=Grammar.regex(r"\[INST\] hi"))
     stream = stream_chat(llama.engine, [{"role": "user", "content": "hi"}], temperature=0,
-                         grammar=Grammar.regex(r"\[INST\] hi"))
-    with pytest.raises(RequestFailedError, match=r"cannot follow its grammar without writing a text a chat reply "
-                                                 r"may not hold \(\[INST\], \[/INST\], <<SYS>>, <</SYS>>\)"):
-        list(stream)  # not an empty reply that ended as if complete
+                         grammar=Grammar.regex(r"ay \[INST\] hi"))  # a tag needed after a start
+    with pytest.raises(RequestFailedError, match=f"cannot follow its grammar without writing {tags}"):
+        list(stream)  # not a reply that ended as if complete
+
+
+def test_a_grammar_no_reply_can_begin_is_refused_at_once(llama):
+    with pytest.raises(InvalidRequestError, match="the grammar cannot be followed"):
+        llama.engine.submit(token_ids(llama, "ROMEO:"), 5, grammar=Grammar.json({"$ref": "#"}))
 
 
 def test_requests_without_a_grammar_are_untouched_by_one_beside_them(llama):

@@ -466,6 +466,16 @@ def test_a_bad_tool_request_is_a_400_naming_the_field(served, body, param):
     assert response.status_code == 400 and error_of(response)["param"] == param, response.text
 
 
+def test_more_tools_than_a_grammar_may_hold_is_a_400_on_both_routes(served):
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(10)}}}} for i in range(1000)]
+    response = raw(served, "POST", "/chat/completions", {"messages": ASK, "tools": many})
+    assert response.status_code == 400 and error_of(response)["param"] == "tools", response.text
+    flat = [{"type": "function", **tool["function"]} for tool in many]
+    response = raw(served, "POST", "/responses", {"input": "Hi", "tools": flat})
+    assert response.status_code == 400 and error_of(response)["param"] == "tools", response.text
+
+
 @pytest.mark.parametrize("extra, follows", [
     ({"guided_choice": ["ROMEO", "JULIET", 'the "NURSE"']}, lambda text: text in ("ROMEO", "JULIET", 'the "NURSE"')),
     ({"guided_regex": "(ay|nay), my lord[.!]"}, lambda text: re.fullmatch("(ay|nay), my lord[.!]", text)),

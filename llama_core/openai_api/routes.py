@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..dialog import UNSAFE_ERROR, Dialog, encode_dialog
-from ..errors import LlamaError
+from ..errors import InvalidRequestError, LlamaError
 from ..grammar import Grammar
 from ..serving import aio, requests
 from ..serving.events import StreamChunk
@@ -107,7 +107,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         controls = _controls(body, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0)
         if functions:
-            controls["grammar"] = tools.call_grammar(functions, required)
+            controls["grammar"] = _call_grammar(functions, required)
         max_new_tokens = _max_new_tokens(max_tokens, engine, "max_completion_tokens" if rename else "max_tokens")
         refusal = [False]
 
@@ -146,7 +146,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             dialog = _dialog(chat.messages, note)
             controls = _controls(chat, logprobs=False)
             if functions:
-                controls["grammar"] = tools.call_grammar(functions, required)
+                controls["grammar"] = _call_grammar(functions, required)
             max_new_tokens = _max_new_tokens(chat.max_tokens, engine, "max_tokens")
 
             def submit(_: None) -> TextStream:
@@ -708,6 +708,15 @@ class _CompletionReply(_Reply):
                 offsets.append(self.offsets[index])
             self.offsets[index] += len(c.text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _call_grammar(functions: list[tools.Function], required: bool) -> Any:
+    """The grammar a reply that may call the functions is held to; a 400 naming `tools` where they cannot make
+    one (too large a set of schemas, say)."""
+    try:
+        return tools.call_grammar(functions, required)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param="tools") from None
 
 
 def _logprob(value: Optional[float]) -> Optional[float]:

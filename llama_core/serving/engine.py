@@ -349,6 +349,7 @@ class Engine:
         sequence = _Sequence(request, channel, arrival=next(self._arrivals))
         if request.params.grammar is not None:
             sequence.grammar = GrammarMatcher(request.params.grammar, self.tokenizer)
+            sequence.grammar.check_start(self.runner.args.vocab_size)
         with self._wakeup:
             sequence.seed = request.params.seed
             if sequence.seed is None:

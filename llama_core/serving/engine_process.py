@@ -198,10 +198,12 @@ class EngineProcess:
             raise EngineUnavailableError(self.unavailable_reason())
         request = GenerationRequest.checked(prompt_tokens, max_new_tokens,
                                             sampling_params(temperature, top_p, logprobs, params, **controls),
-                                            prompt_logprobs, vocab_size=self.info.args.vocab_size,
+                                            prompt_logprobs, vocab_size=min(self.info.args.vocab_size,
+                                                                            self.tokenizer.n_words),
                                             max_seq_len=self.info.max_seq_len, prediction_tokens=prediction_tokens)
-        if request.params.grammar is not None:  # one llguidance cannot match (its lexer's limits) is a bad request
-            GrammarMatcher(request.params.grammar, self.tokenizer)  # here, not an error in the stream from the child
+        if request.params.grammar is not None:  # one no reply can begin (llguidance's limits) is a bad request
+            GrammarMatcher(request.params.grammar, self.tokenizer).check_start(self.info.args.vocab_size)  # here,
+            # not an error in the stream from the child
         rid = next(self._ids)
         channel = Channel(cancelled=_Cancel(lambda: self._send(("cancel", rid))))
         slots = self.info.max_batch_size

@@ -36,6 +36,16 @@ class GrammarMatcher:
         self._vocabulary = vocabulary
         self._tried: Optional[int] = None  # tokens accepted inside trying(), to take back
 
+    def check_start(self, vocab_size: int) -> None:
+        """Raises InvalidRequestError where no reply can begin: the grammar fails at its first token (past the
+        lexer's limits, a schema that only refers to itself) or allows none (in a chat, only a dialog tag)."""
+        allowed = self.allowed(vocab_size)
+        if self._matcher.is_error():
+            raise InvalidRequestError(f"the grammar cannot be followed: {self.error}")
+        allowed[self.eos] = False
+        if not self.accepting and not bool(allowed.any()):
+            raise InvalidRequestError(f"no reply can follow the grammar{self._stuck}")
+
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] bool: the tokens that may come next (see allowed_tokens)."""
         return allowed_tokens([self], vocab_size)[0]
@@ -87,11 +97,14 @@ class GrammarMatcher:
     @property
     def dead_end(self) -> str:
         """Why the reply ends before its grammar is matched: nothing the grammar allows next may be written."""
+        return f"the reply cannot follow its grammar{self._stuck}"
+
+    @property
+    def _stuck(self) -> str:
         if self._forbidden:
             tags = ", ".join(text.decode() for text in self._forbidden)
-            return (f"the reply cannot follow its grammar without writing a text a chat reply may not hold "
-                    f"({tags})")
-        return "the reply cannot follow its grammar: no token can come next"
+            return f" without writing a text a chat reply may not hold ({tags})"
+        return ": no token can come next"
 
     @property
     def error(self) -> str:

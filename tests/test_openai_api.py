@@ -865,6 +865,20 @@ def wait_for(condition, seconds: float = 1.0) -> bool:
     return condition()
 
 
+def test_more_choices_than_the_server_ever_holds_is_a_400_not_busy(one_slot):
+    engine, url = one_slot  # one slot, one waiting place: two requests at most
+    response = httpx.post(url + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                          json={"messages": HELLO, "n": 3, "max_tokens": 2})
+    assert response.status_code == 400 and error_of(response)["param"] == "n"
+    assert "more than this server holds at once (2" in error_of(response)["message"]
+    response = httpx.post(url + "/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                          json={"prompt": ["a", "b", "c"], "max_tokens": 2})
+    assert response.status_code == 400 and error_of(response)["param"] == "n"
+    ok = httpx.post(url + "/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                    json={"prompt": "ROMEO:", "n": 2, "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
 def test_a_full_queue_is_503_and_leaving_clients_free_their_places(one_slot):
     engine, url = one_slot
     client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)

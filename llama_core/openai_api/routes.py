@@ -118,7 +118,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                 refusal[0] = True
             return stream
 
-        streams = await _submit_all(submit, _seeds(controls["seed"], _choices(body.n)), fields, rename,
+        choices = _choices(body.n, capacity=engine.capacity)
+        streams = await _submit_all(submit, _seeds(controls["seed"], choices), fields, rename,
                                     aio.text_size(*(message["content"] for message in dialog)))
         if refusal[0]:
             raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
@@ -183,7 +184,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported; use n for several completions", param="best_of")
         prompts = _prompts(body.prompt, vocabulary(engine))
-        n = _choices(body.n, len(prompts))
+        n = _choices(body.n, len(prompts), engine.capacity)
         top = body.logprobs
         if top is not None and not 0 <= top <= requests.MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be an integer from 0 to {requests.MAX_TOP_LOGPROBS}, got {top}",
@@ -353,11 +354,16 @@ def _prompts(prompt: Any, vocabulary: int) -> list[str | list[int]]:
     return prompts
 
 
-def _choices(n: Optional[int], prompts: int = 1) -> int:
+def _choices(n: Optional[int], prompts: int = 1, capacity: Optional[int] = None) -> int:
+    """n, checked: at most MAX_CHOICES choices in all, and no more than the engine can ever hold at once
+    (`capacity`: a request past it would be answered busy however long its client waited)."""
     n = 1 if n is None else n
+    what = f"n ({n}) x prompts ({prompts})" if prompts > 1 else f"n ({n})"
     if not 1 <= n * prompts <= MAX_CHOICES:
-        what = f"n ({n}) x prompts ({prompts})" if prompts > 1 else f"n ({n})"
         raise APIError(400, f"{what} must be from 1 to {MAX_CHOICES} choices in one request", param="n")
+    if capacity is not None and n * prompts > capacity:
+        raise APIError(400, f"{what} choices are more than this server holds at once ({capacity}: its requests "
+                            "running and waiting)", param="n")
     return n
 
 

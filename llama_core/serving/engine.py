@@ -366,6 +366,11 @@ class Engine:
         return sum(s is not None for s in self._slots)
 
     @property
+    def capacity(self) -> int:
+        """The most requests it holds at once, running and waiting: more are answered busy."""
+        return len(self._slots) + self.max_waiting
+
+    @property
     def busy(self) -> bool:
         """Whether it holds a request its reader still wants (a cancelled one ends at the next turn)."""
         with self._wakeup:

@@ -222,6 +222,11 @@ class EngineProcess:
         return TokenStream(channel, len(request.prompt_tokens))
 
     @property
+    def capacity(self) -> int:
+        """The most requests it holds at once, running and waiting: more are answered busy."""
+        return self.info.max_batch_size + self._engine_options["max_waiting"]
+
+    @property
     def active_count(self) -> int:
         return self._stats()["active"]
 

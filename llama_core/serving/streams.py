@@ -315,6 +315,9 @@ class TextEngine(Protocol):
     @property
     def info(self) -> Any: ...
 
+    @property
+    def capacity(self) -> int: ...
+
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
                **controls: Any) -> TokenStream: ...

@@ -706,3 +706,25 @@ def test_the_import_button_takes_only_an_uploaded_file_and_uploads_are_bounded(s
                            files={"files": ("big.json", b"x" * (server.MAX_UPLOAD_BYTES + 1))})
     assert too_large.status_code == 413
     assert httpx.get(url + "health", timeout=10).status_code == 200  # and it goes on serving
+
+
+def test_a_body_past_the_servers_bound_is_413_and_the_server_goes_on(served):
+    from llama_core.app.body_limit import MAX_BODY_BYTES
+
+    url, big = served[1], b"x" * (MAX_BODY_BYTES + 1)
+    declared = httpx.post(url + "v1/completions", content=big, headers={"Content-Type": "application/json"}, timeout=60)
+    assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: sent chunked
+        for start in range(0, len(big), 1 << 20):
+            yield big[start : start + (1 << 20)]
+
+    chunked = httpx.post(url + "gradio_api/call/complete", content=chunks(), timeout=60)
+    assert chunked.status_code == 413 and "larger than this server takes" in chunked.json()["detail"]
+    small = httpx.post(url + "v1/completions", timeout=60, json={"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0})
+    assert small.status_code == 200, small.text
+    body = json.dumps({"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0}).encode()
+    small_chunked = httpx.post(url + "v1/completions", timeout=60, headers={"Content-Type": "application/json"},
+                               content=iter([body[:10], body[10:]]))  # read whole, then handed on
+    assert small_chunked.status_code == 200 and small_chunked.json()["choices"][0]["text"] == \
+        small.json()["choices"][0]["text"]

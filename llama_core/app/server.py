@@ -17,6 +17,7 @@ from gradio import networking
 from starlette.routing import Mount
 
 from ..openai_api import create_api
+from .body_limit import BodyLimit
 from .ui import CSS, PAGE_JS, THEME
 from .web_server import BackgroundServer
 
@@ -55,7 +56,9 @@ def web_app(demo: gr.Blocks, engine: Any, api_keys: Sequence[str] = (), auth: Op
     """(the FastAPI app to serve, the mounted Gradio app): the API's routes on `engine` first, then the page
     at / behind `auth` (user, password) pairs when given."""
     api = create_api(engine, model_name, api_keys)
-    return api, mount_page(api, demo, auth)
+    page = mount_page(api, demo, auth)
+    api.add_middleware(BodyLimit)
+    return api, page
 
 
 def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] = None) -> Any:

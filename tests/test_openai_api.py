@@ -798,6 +798,10 @@ def test_a_body_sent_without_the_json_content_type_or_too_deep_to_read_says_so(s
         assert "Content-Type: application/json" in error_of(response)["message"]
     deep = raw(served, "POST", "/chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}")
     assert deep.status_code == 400 and "nested too deeply" in error_of(deep)["message"], deep.text
+    latin = httpx.post(served[1] + "/chat/completions", timeout=60, content='{"messages": [{"role": "user", '
+                       '"content": "café"}]}'.encode("latin-1"),
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert latin.status_code == 400 and "not UTF-8 text" in error_of(latin)["message"], latin.text
 
 
 def test_completion_refusals_name_the_field(served):

@@ -782,6 +782,10 @@ def _install_error_handlers(api: FastAPI) -> None:
         detail = exc.detail
         if exc.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's, for what json.loads refused
             detail = "the request body could not be read as JSON (nested too deeply, or a number with too many digits?)"
+            try:
+                (await request.body()).decode("utf-8")
+            except UnicodeDecodeError:
+                detail = "the request body is not UTF-8 text, as JSON must be"
         message = f"{request.method} {request.url.path}: {detail}"
         return APIError(exc.status_code, message, code=code).response()
 

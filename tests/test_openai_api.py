@@ -887,7 +887,8 @@ def test_a_full_queue_is_503_and_leaving_clients_free_their_places(one_slot):
     engine, url = one_slot
     client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
     running = client.chat.completions.create(model=engine.info.name, messages=HELLO, max_tokens=200,
-                                             temperature=1.0, top_p=1.0, stream=True)
+                                             temperature=1.0, top_p=1.0, stream=True,
+                                             logit_bias={str(engine.eos_id): -100})  # no early end, whatever its seed
     next(iter(running))  # its first event, sent once the engine has the request (maybe still queued)
     assert wait_for(lambda: engine.active_count == 1, 5)  # then it holds the engine's one slot
 

@@ -303,7 +303,7 @@ class Llama:
         results = []
         for i, (t, p) in enumerate(zip(tokens, prompt_tokens)):
             text = self._text(t, p if echo else [], stops)
-            n = self._writing(t, text)
+            n = self._writing(t, text) if stops else len(t)
             results.append(self._prediction(text, t[:n], lps[i][:n] if lps else None))
         return results
 

@@ -8,6 +8,7 @@ be, for anything but the device check, and llama_core.loader (through which ever
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -280,12 +281,26 @@ def test_allow_longer_context_warns_on_stderr_and_generates(checkpoints):
     assert len(warnings) == 1 and "--max-seq-len 600 is beyond the 512 tokens" in warnings[0]
 
 
+@contextlib.contextmanager
+def killed_at_the_end(process: subprocess.Popen):
+    """Whatever happens inside, the process's group is not left running."""
+    try:
+        yield
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def ctrl_c(process: subprocess.Popen) -> str:
+    """Ctrl-C to the process's group, as a terminal sends it; what it printed until it ended."""
+    os.killpg(process.pid, signal.SIGINT)
+    return process.communicate(timeout=60)[0]
+
+
 def _app_completes(*flags: str, prompt: str = "ROMEO:", max_tokens: int = 12):
     """Starts `python app.py` with flags on a free port, asks /v1/completions for a greedy completion of prompt,
     stops the app with Ctrl-C; returns the response (None if it never answered) and the app's output."""
-    import signal
-    import time
-
     import httpx
 
     with socket.socket() as probe:
@@ -294,7 +309,7 @@ def _app_completes(*flags: str, prompt: str = "ROMEO:", max_tokens: int = 12):
     process = subprocess.Popen([sys.executable, "app.py", *flags, "--port", str(port), "--threads", "1"],
                                cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, preexec_fn=interruptible)
-    try:
+    with killed_at_the_end(process):
         url, deadline, answer = f"http://127.0.0.1:{port}", time.monotonic() + 180, None
         while answer is None and time.monotonic() < deadline and process.poll() is None:
             try:
@@ -302,12 +317,7 @@ def _app_completes(*flags: str, prompt: str = "ROMEO:", max_tokens: int = 12):
                                     "max_tokens": max_tokens, "temperature": 0}, timeout=30)
             except httpx.HTTPError:
                 time.sleep(0.5)
-        os.killpg(process.pid, signal.SIGINT)
-        output, _ = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        output = ctrl_c(process)
     assert answer is not None and answer.status_code == 200, output
     return answer, output
 
@@ -317,17 +327,12 @@ def test_ctrl_c_while_torch_imports_stops_without_a_traceback(module):
     args = ["--port", "0"] if module == CHAT else ["ROMEO:"]
     process = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=interruptible)
-    try:
+    with killed_at_the_end(process):
         deadline = time.monotonic() + 60
         while "torch" not in subprocess.run(["cat", f"/proc/{process.pid}/maps"], capture_output=True,
                                             text=True).stdout and time.monotonic() < deadline:
             time.sleep(0.02)  # until torch's libraries are being mapped in: the checks' slow part
-        os.killpg(process.pid, signal.SIGINT)
-        output, _ = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        output = ctrl_c(process)
     assert process.returncode == 130 and "Traceback" not in output, output
 
 

@@ -136,6 +136,8 @@ def _run(argv: Optional[list[str]]) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
         return stop.code
+    under_torchrun = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))  # as
+    # llama_core.distributed.parallel.launched_by_torchrun says, without importing torch
     try:
         check_app_packages()
         api_keys, logins = access_options(args)
@@ -147,7 +149,7 @@ def _run(argv: Optional[list[str]]) -> int:
         if args.compile and args.device_map is not None:
             raise OptionError("--compile and --device-map exclude each other: the compiled step runs a model on one "
                               "device; leave out one of them")
-        if args.compile and all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        if args.compile and under_torchrun:
             raise OptionError("--compile and tensor parallelism (torchrun) exclude each other: leave out --compile")
         plan = check_model_options(args, args.device_map)
         check_memory(plan, args.max_batch_size, args.compile)
@@ -157,8 +159,7 @@ def _run(argv: Optional[list[str]]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
-        parallel = (f", tensor parallel over {os.environ['WORLD_SIZE']} processes"
-                    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) else "")
+        parallel = f", tensor parallel over {os.environ['WORLD_SIZE']} processes" if under_torchrun else ""
         print(f"{plan.summary()}{parallel}, {args.max_batch_size} requests at a time", flush=True)
         for warning in [*plan.warnings, *network_warnings(args.host, api_keys, logins)]:
             print(f"warning: {warning}", file=sys.stderr, flush=True)

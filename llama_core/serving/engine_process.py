@@ -31,7 +31,7 @@ from .engine import Engine
 from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
 from .grammar_matcher import GrammarMatcher
 from .requests import GenerationRequest, SamplingParams, sampling_params
-from .streams import TokenStream
+from .streams import TokenStream, vocabulary
 
 _STARTUP_SECONDS = 3600  # loading a large checkpoint from a slow disk can take long; a crash ends it at once
 
@@ -198,8 +198,7 @@ class EngineProcess:
             raise EngineUnavailableError(self.unavailable_reason())
         request = GenerationRequest.checked(prompt_tokens, max_new_tokens,
                                             sampling_params(temperature, top_p, logprobs, params, **controls),
-                                            prompt_logprobs, vocab_size=min(self.info.args.vocab_size,
-                                                                            self.tokenizer.n_words),
+                                            prompt_logprobs, vocab_size=vocabulary(self),
                                             max_seq_len=self.info.max_seq_len, prediction_tokens=prediction_tokens)
         if request.params.grammar is not None:  # one no reply can begin (llguidance's limits) is a bad request
             GrammarMatcher(request.params.grammar, self.tokenizer).check_start(self.info.args.vocab_size)  # here,

@@ -354,7 +354,7 @@ def _finite(value: Any) -> float | None:
 def _index(value: Any) -> Any:
     """An integer of any integer type (numpy's int64, a one-element integer tensor) as an int; anything else
     (a bool, a float, a string) unchanged, for its check to refuse."""
-    if isinstance(value, (bool, float, str)):
+    if isinstance(value, bool):
         return value
     try:
         return operator.index(value)

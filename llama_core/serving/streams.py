@@ -60,7 +60,8 @@ class TokenStream:
     def cancel(self) -> None:
         """Stops the request in the engine; nothing to do once the engine has ended it (in a model process,
         a cancel is a message over the pipe)."""
-        _cancel(self._channel)
+        if not self._channel.finished.is_set():
+            self._channel.cancelled.set()
 
     def __iter__(self) -> Iterator[StreamChunk]:
         for chunks in self.batches():
@@ -137,11 +138,6 @@ class TokenStream:
                 pass
             if self._driver is None or not self._driver.pump():
                 return events.get()
-
-
-def _cancel(channel: Channel) -> None:
-    if not channel.finished.is_set():
-        channel.cancelled.set()
 
 
 def _cancel_dropped(channel: Channel) -> None:

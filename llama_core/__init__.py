@@ -34,6 +34,7 @@ _MODULES = {
     "Engine": ".serving",
     "EngineProcess": ".serving",
     "GenerationRequest": ".serving",
+    "GrammarFailedError": ".serving",
     "RequestFailedError": ".serving",
     "SamplingParams": ".serving",
     "StreamChunk": ".serving",

@@ -230,7 +230,8 @@ class Llama:
 
         Raises:
             InvalidRequestError / ContextLengthError: a request this model can't run (nothing runs).
-            RequestFailedError: a request failed inside the engine (e.g. out of memory).
+            RequestFailedError: a request failed inside the engine (e.g. out of memory); GrammarFailedError,
+                one of them and an InvalidRequestError, where its reply could not go on in its grammar.
         """
         self._check_call(prompt_tokens, max_gen_len)
         params = sampling_params(temperature, top_p, logprobs, **controls)

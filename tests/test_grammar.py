@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import needs_stories
 from llama_core import Grammar, InvalidRequestError, Llama, SamplingParams
 from llama_core.dialog import SPECIAL_TAGS
-from llama_core.serving import RequestFailedError, stream_chat
+from llama_core.serving import GrammarFailedError, RequestFailedError, stream_chat
 from llama_core.serving.grammar_matcher import GrammarMatcher, allowed_tokens
 
 PERSON = {
@@ -246,8 +246,18 @@ def test_a_chat_grammar_that_needs_a_dialog_tag_is_refused_or_fails_saying_so(ll
         stream_chat(llama.engine, [{"role": "user", "content": "hi"}], grammar=Grammar.regex(r"\[INST\] hi"))
     stream = stream_chat(llama.engine, [{"role": "user", "content": "hi"}], temperature=0,
                          grammar=Grammar.regex(r"ay \[INST\] hi"))  # a tag needed after a start
-    with pytest.raises(RequestFailedError, match=f"cannot follow its grammar without writing {tags}"):
+    with pytest.raises(GrammarFailedError, match=f"cannot follow its grammar without writing {tags}"):
         list(stream)  # not a reply that ended as if complete
+
+
+def test_a_grammar_past_the_lexers_limits_after_its_start_fails_as_the_requests_own_error(llama):
+    """`a{1000000}` begins (its first token is checked at submit) and then needs more of llguidance's lexer than
+    it allows: the request fails as an InvalidRequestError, not as the engine's failure, and the engine goes on."""
+    stream = llama.engine.submit(token_ids(llama, "ROMEO:"), 8, temperature=0, grammar=Grammar.regex("a{1000000}"))
+    with pytest.raises(GrammarFailedError, match="the reply left its grammar: lexer error") as failure:
+        list(stream)
+    assert isinstance(failure.value, InvalidRequestError) and isinstance(failure.value, RequestFailedError)
+    assert len(llama.generate([token_ids(llama, "ROMEO:")], 4, temperature=0)[0][0]) == 4
 
 
 def test_a_grammar_no_reply_can_begin_is_refused_at_once(llama):

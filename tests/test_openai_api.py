@@ -493,6 +493,19 @@ def test_vllms_guided_fields_hold_the_reply_on_both_routes(client, model_id, ext
             assert choice.finish_reason == "stop" and follows(text), text
 
 
+def test_a_grammar_that_fails_after_its_start_is_the_requests_error_not_the_servers(served):
+    """`a{1000000}` passes the check at submit and then exceeds llguidance's lexer: a 400, and in a stream an
+    error event of the same type (a 500 says a bug here)."""
+    body = {"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0, "guided_regex": "a{1000000}"}
+    response = raw(served, "POST", "/completions", body)
+    assert response.status_code == 400 and "lexer error" in error_of(response)["message"], response.text
+    assert error_of(response)["type"] == "invalid_request_error"
+    response = raw(served, "POST", "/completions", {**body, "stream": True})
+    errors = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: {") and '"error"' in line]
+    assert response.status_code == 200 and errors and errors[-1]["error"]["type"] == "invalid_request_error", response.text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_choice": ["a", ""]}, "guided_choice"),

@@ -322,13 +322,15 @@ class EngineProcess:
         elif kind == "admitted":
             channel.events.put(Admitted(message[2]))
         elif kind == "done":
-            self._finish(rid, message[2], message[3], *message[4:6])
+            self._finish(rid, message[2], message[3], *message[4:7])
 
-    def _finish(self, rid: int, reason: str, message: str, drafted_tokens: int = 0, accepted_tokens: int = 0) -> None:
+    def _finish(self, rid: int, reason: str, message: str, drafted_tokens: int = 0, accepted_tokens: int = 0,
+                grammar_failed: bool = False) -> None:
         with self._lock:
             channel = self._channels.pop(rid, None)
         if channel is not None:
-            channel.events.put(Finished(reason, message, time.perf_counter(), drafted_tokens, accepted_tokens))
+            channel.events.put(Finished(reason, message, time.perf_counter(), drafted_tokens, accepted_tokens,
+                                        grammar_failed))
             channel.finished.set()
 
 
@@ -389,7 +391,8 @@ class _Forward:
         elif isinstance(item, Admitted):
             self._outbox.add(("admitted", self.rid, item.cached_tokens))
         elif isinstance(item, Finished):
-            self._outbox.add(("done", self.rid, item.reason, item.message, item.drafted_tokens, item.accepted_tokens))
+            self._outbox.add(("done", self.rid, item.reason, item.message, item.drafted_tokens, item.accepted_tokens,
+                              item.grammar_failed))
 
 
 def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from .. import dialog as chat_format
-from ..errors import ContextLengthError, DialogError, LlamaError
+from ..errors import ContextLengthError, DialogError, InvalidRequestError, LlamaError
 from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Admitted, Channel, EventQueue, Finished, PromptLogprobs, StreamChunk
 from .requests import (SamplingParams, check_max_new_tokens, completion_prompt, sampling_params, token_ids,
@@ -23,6 +23,15 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 class RequestFailedError(LlamaError, RuntimeError):
     """A request failed inside the engine (e.g. out of memory); the engine keeps serving the others."""
+
+
+class GrammarFailedError(RequestFailedError, InvalidRequestError):
+    """A request's reply could not go on in its grammar (past llguidance's limits on a grammar's work, or where
+    nothing the grammar allows may be written): the request's doing, not the engine's."""
+
+
+def _failure(done: Finished) -> RequestFailedError:
+    return (GrammarFailedError if done.grammar_failed else RequestFailedError)(done.message)
 
 
 class Driver(Protocol):
@@ -84,7 +93,7 @@ class TokenStream:
                     yield chunks
                 if done is not None:
                     if done.reason == "error":
-                        raise RequestFailedError(done.message)
+                        raise _failure(done)
                     return
         finally:
             if self.finish_reason is None:
@@ -107,7 +116,7 @@ class TokenStream:
             raise self._failure
         chunks, done = self._taken(_drained(self._channel.events))
         if done is not None and done.reason == "error":
-            self._failure = RequestFailedError(done.message)
+            self._failure = _failure(done)
             if not chunks:
                 raise self._failure
             return chunks, False

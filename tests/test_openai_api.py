@@ -349,6 +349,12 @@ def test_a_streamed_tool_call_is_the_unstreamed_one(client, model_id):
     assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [called(whole.choices[0])]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    # The SDK's stream helper finishes the call (its arguments.done event, parsed) and reads content null.
+    with client.chat.completions.stream(**ask) as stream:
+        done = [event for event in stream if event.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion().choices[0].message
+    assert [(d.name, json.loads(d.arguments)) for d in done] == [called(whole.choices[0])]
+    assert final.content is None and final.tool_calls[0].function.name == done[0].name
 
 
 def test_a_conversation_goes_on_after_a_tool_result(client, model_id):
@@ -387,16 +393,17 @@ def test_with_tools_a_text_reply_streams_as_written_and_a_call_is_sent_whole_at_
 
     def event(index, *texts, done=False):
         found = reply.event(Batch(index, [StreamChunk(1, 0.0, text) for text in texts], done))
-        return None if found is None else (found["choices"][0]["delta"], found["choices"][0]["finish_reason"])
+        return [(f["choices"][0]["delta"], f["choices"][0]["finish_reason"]) for f in found]
 
-    assert event(0, " ") is None  # not yet known to be text
-    assert event(0, "Sunny") == ({"content": " Sunny"}, None)
-    assert event(0, ", in", " Verona") == ({"content": ", in Verona"}, None)
-    assert event(0, done=True) == ({}, "stop")
-    assert event(1, '{"name": "get_weather", ') is None
-    assert event(1, '"arguments": {"city": "Verona"}}') is None
-    delta, finish = event(1, done=True)
-    assert finish == "tool_calls" and delta["content"] is None
+    assert event(0, " ") == []  # not yet known to be text
+    assert event(0, "Sunny") == [({"role": "assistant", "content": " Sunny"}, None)]  # the role with the first
+    assert event(0, ", in", " Verona") == [({"content": ", in Verona"}, None)]
+    assert event(0, done=True) == [({}, "stop")]
+    assert event(1, '{"name": "get_weather", ') == []
+    assert event(1, '"arguments": {"city": "Verona"}}') == []
+    (delta, finish), end = event(1, done=True)
+    assert finish is None and delta["role"] == "assistant" and delta["content"] is None
+    assert end == ({}, "tool_calls")  # the end in a chunk of its own, as OpenAI sends it
     (call,) = delta["tool_calls"]
     assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Verona"}'}
 

@@ -539,8 +539,7 @@ class _Reply:
             if batch.error is not None:
                 yield from_llama_error(batch.error, ()).body()
                 return
-            event = self.event(batch)
-            if event is not None:
+            for event in self.event(batch):
                 yield event
         if self.include_usage:
             yield {**self.header(streamed=True), "choices": [], "usage": self.usage()}
@@ -552,7 +551,8 @@ class _Reply:
     def whole_body(self, parts: list[list[StreamChunk]]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def event(self, batch: Batch) -> Optional[dict[str, Any]]:
+    def event(self, batch: Batch) -> list[dict[str, Any]]:
+        """The chunks a batch of one choice's stream sends (none where it has nothing to say yet)."""
         raise NotImplementedError
 
     def chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -589,31 +589,30 @@ class _ChatReply(_Reply):
         return {"choices": choices}
 
     async def first_events(self) -> AsyncIterator[dict[str, Any]]:
-        for i in range(len(self.streams)):
-            yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
+        for i, held in enumerate(self.held):
+            if held is None:  # with tools, the role comes with the first delta: content, or null and a call
+                yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
 
-    def event(self, batch: Batch) -> Optional[dict[str, Any]]:
-        chunks, held = batch.chunks, self.held[batch.index]
+    def event(self, batch: Batch) -> list[dict[str, Any]]:
+        chunks, held, role = batch.chunks, self.held[batch.index], {}
         if held is not None:  # with tools: text before its first character is known to start no call is held
             held += chunks
             text = "".join(c.text for c in held)
             if not batch.done and tools.may_be_call(text):
-                return None
-            self.held[batch.index] = None
+                return []
+            self.held[batch.index], role = None, {"role": "assistant"}
             call = self._call(batch.index, text) if batch.done else None
-            if call is not None:
-                delta = {"content": None, "tool_calls": [{"index": 0, **tools.tool_call(call)}]}
-                return self._chunk(batch.index, delta, self._logprobs(held), "tool_calls")
+            if call is not None:  # the call, then its end alone, as OpenAI sends them (clients finish a call so)
+                delta = {**role, "content": None, "tool_calls": [{"index": 0, **tools.tool_call(call)}]}
+                return [self._chunk(batch.index, delta, self._logprobs(held), None),
+                        self._chunk(batch.index, {}, None, "tool_calls")]
             chunks = held
         text = "".join(c.text for c in chunks)
         logprobs = self._logprobs(chunks)
-        if batch.done:
-            if text or (logprobs and logprobs["content"]):  # held text, sent with the end
-                return self._chunk(batch.index, {"content": text}, logprobs, self.finish_reason(batch.index))
-            return self._chunk(batch.index, {}, None, self.finish_reason(batch.index))
-        if not text and not (logprobs and logprobs["content"]):
-            return None
-        return self._chunk(batch.index, {"content": text}, logprobs, None)
+        finish = self.finish_reason(batch.index) if batch.done else None
+        if text or role or (logprobs and logprobs["content"]):  # with the end: text held back to it
+            return [self._chunk(batch.index, {**role, "content": text}, logprobs, finish)]
+        return [self._chunk(batch.index, {}, None, finish)] if batch.done else []
 
     def _call(self, index: int, text: str) -> Optional[dict[str, Any]]:
         return tools.call_made(text, self.functions, self.streams[index].finish_reason)
@@ -652,11 +651,11 @@ class _CompletionReply(_Reply):
     def whole_body(self, parts: list[list[StreamChunk]]) -> dict[str, Any]:
         return {"choices": [self._choice(i, chunks, self.finish_reason(i)) for i, chunks in enumerate(parts)]}
 
-    def event(self, batch: Batch) -> Optional[dict[str, Any]]:
+    def event(self, batch: Batch) -> list[dict[str, Any]]:
         choice = self._choice(batch.index, batch.chunks, self.finish_reason(batch.index) if batch.done else None)
         if not choice["text"] and not (choice["logprobs"] and choice["logprobs"]["tokens"]) and not batch.done:
-            return None
-        return self.chunk(choice)
+            return []
+        return [self.chunk(choice)]
 
     def _choice(self, index: int, chunks: list[StreamChunk], finish: Optional[str]) -> dict[str, Any]:
         """The choice's text and logprobs in chunks, after its echoed prompt if that was not sent yet (the

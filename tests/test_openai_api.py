@@ -130,7 +130,7 @@ def test_chat_logprobs_describe_each_generated_token(client, model_id):
         assert ranked == sorted(ranked, reverse=True)
         assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely token
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
-    assert "".join(e.token for e in content).strip() == reply.choices[0].message.content.strip()
+    assert "".join(e.token for e in content) == reply.choices[0].message.content  # the tokens spell the reply
 
 
 def test_chat_stop_string_ends_the_reply_before_it(client, model_id):
@@ -138,9 +138,23 @@ def test_chat_stop_string_ends_the_reply_before_it(client, model_id):
     text = full.choices[0].message.content
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3, text
-    cut = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=40, temperature=0, stop=[stop])
+    cut = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=40, temperature=0, stop=[stop],
+                                         logprobs=True)
     assert cut.choices[0].message.content == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    # The logprobs end with the text: no token that wrote only the stop string.
+    tokens = "".join(entry.token for entry in cut.choices[0].logprobs.content)
+    entries = cut.choices[0].logprobs.content
+    assert tokens.startswith(cut.choices[0].message.content)
+    assert len("".join(entry.token for entry in entries[:-1])) < len(cut.choices[0].message.content)
+    for streamed in (False, True):
+        completion = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=30, temperature=0,
+                                               stop=["the"], logprobs=0, stream=streamed)
+        choices = list(completion) if streamed else [completion]
+        text = "".join(c.choices[0].text for c in choices)
+        tokens = [t for c in choices if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        assert choices[-1].choices[0].finish_reason == "stop", text
+        assert "".join(tokens).startswith(text) and len("".join(tokens[:-1])) < len(text), (text, tokens)
 
 
 def test_seed_reproduces_a_sample_while_other_requests_run(client, model_id):
@@ -199,7 +213,9 @@ def test_completion_echo_and_logprobs(client, model_id):
             ranked = sorted(top.values(), reverse=True)
             assert len(top) == 2 or (len(top) == 3 and value == pytest.approx(ranked[2], abs=1e-6))
         assert any(len(top) == 3 for top in logprobs.top_logprobs[:len(logprobs.tokens) - 8])  # the prompt's
-        assert logprobs.text_offset == sorted(logprobs.text_offset)
+        # The tokens spell the text, the prompt's first without the space SentencePiece does not write.
+        assert "".join(logprobs.tokens) == choice.text
+        assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
     plain = client.completions.create(model=model_id, prompt=prompts[0], max_tokens=8, temperature=0)
     assert reply.choices[0].text == prompts[0] + plain.choices[0].text
 

@@ -516,13 +516,25 @@ class _Reply:
         return {"id": self.id, "object": self.chunk_object_name if streamed else self.object_name,
                 "created": self.created, "model": self.model_id, "system_fingerprint": None}
 
-    def token_text(self, token: int) -> str:
-        """A token's text as the API gives it: its piece, leading space kept; a byte piece of an ASCII character
+    def token_text(self, token: int, first: bool = False) -> str:
+        """A token's text as the API gives it: its piece, leading space kept unless it is the first of a text
+        (SentencePiece does not write it there, so the tokens spell the text); a byte piece of an ASCII character
         (<0x0A>) as that character, as vLLM gives it; another byte piece, a part of a character, as <0xNN>
         (its `bytes` say which byte)."""
         text = self.engine.tokenizer.token_text(token)
         byte = _byte_piece(text)
-        return chr(byte) if byte is not None and byte < 0x80 else text
+        text = chr(byte) if byte is not None and byte < 0x80 else text
+        return text[1:] if first and text.startswith(" ") else text
+
+    def written(self, index: int, chunks: list[StreamChunk]) -> list[StreamChunk]:
+        """A choice's last chunks less those that wrote nothing of its text, only a stop string (or a dialog
+        tag): the text leaves it out, so its tokens and logprobs do too (as the Python API's results)."""
+        if self.streams[index].finish_reason != "stop":
+            return chunks
+        end = len(chunks)
+        while end and chunks[end - 1].token >= 0 and not chunks[end - 1].text:
+            end -= 1
+        return chunks[:end]
 
     async def whole(self, request: Request) -> dict[str, Any]:
         parts: list[list[StreamChunk]] = [[] for _ in self.streams]
@@ -573,18 +585,20 @@ class _ChatReply(_Reply):
         a choice whose text starts with "{" is held back to its end, then sent as its call)."""
         super().__init__(engine, model_id, streams, per_prompt, include_usage)
         self.logprobs = logprobs
+        self.entries = [0] * len(streams)  # logprobs entries each choice has sent
         self.functions = list(functions)
         self.held: list[Optional[list[StreamChunk]]] = [[] if functions else None for _ in streams]
 
     def whole_body(self, parts: list[list[StreamChunk]]) -> dict[str, Any]:
         choices = []
         for i, chunks in enumerate(parts):
+            chunks = self.written(i, chunks)
             text = "".join(c.text for c in chunks)
             message, finish = {"role": "assistant", "content": text, "refusal": None}, self.finish_reason(i)
             call = self._call(i, text)
             if call is not None:
                 message, finish = {**message, "content": None, "tool_calls": [tools.tool_call(call)]}, "tool_calls"
-            choices.append({"index": i, "message": message, "logprobs": self._logprobs(chunks),
+            choices.append({"index": i, "message": message, "logprobs": self._logprobs(i, chunks),
                             "finish_reason": finish})
         return {"choices": choices}
 
@@ -594,7 +608,8 @@ class _ChatReply(_Reply):
                 yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
 
     def event(self, batch: Batch) -> list[dict[str, Any]]:
-        chunks, held, role = batch.chunks, self.held[batch.index], {}
+        chunks = self.written(batch.index, batch.chunks) if batch.done else batch.chunks
+        held, role = self.held[batch.index], {}
         if held is not None:  # with tools: text before its first character is known to start no call is held
             held += chunks
             text = "".join(c.text for c in held)
@@ -604,11 +619,11 @@ class _ChatReply(_Reply):
             call = self._call(batch.index, text) if batch.done else None
             if call is not None:  # the call, then its end alone, as OpenAI sends them (clients finish a call so)
                 delta = {**role, "content": None, "tool_calls": [{"index": 0, **tools.tool_call(call)}]}
-                return [self._chunk(batch.index, delta, self._logprobs(held), None),
+                return [self._chunk(batch.index, delta, self._logprobs(batch.index, held), None),
                         self._chunk(batch.index, {}, None, "tool_calls")]
             chunks = held
         text = "".join(c.text for c in chunks)
-        logprobs = self._logprobs(chunks)
+        logprobs = self._logprobs(batch.index, chunks)
         finish = self.finish_reason(batch.index) if batch.done else None
         if text or role or (logprobs and logprobs["content"]):  # with the end: text held back to it
             return [self._chunk(batch.index, {**role, "content": text}, logprobs, finish)]
@@ -620,19 +635,21 @@ class _ChatReply(_Reply):
     def _chunk(self, index: int, delta: dict, logprobs: Optional[dict], finish: Optional[str]) -> dict[str, Any]:
         return self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
-    def _logprobs(self, chunks: list[StreamChunk]) -> Optional[dict[str, Any]]:
+    def _logprobs(self, index: int, chunks: list[StreamChunk]) -> Optional[dict[str, Any]]:
         if not self.logprobs:
             return None
         content = []
         for c in chunks:
             if c.token < 0:
                 continue
-            top = [self._entry(t, lp) for t, lp in (c.top_logprobs or [])]
-            content.append({**self._entry(c.token, c.logprob), "top_logprobs": top})
+            first = self.entries[index] == 0
+            self.entries[index] += 1
+            top = [self._entry(t, lp, first) for t, lp in (c.top_logprobs or [])]
+            content.append({**self._entry(c.token, c.logprob, first), "top_logprobs": top})
         return {"content": content, "refusal": None}
 
-    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token)
+    def _entry(self, token: int, logprob: float, first: bool) -> dict[str, Any]:
+        text = self.token_text(token, first)
         return {"token": text, "logprob": _logprob(logprob), "bytes": list(_token_bytes(text))}
 
 
@@ -649,10 +666,12 @@ class _CompletionReply(_Reply):
         self.unechoed = set(range(len(streams))) if echoed else set()
 
     def whole_body(self, parts: list[list[StreamChunk]]) -> dict[str, Any]:
-        return {"choices": [self._choice(i, chunks, self.finish_reason(i)) for i, chunks in enumerate(parts)]}
+        return {"choices": [self._choice(i, self.written(i, chunks), self.finish_reason(i))
+                            for i, chunks in enumerate(parts)]}
 
     def event(self, batch: Batch) -> list[dict[str, Any]]:
-        choice = self._choice(batch.index, batch.chunks, self.finish_reason(batch.index) if batch.done else None)
+        chunks = self.written(batch.index, batch.chunks) if batch.done else batch.chunks
+        choice = self._choice(batch.index, chunks, self.finish_reason(batch.index) if batch.done else None)
         if not choice["text"] and not (choice["logprobs"] and choice["logprobs"]["tokens"]) and not batch.done:
             return []
         return [self.chunk(choice)]
@@ -686,19 +705,20 @@ class _CompletionReply(_Reply):
         for token in tokens:
             offsets.append(at)
             at += len(decoder.push(token))
-        return text, {"tokens": [self.token_text(t) for t in tokens],
+        return text, {"tokens": [self.token_text(t, i == 0) for i, t in enumerate(tokens)],
                       "token_logprobs": [_logprob(v) for v in values[: len(tokens)]],
-                      "top_logprobs": [self._top(*at) for at in zip(tops, tokens, values)], "text_offset": offsets}
+                      "top_logprobs": [self._top(*at, first=i == 0) for i, at in enumerate(zip(tops, tokens, values))],
+                      "text_offset": offsets}
 
     def _top(self, alternatives: Optional[list[tuple[int, float]]], token: int,
-             logprob: Optional[float]) -> Optional[dict[str, float]]:
+             logprob: Optional[float], first: bool = False) -> Optional[dict[str, float]]:
         """A position's most likely tokens as OpenAI gives them, their text to their log-probability, with the
         token chosen there added where it is not among them ("up to logprobs+1" entries, as OpenAI and vLLM)."""
         if self.top is None or alternatives is None:
             return None
-        top = {self.token_text(t): _logprob(lp) for t, lp in alternatives}
+        top = {self.token_text(t, first): _logprob(lp) for t, lp in alternatives}
         if token not in (t for t, _ in alternatives):
-            top.setdefault(self.token_text(token), _logprob(logprob))
+            top.setdefault(self.token_text(token, first), _logprob(logprob))
         return top
 
     def _logprobs(self, index: int, chunks: list[StreamChunk]) -> Optional[dict[str, list]]:

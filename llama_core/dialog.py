@@ -35,9 +35,10 @@ class FittedDialog:
     dropped_pairs: int
 
 
-def validate_dialog(dialog: object) -> None:
+def validate_dialog(dialog: object, reply_started: bool = False) -> None:
     """Raises DialogError naming the first problem: empty dialog, unknown role, misplaced system message,
-    roles not alternating user/assistant, last message not from the user, or content not a string."""
+    roles not alternating user/assistant, last message not from the user (or with reply_started, the
+    assistant: the start of its reply, which the model continues), or content not a string."""
     if not isinstance(dialog, (list, tuple)) or not dialog:
         raise DialogError(f"a dialog must be a non-empty list of messages, got {_describe(dialog)}")
     for i, message in enumerate(dialog):
@@ -57,8 +58,13 @@ def validate_dialog(dialog: object) -> None:
                 f"message {i} has role {dialog[i]['role']!r} but {expected!r} was expected: "
                 "after an optional system message, roles must alternate user, assistant, user, ..."
             )
-    if dialog[-1]["role"] != "user":
+    if dialog[-1]["role"] != "user" and not (reply_started and dialog[-1]["role"] == "assistant"):
         raise DialogError(f"message {len(dialog) - 1}: the last message must be from the user, not {dialog[-1]['role']!r}")
+
+
+def ends_in_reply(dialog: Dialog) -> bool:
+    """Whether a dialog ends with the start of the assistant's reply, for the model to continue."""
+    return dialog[-1]["role"] == "assistant"
 
 
 def has_special_tags(dialog: object) -> bool:
@@ -73,13 +79,18 @@ def has_special_tags(dialog: object) -> bool:
 
 def dialog_segments(dialog: Dialog) -> list[tuple[str, bool]]:
     """A valid dialog in the exact Llama-2 chat layout: (text, ends with EOS) for each BOS-started segment,
-    one per (user, assistant) exchange and one for the last user message."""
-    validate_dialog(dialog)
+    one per (user, assistant) exchange and one for the last user message, or where the dialog ends with the
+    start of the assistant's reply, one for that exchange, open for the reply to go on."""
+    validate_dialog(dialog, reply_started=True)
     if dialog[0]["role"] == "system":
         first = {"role": "user", "content": B_SYS + dialog[0]["content"] + E_SYS + dialog[1]["content"]}
         dialog = [first] + list(dialog[2:])
+    started = ends_in_reply(dialog)
+    exchanges = dialog[:-2] if started else dialog[:-1]
     segments = [(f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} ", True)
-                for prompt, answer in zip(dialog[:-1:2], dialog[1::2])]
+                for prompt, answer in zip(exchanges[::2], exchanges[1::2])]
+    if started:
+        return segments + [(f"{B_INST} {dialog[-2]['content'].strip()} {E_INST} {dialog[-1]['content'].strip()}", False)]
     return segments + [(f"{B_INST} {dialog[-1]['content'].strip()} {E_INST}", False)]
 
 
@@ -99,15 +110,16 @@ def dialog_text(dialog: Dialog) -> str:
 
 def fit_dialog(tokenizer: Tokenizer, dialog: Dialog, max_prompt_tokens: int) -> FittedDialog:
     """Encodes dialog, dropping its oldest whole (user, assistant) pairs until it has at most
-    max_prompt_tokens tokens. The system prompt and the last user message are always kept.
+    max_prompt_tokens tokens. The system prompt and the last user message (with the reply's start where the
+    dialog ends with one) are always kept.
 
     Raises:
         ContextLengthError: the system prompt and last user message alone don't fit.
     """
-    validate_dialog(dialog)
+    validate_dialog(dialog, reply_started=True)
     system = [dialog[0]] if dialog[0]["role"] == "system" else []
     turns = list(dialog[len(system) :])
-    n_pairs = len(turns) // 2
+    n_pairs = (len(turns) - (2 if ends_in_reply(dialog) else 1)) // 2
 
     def encoded(dropped: int) -> list[int]:
         return encode_dialog(tokenizer, system + turns[2 * dropped :])
@@ -142,7 +154,7 @@ def prepare_chat(tokenizer: Tokenizer, max_seq_len: int, dialog: Dialog, max_gen
     """Validates and encodes a dialog for a max_seq_len context, dropping its oldest turns until it fits with
     room for the reply: max_gen_len tokens, but at most half the context (a longer reply still runs until
     the context is full)."""
-    validate_dialog(dialog)
+    validate_dialog(dialog, reply_started=True)
     return fit_dialog(tokenizer, dialog, max_seq_len - reply_room(max_seq_len, max_gen_len))
 
 

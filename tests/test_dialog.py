@@ -180,11 +180,36 @@ def test_invalid_dialogs_raise_dialog_error_naming_the_index(tokenizer, llama, c
     with pytest.raises(DialogError, match=message):
         validate_dialog(dialog)
     with pytest.raises(DialogError, match=message):
+        llama.chat_completion([dialog], max_gen_len=4)
+    if "the last message must be from the user" in message:  # the layout takes it: the start of a reply
+        validate_dialog(dialog, reply_started=True)
+        return
+    with pytest.raises(DialogError, match=message):
         encode_dialog(tokenizer, dialog)
     with pytest.raises(DialogError, match=message):
         fit_dialog(tokenizer, dialog, 10_000)
-    with pytest.raises(DialogError, match=message):
-        llama.chat_completion([dialog], max_gen_len=4)
+
+
+def test_a_dialog_ending_with_the_assistants_words_is_a_reply_to_continue(tokenizer, llama):
+    started = SHORT_DIALOG + [{"role": "assistant", "content": " I am the "}]
+    expected = rules_ids(tokenizer, SHORT_DIALOG[:-1] + [{"role": "user", "content": "x"}])
+    expected = expected[: expected.index(tokenizer.eos_id) + 1]  # the first exchange, as the rules write it
+    expected += tokenizer.encode("[INST] Who are you? [/INST] I am the", bos=True, eos=False)  # open: no EOS
+    assert encode_dialog(tokenizer, started) == expected
+    head = len(encode_dialog(tokenizer, [SHORT_DIALOG[0]] + started[-2:]))
+    assert fit_dialog(tokenizer, started, head).prompt_tokens == encode_dialog(tokenizer, [SHORT_DIALOG[0]] + started[-2:])
+    with pytest.raises(ContextLengthError):  # the reply's start is kept with its question, never dropped
+        fit_dialog(tokenizer, started, head - 1)
+    with pytest.raises(DialogError, match="the last message must be from the user"):
+        llama.chat_completion([started], max_gen_len=4)  # Meta's API keeps its rule
+    # The reply goes on from the words given: what greedy completion of the same tokens writes after them.
+    from llama_core.serving import stream_chat, stream_completion
+
+    dialog = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am"}]
+    reply = "".join(c.text for c in stream_chat(llama.engine, dialog, temperature=0, max_new_tokens=12))
+    plain = "".join(c.text for c in stream_completion(llama.engine, encode_dialog(tokenizer, dialog), temperature=0,
+                                                      max_new_tokens=12))
+    assert reply == plain and reply
 
 
 @hypothesis_settings

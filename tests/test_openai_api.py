@@ -460,9 +460,44 @@ def test_a_user_message_after_tool_results_is_answered_on_both_apis(served, clie
         *ASK, {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Verona"}'},
         {"type": "function_call_output", "call_id": "c1", "output": "Sunny"}, {"role": "user", "content": "And tomorrow?"}])
     assert response.output_text == reply.choices[0].message.content  # the same dialog, the same greedy reply
-    # A user message after another, with no tool results between, is still refused: the dialog alternates.
-    twice = raw(served, "POST", "/chat/completions", {"messages": ASK + ASK, "max_tokens": 2})
-    assert twice.status_code == 400 and "alternate" in error_of(twice)["message"], twice.text
+
+
+def test_any_order_of_roles_openai_takes_is_laid_out_as_llama_2s_turns():
+    from llama_core.openai_api.routes import _dialog
+    from llama_core.openai_api.schemas import ChatMessage
+
+    def laid_out(*messages):
+        return [(m["role"], m["content"]) for m in _dialog([ChatMessage(role=r, content=c) for r, c in messages])]
+
+    # One role in a row is one turn; a system message after the start is the user's words in its place.
+    assert laid_out(("user", "a"), ("user", "b")) == [("user", "a\n\nb")]
+    assert laid_out(("system", "s"), ("developer", "t"), ("user", "a")) == [("system", "s\n\nt"), ("user", "a")]
+    assert laid_out(("user", "a"), ("assistant", "b"), ("system", "c"), ("user", "d")) == [
+        ("user", "a"), ("assistant", "b"), ("user", "c\n\nd")]
+    assert laid_out(("user", "a"), ("assistant", "b"), ("assistant", "c"), ("user", "d")) == [
+        ("user", "a"), ("assistant", "b\n\nc"), ("user", "d")]
+    # A system prompt alone gets an empty user turn; an assistant's greeting first, one before it.
+    assert laid_out(("system", "s")) == [("system", "s"), ("user", "")]
+    assert laid_out(("system", "s"), ("assistant", "Hi"), ("user", "a")) == [
+        ("system", "s"), ("user", ""), ("assistant", "Hi"), ("user", "a")]
+    # The assistant's words last are the start of the reply.
+    assert laid_out(("user", "a"), ("assistant", "Once")) == [("user", "a"), ("assistant", "Once")]
+
+
+def test_a_reply_started_by_the_caller_is_continued(served, client, model_id):
+    """The messages may end with the assistant's (a prefill): the reply is what the model writes after those
+    words, as /v1/completions writes after the same Llama-2 layout; and orders Llama-2 has no turn for answer."""
+    messages = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am"}]
+    reply = client.chat.completions.create(model=model_id, messages=messages, max_tokens=10, temperature=0)
+    prompt = encode_dialog(served[0].tokenizer, messages)
+    plain = client.completions.create(model=model_id, prompt=prompt, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == plain.choices[0].text and reply.usage.prompt_tokens == len(prompt)
+    for messages in (ASK + ASK, [{"role": "system", "content": "Be brief."}], [*ASK, {"role": "developer",
+                                                                                          "content": "In verse."}]):
+        assert client.chat.completions.create(model=model_id, messages=messages, max_tokens=2).choices[0].message
+    refused = raw(served, "POST", "/chat/completions", {"messages": messages + [{"role": "assistant", "content": "{"}],
+                                                         "response_format": {"type": "json_object"}})
+    assert refused.status_code == 400 and error_of(refused)["param"] == "messages", refused.text
 
 
 @pytest.mark.parametrize("body, param", [

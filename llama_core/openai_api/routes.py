@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..dialog import UNSAFE_ERROR, Dialog, encode_dialog
+from ..dialog import UNSAFE_ERROR, Dialog, encode_dialog, ends_in_reply
 from ..errors import InvalidRequestError, LlamaError
 from ..grammar import Grammar
 from ..serving import aio, requests
@@ -108,6 +108,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         controls = _controls(body, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0)
         if functions:
             controls["grammar"] = _call_grammar(functions, required)
+        _check_reply_start(dialog, controls)
         max_new_tokens = _max_new_tokens(max_tokens, engine, "max_completion_tokens" if rename else "max_tokens")
         refusal = [False]
 
@@ -148,6 +149,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             controls = _controls(chat, logprobs=False)
             if functions:
                 controls["grammar"] = _call_grammar(functions, required)
+            _check_reply_start(dialog, controls)
             max_new_tokens = _max_new_tokens(chat.max_tokens, engine, "max_tokens")
 
             def submit(_: None) -> TextStream:
@@ -285,11 +287,13 @@ def _prediction(prediction: Optional[Prediction]) -> Optional[str]:
 def _dialog(messages: list[ChatMessage], tools_note: str = "") -> Dialog:
     """OpenAI's messages as a Llama-2 dialog ("developer" is OpenAI's newer name for "system"; an assistant's
     tool calls and the tools' results as tools.history_turns writes them), tools_note at the end of the system
-    prompt; the order of roles is then checked by the dialog layout itself."""
+    prompt. OpenAI takes any order of roles, Llama-2's layout one: messages of one role in a row are one turn
+    (a blank line between), a system message after the conversation's start is read in its place as the
+    user's words, a dialog of system messages alone gets an empty user turn, and one that ends with the
+    assistant's is the start of the reply, which the model continues."""
     if not messages:
         raise APIError(400, "messages is empty: send at least one user message", param="messages")
     dialog: Dialog = []
-    after_tool_results = False
     for i, role, written in tools.history_turns(messages):
         message = messages[i]
         role = {"developer": "system", "tool": "user"}.get(role, role)
@@ -302,17 +306,30 @@ def _dialog(messages: list[ChatMessage], tools_note: str = "") -> Dialog:
                                                                                    f"messages[{i}].content")
         if written is not None:
             content = f"{content}\n{written}" if content else _text(written, f"messages[{i}]")
-        if role == "user" and dialog and dialog[-1]["role"] == "user" and after_tool_results:
-            # the tools' results are a user turn here: the caller's next user message goes on in it
+        if role == "system" and dialog and dialog[-1]["role"] != "system":
+            role = "user"
+        if role == "assistant" and (not dialog or dialog[-1]["role"] == "system"):
+            dialog.append({"role": "user", "content": ""})  # the assistant spoke first (a greeting)
+        if dialog and dialog[-1]["role"] == role:
             content = f"{dialog.pop()['content']}\n\n{content}"
-        after_tool_results = message.role == "tool"
         dialog.append({"role": role, "content": content})
     if tools_note:
         if dialog[0]["role"] == "system":
             dialog[0] = {"role": "system", "content": f"{dialog[0]['content']}\n\n{tools_note}".strip()}
         else:
             dialog.insert(0, {"role": "system", "content": tools_note})
+    if len(dialog) == 1 and dialog[0]["role"] == "system":
+        dialog.append({"role": "user", "content": ""})
     return dialog
+
+
+def _check_reply_start(dialog: Dialog, controls: dict[str, Any]) -> None:
+    """A 400 where the messages end with the assistant's (a reply for the model to continue) and a grammar
+    (response_format, tools, a guided field) would hold the continuation as a whole reply."""
+    if ends_in_reply(dialog) and controls.get("grammar") is not None:
+        raise APIError(400, "the last message is the assistant's, the start of a reply for the model to continue; "
+                       "response_format, tools and the guided fields hold a whole reply: end with a user message",
+                       param="messages")
 
 
 def _text(content: str | list[TextPart], field: str) -> str:

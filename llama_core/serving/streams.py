@@ -368,7 +368,8 @@ def stream_chat(
     prediction: Optional[str] = None,
     **controls: Any,
 ) -> TextStream:
-    """Submits a dialog (ending with the user's message) and returns the assistant's reply stream. The reply
+    """Submits a dialog (ending with the user's message, or with the start of the assistant's reply, which the
+    reply then continues: its text is what follows) and returns the assistant's reply stream. The reply
     also ends where the model starts writing a dialog tag ([INST], [/INST], <<SYS>>, <</SYS>>), as at a stop
     string; other sampling controls are keywords as in stream_completion. prediction: the reply as the
     caller expects it (e.g. a file to be edited a little): with prompt lookup, the engine drafts from it, so
@@ -387,7 +388,8 @@ def stream_chat(
     fitted = _fitted_chat(engine, dialog, max_new_tokens, drop_old_turns)
     predicted = engine.tokenizer.encode(prediction, bos=False, eos=False) if prediction else ()
     tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, params=params, prediction_tokens=predicted)
-    decoder = StreamDecoder(engine.tokenizer)  # the reply's text, as chat_completion's content reads
+    # the reply's text, as chat_completion's content reads; where the dialog holds its start, what follows that
+    decoder = StreamDecoder(engine.tokenizer, fitted.prompt_tokens if chat_format.ends_in_reply(dialog) else ())
     return TextStream(tokens, decoder, len(fitted.prompt_tokens), max_seq_len, fitted.dropped_pairs, stop=params.stop)
 
 

@@ -214,7 +214,7 @@ def test_streamed_chat_reply_is_not_repeated_at_the_end(engine):
 BAD_CHAT = [
     (dict(temperature=-1), "temperature"),
     (dict(temperature="hot"), "temperature"),
-    (dict(top_p=0), "top_p"),
+    (dict(top_p=-0.1), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=10 * MAX_SEQ_LEN), "max_new_tokens"),

@@ -490,7 +490,7 @@ def test_generate_seed_reproduces_a_sampled_text():
 
 BAD_GENERATE_ARGUMENTS = {
     "temperature": (["x", "--temperature", "-1"], ["--temperature: temperature must be a finite number from 0 to 100"]),
-    "top-p": (["x", "--top-p", "0"], ["--top-p: top_p must be a number in (0, 1]"]),
+    "top-p": (["x", "--top-p", "1.5"], ["--top-p: top_p must be a number from 0 to 1"]),
     "top-k": (["x", "--top-k", "-2"], ["--top-k: top_k must be 0 (off) or more"]),
     "seed": (["x", "--seed", "-5"], ["--seed: seed must be an integer from 0"]),
     "stop": (["x", *["--stop", "s"] * 5], ["--stop: stop takes at most 4 strings, got 5"]),

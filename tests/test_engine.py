@@ -204,7 +204,7 @@ def test_queue_past_its_bound_answers_busy(prompts):
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.5}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"max_new_tokens": 10_000}, "max_new_tokens"),

@@ -394,11 +394,11 @@ def test_the_hottest_temperature_samples(llama):
     assert len(tokens) == 4
 
 
-@pytest.mark.parametrize("top_p", [0, 0.0, 1.5, -0.2, math.nan, "0.9"])
+@pytest.mark.parametrize("top_p", [1.5, -0.2, 1.0000001, math.nan, "0.9"])
 def test_bad_top_p(llama, top_p):
-    with pytest.raises(InvalidRequestError, match=rf"top_p must be a number in \(0, 1\], got {top_p!r}"):
+    with pytest.raises(InvalidRequestError, match=rf"top_p must be a number from 0 to 1, got {top_p!r}"):
         llama.generate([[1, 5]], max_gen_len=4, top_p=top_p)
-    with pytest.raises(InvalidRequestError, match=r"top_p must be a number in \(0, 1\]"):
+    with pytest.raises(InvalidRequestError, match=r"top_p must be a number from 0 to 1"):
         llama.chat_completion([[{"role": "user", "content": "hi"}]], max_gen_len=4, top_p=top_p)
 
 
@@ -429,3 +429,10 @@ def test_request_errors_leave_the_model_usable(llama, tokenizer):
         llama.generate([prompt, []], max_gen_len=8, temperature=0)
     after, _ = llama.generate([prompt], max_gen_len=8, temperature=0)
     assert before == after
+
+
+def test_top_p_0_keeps_the_most_likely_token_only(llama):
+    """As Meta's reference sample_top_p and OpenAI's API take it: at any temperature, the greedy reply."""
+    greedy = llama.generate([[1, 5, 9]], max_gen_len=12, temperature=0)[0][0]
+    for seed in range(3):
+        assert llama.generate([[1, 5, 9]], max_gen_len=12, temperature=1.5, top_p=0, seed=seed)[0][0] == greedy

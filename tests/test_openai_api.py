@@ -648,6 +648,30 @@ def test_token_id_prompts_are_taken_as_they_are_as_lm_evaluation_harness_sends_t
     assert httpx.get(url + "tokenizer_info").status_code == 401  # behind the API's key, as /v1
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, model_id):
+    """The GPT-3 scoring call (vLLM takes it too): the prompt's tokens and logprobs, nothing written."""
+    for prompts in ("ROMEO: But soft", ["ROMEO: But soft", [5, 9, 13]]):
+        scored = client.completions.create(model=model_id, prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+        once = client.completions.create(model=model_id, prompt=prompts, max_tokens=1, echo=True, logprobs=1,
+                                         temperature=0)
+        assert scored.usage.completion_tokens == 0 and scored.usage.total_tokens == once.usage.prompt_tokens
+        for choice, longer in zip(scored.choices, once.choices):
+            assert choice.finish_reason == "length" and longer.text.startswith(choice.text)
+            assert choice.logprobs.tokens == longer.logprobs.tokens[:-1]
+            assert choice.logprobs.token_logprobs == pytest.approx(longer.logprobs.token_logprobs[:-1], abs=1e-5)
+        streamed = list(client.completions.create(model=model_id, prompt=prompts, max_tokens=0, echo=True, stream=True))
+        assert sorted("".join(c.choices[0].text for c in streamed if c.choices[0].index == i)
+                      for i in range(len(scored.choices))) == sorted(c.text for c in scored.choices)
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=0)
+
+
+def test_an_empty_prompt_is_continued_from_bos_as_openai_takes_it(client, model_id):
+    for prompt in ("", [""]):
+        reply = client.completions.create(model=model_id, prompt=prompt, max_tokens=6, temperature=0)
+        assert reply.usage.prompt_tokens == 1 and reply.usage.completion_tokens == 6 and reply.choices[0].text
+
+
 @pytest.mark.parametrize("prompt, says", [
     ([1, 10**6], "prompt[1] is 1000000"), ([[1, 2], [3, -1]], "prompt[1][1] is -1"), ([[]], "prompt[0] is empty"),
     ([1, "a"], "prompt[0] is int"), ([True], "prompt[0] is bool"), ([[1, 2], 3], "prompt[1] is int"),
@@ -823,7 +847,7 @@ def test_a_bad_response_format_is_a_400_naming_it(served, response_format, param
 
 
 # -- errors -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("field, value", [("temperature", -1), ("temperature", "hot"), ("top_p", 0),
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("temperature", "hot"), ("top_p", -0.1),
                                           ("top_p", 10**400), ("presence_penalty", 9), ("seed", -5),
                                           ("top_k", -1), ("stop", ["a", "b", "c", "d", "e"]), ("n", 0), ("n", 99)])
 def test_an_invalid_field_is_a_400_naming_it(served, field, value):
@@ -877,7 +901,7 @@ def test_a_body_sent_without_the_json_content_type_or_too_deep_to_read_says_so(s
 
 def test_completion_refusals_name_the_field(served):
     for body, param in [({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": [1, 10**6]}, "prompt"),
-                        ({"prompt": ""}, "prompt"), ({"prompt": "x", "logprobs": 50}, "logprobs"),
+                        ({"prompt": []}, "prompt"), ({"prompt": "x", "logprobs": 50}, "logprobs"),
                         ({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "best_of": 3}, "best_of")]:
         response = raw(served, "POST", "/completions", body)
         assert response.status_code == 400 and error_of(response)["param"] == param, (body, response.text)

@@ -192,18 +192,22 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             raise APIError(400, f"logprobs must be an integer from 0 to {requests.MAX_TOP_LOGPROBS}, got {top}",
                            param="logprobs")
         controls = _controls(body, logprobs=top is not None, top_logprobs=top or 0)
-        max_new_tokens = _max_new_tokens(body.max_tokens, engine, "max_tokens")
+        scoring = bool(body.echo) and body.max_tokens == 0  # the prompt alone, with its logprobs: one step, unsent
+        max_new_tokens = 1 if scoring else _max_new_tokens(body.max_tokens, engine, "max_tokens")
         echo_logprobs = bool(body.echo) and top is not None
         jobs = [(prompt, seed) for prompt in prompts for seed in _seeds(controls["seed"], n)]
 
         def submit(job: tuple[str | list[int], Optional[int]]) -> TextStream:
-            return stream_completion(engine, job[0], max_new_tokens=max_new_tokens, prompt_logprobs=echo_logprobs,
+            prompt = job[0]
+            if isinstance(prompt, str) and not prompt.strip():  # as OpenAI takes it: the model writes after BOS
+                prompt = engine.tokenizer.encode(prompt, bos=True, eos=False)
+            return stream_completion(engine, prompt, max_new_tokens=max_new_tokens, prompt_logprobs=echo_logprobs,
                                      **dict(controls, seed=job[1]))
 
         streams = await _submit_all(submit, jobs, set(body.model_fields_set) | {"prompt"}, {},
                                     aio.text_size(*prompts))
         echoed = [job[0] for job in jobs] if body.echo else None
-        reply = _CompletionReply(engine, model_id, streams, n, _include_usage(body), top, echoed)
+        reply = _CompletionReply(engine, model_id, streams, n, _include_usage(body), top, echoed, scoring)
         if body.stream:
             return _event_stream(reply.events(request))
         return await reply.whole(request)
@@ -466,7 +470,8 @@ def _max_new_tokens(max_tokens: Optional[int], engine: TextEngine, name: str) ->
     if max_tokens is None:
         return limit
     if max_tokens < 1:
-        raise APIError(400, f"{name} must be at least 1, got {max_tokens}", param=name)
+        zero = " (0 only with echo, on completions: the prompt scored, nothing written)" if max_tokens == 0 else ""
+        raise APIError(400, f"{name} must be at least 1{zero}, got {max_tokens}", param=name)
     return min(max_tokens, limit)
 
 
@@ -675,19 +680,35 @@ class _CompletionReply(_Reply):
     id_prefix = "cmpl"
 
     def __init__(self, engine: TextEngine, model_id: str, streams: list[TextStream], per_prompt: int,
-                 include_usage: bool, top: Optional[int], echoed: Optional[list[str | list[int]]]) -> None:
+                 include_usage: bool, top: Optional[int], echoed: Optional[list[str | list[int]]],
+                 scoring: bool = False) -> None:
+        """scoring: echo with max_tokens 0: each choice is its prompt alone (the token drawn after it unsent)."""
         super().__init__(engine, model_id, streams, per_prompt, include_usage)
         self.top = top  # None: no logprobs; else alternatives per token
         self.echoed = echoed  # each choice's prompt (text, or token ids) with echo, else None
+        self.scoring = scoring
         self.offsets = [0] * len(streams)  # characters of text each choice has sent
         self.unechoed = set(range(len(streams))) if echoed else set()
+
+    def usage(self) -> dict[str, Any]:
+        usage = super().usage()
+        if self.scoring:
+            usage["total_tokens"] -= usage["completion_tokens"]
+            usage["completion_tokens"] = 0
+        return usage
+
+    def finish_reason(self, index: int) -> str:
+        return "length" if self.scoring else super().finish_reason(index)
 
     def whole_body(self, parts: list[list[StreamChunk]]) -> dict[str, Any]:
         return {"choices": [self._choice(i, self.written(i, chunks), self.finish_reason(i))
                             for i, chunks in enumerate(parts)]}
 
+    def written(self, index: int, chunks: list[StreamChunk]) -> list[StreamChunk]:
+        return [] if self.scoring else super().written(index, chunks)
+
     def event(self, batch: Batch) -> list[dict[str, Any]]:
-        chunks = self.written(batch.index, batch.chunks) if batch.done else batch.chunks
+        chunks = self.written(batch.index, batch.chunks) if batch.done or self.scoring else batch.chunks
         choice = self._choice(batch.index, chunks, self.finish_reason(batch.index) if batch.done else None)
         if not choice["text"] and not (choice["logprobs"] and choice["logprobs"]["tokens"]) and not batch.done:
             return []
@@ -722,9 +743,10 @@ class _CompletionReply(_Reply):
         for token in tokens:
             offsets.append(at)
             at += len(decoder.push(token))
-        return text, {"tokens": [self.token_text(t, i == 0) for i, t in enumerate(tokens)],
+        first = next((i for i, t in enumerate(tokens) if t != tokenizer.bos_id), None)  # the first to write text
+        return text, {"tokens": [self.token_text(t, i == first) for i, t in enumerate(tokens)],
                       "token_logprobs": [_logprob(v) for v in values[: len(tokens)]],
-                      "top_logprobs": [self._top(*at, first=i == 0) for i, at in enumerate(zip(tops, tokens, values))],
+                      "top_logprobs": [self._top(*at, first=i == first) for i, at in enumerate(zip(tops, tokens, values))],
                       "text_offset": offsets}
 
     def _top(self, alternatives: Optional[list[tuple[int, float]]], token: int,

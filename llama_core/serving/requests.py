@@ -179,15 +179,15 @@ def sampling_params(temperature: Any = 0.6, top_p: Any = 0.9, logprobs: Any = Tr
 
 # -- numbers -----------------------------------------------------------------------------------------------
 def check_sampling(temperature: Any, top_p: Any) -> None:
-    """Raises InvalidRequestError unless 0 <= temperature <= MAX_TEMPERATURE and 0 < top_p <= 1 (both finite
-    numbers)."""
+    """Raises InvalidRequestError unless 0 <= temperature <= MAX_TEMPERATURE and 0 <= top_p <= 1 (both finite
+    numbers; top_p 0 keeps the most likely token only, as Meta's reference and OpenAI's API take it)."""
     value = _finite(temperature)
     if value is None or not 0 <= value <= MAX_TEMPERATURE:
         raise InvalidRequestError(f"temperature must be a finite number from 0 to {MAX_TEMPERATURE:g} (0 is greedy), "
                                   f"got {_show(temperature)}")
     value = _finite(top_p)
-    if value is None or not 0 < value <= 1:
-        raise InvalidRequestError(f"top_p must be a number in (0, 1], got {_show(top_p)}")
+    if value is None or not 0 <= value <= 1:
+        raise InvalidRequestError(f"top_p must be a number from 0 to 1, got {_show(top_p)}")
 
 
 def check_max_new_tokens(max_new_tokens: Any, max_seq_len: int) -> int:

@@ -708,6 +708,10 @@ def test_a_response_is_the_chat_reply_to_the_same_dialog(client, model_id):
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.output_tokens == chat.usage.completion_tokens
     assert response.usage.input_tokens == chat.usage.prompt_tokens
+    # The response reports what it was sampled with: the given temperature, Llama-2's top_p where absent.
+    assert (response.temperature, response.top_p, response.parallel_tool_calls) == (0, 0.9, True)
+    unparallel = client.responses.create(model=model_id, input="Hi", max_output_tokens=2, parallel_tool_calls=False)
+    assert (unparallel.temperature, unparallel.parallel_tool_calls) == (0.6, False)
 
 
 def test_a_streamed_response_sends_its_events_in_order_and_the_same_text(client, model_id):

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 
+from ..serving.requests import SamplingParams
 from . import tools
 from .errors import APIError, from_llama_error
 from .schemas import (ChatMessage, FunctionCall, InputItem, NamedTool, ResponsesRequest, TextPart, Tool, ToolCall,
@@ -180,7 +181,10 @@ class ResponseWriter:
             "completed_at": int(time.time()) if status == "completed" else None,
             "model": self.model_id, "output": output, "error": None, "incomplete_details": incomplete,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "temperature": body.temperature, "top_p": body.top_p, "parallel_tool_calls": False,
+            # the values the reply was sampled with (Llama-2's defaults where absent), as OpenAI reports them
+            "temperature": SamplingParams.temperature if body.temperature is None else body.temperature,
+            "top_p": SamplingParams.top_p if body.top_p is None else body.top_p,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,  # taken; a reply calls at most one
             "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else (body.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "store": self.store is not None,
             "previous_response_id": body.previous_response_id, "text": {"format": fmt},

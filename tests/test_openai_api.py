@@ -373,6 +373,34 @@ def test_a_streamed_tool_call_is_the_unstreamed_one(client, model_id):
     assert final.content is None and final.tool_calls[0].function.name == done[0].name
 
 
+def test_with_tools_and_a_response_format_a_reply_is_a_call_or_follows_the_format(client, model_id):
+    """As OpenAI holds them together (an agent with tools and an output type sends both)."""
+    verdict = {"type": "object", "properties": {"verdict": {"enum": ["ay", "nay"]}}, "required": ["verdict"],
+               "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": verdict, "strict": True}}
+    kinds = set()
+    for seed in range(6):
+        ask = dict(model=model_id, messages=ASK, tools=[WEATHER], response_format=response_format, seed=seed,
+                   temperature=1.0, max_tokens=60)
+        choice = client.chat.completions.create(**ask).choices[0]
+        if choice.message.tool_calls:
+            kinds.add("call")
+            assert called(choice)[0] == "get_weather"
+        else:
+            kinds.add("format")
+            assert json.loads(choice.message.content)["verdict"] in ("ay", "nay"), choice.message.content
+        streamed = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == (choice.message.content or "")
+    assert kinds, kinds
+    required = client.chat.completions.create(model=model_id, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                              response_format={"type": "json_object"}, max_tokens=60, temperature=0)
+    assert called(required.choices[0])[0] == "get_weather"
+    response = client.responses.create(model=model_id, input=ASK, tools=[{"type": "function", **WEATHER["function"]}],
+                                       text={"format": {"type": "json_schema", "name": "verdict", "schema": verdict}},
+                                       max_output_tokens=60, temperature=0)
+    assert response.status == "completed" and response.output[0].type in ("message", "function_call")
+
+
 def test_a_conversation_goes_on_after_a_tool_result(client, model_id):
     """The call and its result go back into the dialog; with tool_choice auto the reply is text or another
     call, and a text reply streams as it is written."""
@@ -511,7 +539,7 @@ def test_a_reply_started_by_the_caller_is_continued(served, client, model_id):
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "x"}]}, "functions"),
-    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "guided_regex": "ay|nay"}, "guided_regex"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]},
                    {"role": "tool", "tool_call_id": "1", "content": "x"}, {"role": "assistant", "content": "y"},

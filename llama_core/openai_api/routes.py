@@ -107,7 +107,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         controls = _controls(body, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0)
         if functions:
-            controls["grammar"] = _call_grammar(functions, required)
+            controls["grammar"] = _call_grammar(functions, required, body.response_format)
         _check_reply_start(dialog, controls)
         max_new_tokens = _max_new_tokens(max_tokens, engine, "max_completion_tokens" if rename else "max_tokens")
         refusal = [False]
@@ -148,7 +148,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             dialog = _dialog(chat.messages, note)
             controls = _controls(chat, logprobs=False)
             if functions:
-                controls["grammar"] = _call_grammar(functions, required)
+                controls["grammar"] = _call_grammar(functions, required, chat.response_format)
             _check_reply_start(dialog, controls)
             max_new_tokens = _max_new_tokens(chat.max_tokens, engine, "max_tokens")
 
@@ -265,9 +265,10 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     if body.functions:
         raise APIError(400, "functions is OpenAI's older form of tools: send tools instead", param="functions")
-    held = _grammar_fields(body)
+    held = [name for name in _grammar_fields(body) if name != "response_format"]  # a format goes with tools
     if body.tools and held and body.tool_choice != "none":
-        raise APIError(400, f"{held[0]} and tools cannot hold one reply together: send one of them", param=held[0])
+        raise APIError(400, f"{held[0]} and tools cannot hold one reply together: send one of them (response_format "
+                       "may go with tools)", param=held[0])
 
 
 def _tools(body: ChatCompletionRequest) -> tuple[list[tools.Function], bool]:
@@ -774,11 +775,19 @@ class _CompletionReply(_Reply):
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _call_grammar(functions: list[tools.Function], required: bool) -> Any:
-    """The grammar a reply that may call the functions is held to; a 400 naming `tools` where they cannot make
-    one (too large a set of schemas, say)."""
+def _call_grammar(functions: list[tools.Function], required: bool,
+                  response_format: Optional[ResponseFormat] = None) -> Any:
+    """The grammar a reply that may call the functions is held to (a reply that calls none follows
+    response_format, a checked one, as OpenAI holds it); a 400 naming `tools` where they cannot make one (too
+    large a set of schemas, say)."""
+    schema = None
+    if response_format is not None and response_format.type == "json_object":
+        schema = {"type": "object"}
+    elif response_format is not None and response_format.type == "json_schema":
+        given = response_format.json_schema.schema_
+        schema = given if isinstance(given, dict) else {}
     try:
-        return tools.call_grammar(functions, required)
+        return tools.call_grammar(functions, required, schema)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="tools") from None
 

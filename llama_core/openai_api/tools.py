@@ -102,14 +102,19 @@ def tools_prompt(functions: list[Function], required: bool) -> str:
             '{"name": ..., "arguments": {...}}; its result comes in the next message.')
 
 
-def call_grammar(functions: list[Function], required: bool) -> Grammar:
+def call_grammar(functions: list[Function], required: bool, reply_schema: Optional[dict[str, Any]] = None) -> Grammar:
     """A reply that calls one of the functions (its arguments following its parameters), or with required
-    False, that or a text that does not start with "{"."""
+    False, that or a text that does not start with "{" (with reply_schema, the response format's JSON Schema:
+    JSON following it)."""
     calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.arguments},
               "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
     schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_OPTIONS}
     if required:
         return Grammar.json(schema, name="tools")
+    if reply_schema is not None:
+        reply = {"x-guidance": JSON_OPTIONS, **reply_schema}
+        return Grammar.lark(f"start: call | reply\ncall: %json {json.dumps(schema)}\nreply: %json {json.dumps(reply)}\n",
+                            name="tools")
     return Grammar.lark(f"start: call | text\ncall: %json {json.dumps(schema)}\ntext: /\\s*[^{{\\s][\\s\\S]*/\n",
                         name="tools")
 

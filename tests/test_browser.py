@@ -161,6 +161,17 @@ def test_model_tab_shows_the_checkpoint_and_its_size(page):
     expect(page.locator("#model-facts")).to_contain_text("max_seq_len")
 
 
+def test_the_three_tabs_are_one_bar_showing_one_tab_at_a_time(page):
+    bars = page.locator("[role=tablist]")
+    expect(bars).to_have_count(1)
+    expect(bars.locator("[role=tab]")).to_have_text(["Chat", "Completion", "Model"])
+    for shown, hidden in (("#completion-tab-button", "#chat-input"), ("#model-tab-button", "#completion-prompt"),
+                          ("#chat-tab-button", "#model-facts")):
+        page.click(shown)
+        expect(page.locator(hidden)).to_be_hidden()
+    expect(page.locator("#chat-input textarea")).to_be_visible()
+
+
 def test_stop_cancels_the_request_in_the_engine(page, served, monkeypatch):
     engine = served[0]
     cancels = []  # per cancel() call: was the request still running?

@@ -728,79 +728,80 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     # Gradio's copies of files handed over or uploaded: those older than an hour go, looked for hourly.
     with gr.Blocks(title="Llama-2", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
         gr.Markdown(f"## Llama-2 · `{info.name}`")
-        with gr.Tab("Chat", elem_id="chat-tab"), gr.Row(elem_id="chat-row"):
-            with gr.Column(scale=1, min_width=200, elem_id="chat-sidebar"):
-                new_button = gr.Button("New chat", size="md", elem_id="chat-new")
-                chat_list = gr.Radio(label="Conversations", elem_id="chat-list")
-                chat_title = gr.Textbox(label="Title", max_lines=1, elem_id="chat-title",
-                                        info="press Enter to rename")
-                delete_button = gr.Button("Delete this chat", size="sm", variant="stop", elem_id="chat-delete")
-                with gr.Row():
-                    export_json = gr.Button("Export JSON", size="sm", elem_id="chat-export-json")
-                    export_markdown = gr.Button("Export Markdown", size="sm", elem_id="chat-export-markdown")
-                import_button = gr.UploadButton("Import JSON", size="sm", file_types=[".json"], type="binary",
-                                                elem_id="chat-import")
-                exported = gr.File(label="Exported", visible=False, interactive=False, elem_id="chat-exported")
-            with gr.Column(scale=3, min_width=300, elem_id="chat-main"):
-                chatbot = gr.Chatbot(label="Chat · click a message for its versions", elem_id="chatbot", height=420,
-                                     buttons=["copy", "copy_all"], editable="user",
-                                     placeholder="Say something to start the conversation.")
-                with gr.Row(elem_id="chat-branch", visible=False) as branch_row:
-                    branch_prev = gr.Button("‹", size="sm", min_width=40, scale=0, elem_id="chat-branch-prev")
-                    branch_label = gr.Markdown(elem_id="chat-branch-label")
-                    branch_next = gr.Button("›", size="sm", min_width=40, scale=0, elem_id="chat-branch-next")
-                    branch_retry = gr.Button("Retry this reply", size="sm", scale=0, min_width=120,
-                                             elem_id="chat-branch-retry")
-                branch_at = gr.State(None)  # the message the branch bar is about, an index into those shown
-                chat_stats = gr.Markdown(elem_id="chat-stats")
-                with gr.Row(elem_id="chat-compose"):
-                    chat_input = gr.Textbox(show_label=False, placeholder="Message (Enter sends)", scale=5,
-                                            elem_id="chat-input", autofocus=True, min_width=160, max_lines=8)
-                    send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send", min_width=80)
-                    stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop", visible=False,
-                                     min_width=80)
-                with gr.Row(elem_id="chat-tools"):
-                    retry, undo_button, clear = (
-                        gr.Button(name, size="sm", interactive=False, elem_id=f"chat-{name.lower()}")
-                        for name in ("Retry", "Undo", "Clear"))
-                    show_prompt_button = gr.Button("Show prompt", size="sm", elem_id="chat-show-prompt")
-                with gr.Accordion("The prompt the model sees next", open=True, visible=False,
-                                  elem_id="chat-prompt-panel") as prompt_panel:
-                    prompt_shown = gr.Markdown(elem_id="chat-prompt")
-                examples = gr.Examples(prompts.chat_examples, chat_input, label="Examples")
-            with gr.Column(scale=1, min_width=240):
-                system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
-                                           elem_id="system-prompt")
-                chat_controls = _sampling_controls(info.max_seq_len, "chat")
         store = gr.BrowserState(None, storage_key=STORAGE_KEY, secret=STORAGE_SECRET)
         pending = gr.State(None)  # {"message", "keep"} while a reply is under way
         confirmed = gr.Checkbox(False, visible=False)  # what the page's last confirm() dialog answered
-        with gr.Tab("Completion", elem_id="completion-tab"), gr.Row():
-            with gr.Column(scale=3):
-                prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
-                                    elem_id="completion-prompt")
-                prompt_size = gr.Markdown(prompt_size_line(engine, ""), elem_id="completion-prompt-tokens")
-                with gr.Row():
-                    generate = gr.Button("Generate", variant="primary", elem_id="completion-generate")
-                    continue_button = gr.Button("Continue", elem_id="completion-continue")
-                    stop_completion = gr.Button("Stop", variant="stop", elem_id="completion-stop", visible=False)
-                marked = gr.HighlightedText(label="Prompt and generated text", color_map={"generated": "#fcd34d"},
-                                            show_legend=True, elem_id="completion-marked")
-                completed = gr.State(None)  # {"prompt", "text"}: the last generation and the prompt it continued
-                output = gr.Textbox(label="Output", lines=8, interactive=False, elem_id="completion-output")
-                tokens = gr.HighlightedText(label="Tokens, each with its probability", color_map=PROBABILITY_COLORS,
-                                            show_legend=False, show_inline_category=True, visible=False,
-                                            elem_id="completion-tokens")
-                alternatives = gr.Markdown(elem_id="completion-alternatives")
-                completion_stats = gr.Markdown(elem_id="completion-stats")
-                shown_tokens = gr.State([])
-                gr.Examples(prompts.completion_examples, prompt, label="Examples")
-            with gr.Column(scale=1):
-                completion_controls = _sampling_controls(info.max_seq_len, "completion")
-                echo = gr.Checkbox(label="Echo the prompt", elem_id="completion-echo")
-                show_probabilities = gr.Checkbox(label="Show probabilities", elem_id="completion-probabilities")
-        with gr.Tab("Model", elem_id="model-tab"):
-            gr.Markdown(model_facts(info), elem_id="model-facts")
+        with gr.Tabs(elem_id="tabs"):  # one bar: a component between two tabs would start another
+            with gr.Tab("Chat", elem_id="chat-tab"), gr.Row(elem_id="chat-row"):
+                with gr.Column(scale=1, min_width=200, elem_id="chat-sidebar"):
+                    new_button = gr.Button("New chat", size="md", elem_id="chat-new")
+                    chat_list = gr.Radio(label="Conversations", elem_id="chat-list")
+                    chat_title = gr.Textbox(label="Title", max_lines=1, elem_id="chat-title",
+                                            info="press Enter to rename")
+                    delete_button = gr.Button("Delete this chat", size="sm", variant="stop", elem_id="chat-delete")
+                    with gr.Row():
+                        export_json = gr.Button("Export JSON", size="sm", elem_id="chat-export-json")
+                        export_markdown = gr.Button("Export Markdown", size="sm", elem_id="chat-export-markdown")
+                    import_button = gr.UploadButton("Import JSON", size="sm", file_types=[".json"], type="binary",
+                                                    elem_id="chat-import")
+                    exported = gr.File(label="Exported", visible=False, interactive=False, elem_id="chat-exported")
+                with gr.Column(scale=3, min_width=300, elem_id="chat-main"):
+                    chatbot = gr.Chatbot(label="Chat · click a message for its versions", elem_id="chatbot",
+                                         height=420, buttons=["copy", "copy_all"], editable="user",
+                                         placeholder="Say something to start the conversation.")
+                    with gr.Row(elem_id="chat-branch", visible=False) as branch_row:
+                        branch_prev = gr.Button("‹", size="sm", min_width=40, scale=0, elem_id="chat-branch-prev")
+                        branch_label = gr.Markdown(elem_id="chat-branch-label")
+                        branch_next = gr.Button("›", size="sm", min_width=40, scale=0, elem_id="chat-branch-next")
+                        branch_retry = gr.Button("Retry this reply", size="sm", scale=0, min_width=120,
+                                                 elem_id="chat-branch-retry")
+                    branch_at = gr.State(None)  # the message the branch bar is about, an index into those shown
+                    chat_stats = gr.Markdown(elem_id="chat-stats")
+                    with gr.Row(elem_id="chat-compose"):
+                        chat_input = gr.Textbox(show_label=False, placeholder="Message (Enter sends)", scale=5,
+                                                elem_id="chat-input", autofocus=True, min_width=160, max_lines=8)
+                        send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send", min_width=80)
+                        stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop", visible=False,
+                                         min_width=80)
+                    with gr.Row(elem_id="chat-tools"):
+                        retry, undo_button, clear = (
+                            gr.Button(name, size="sm", interactive=False, elem_id=f"chat-{name.lower()}")
+                            for name in ("Retry", "Undo", "Clear"))
+                        show_prompt_button = gr.Button("Show prompt", size="sm", elem_id="chat-show-prompt")
+                    with gr.Accordion("The prompt the model sees next", open=True, visible=False,
+                                      elem_id="chat-prompt-panel") as prompt_panel:
+                        prompt_shown = gr.Markdown(elem_id="chat-prompt")
+                    examples = gr.Examples(prompts.chat_examples, chat_input, label="Examples")
+                with gr.Column(scale=1, min_width=240):
+                    system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
+                                               elem_id="system-prompt")
+                    chat_controls = _sampling_controls(info.max_seq_len, "chat")
+            with gr.Tab("Completion", elem_id="completion-tab"), gr.Row():
+                with gr.Column(scale=3):
+                    prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
+                                        elem_id="completion-prompt")
+                    prompt_size = gr.Markdown(prompt_size_line(engine, ""), elem_id="completion-prompt-tokens")
+                    with gr.Row():
+                        generate = gr.Button("Generate", variant="primary", elem_id="completion-generate")
+                        continue_button = gr.Button("Continue", elem_id="completion-continue")
+                        stop_completion = gr.Button("Stop", variant="stop", elem_id="completion-stop", visible=False)
+                    marked = gr.HighlightedText(label="Prompt and generated text", color_map={"generated": "#fcd34d"},
+                                                show_legend=True, elem_id="completion-marked")
+                    completed = gr.State(None)  # {"prompt", "text"}: the last generation and the prompt it continued
+                    output = gr.Textbox(label="Output", lines=8, interactive=False, elem_id="completion-output")
+                    tokens = gr.HighlightedText(label="Tokens, each with its probability", color_map=PROBABILITY_COLORS,
+                                                show_legend=False, show_inline_category=True, visible=False,
+                                                elem_id="completion-tokens")
+                    alternatives = gr.Markdown(elem_id="completion-alternatives")
+                    completion_stats = gr.Markdown(elem_id="completion-stats")
+                    shown_tokens = gr.State([])
+                    gr.Examples(prompts.completion_examples, prompt, label="Examples")
+                with gr.Column(scale=1):
+                    completion_controls = _sampling_controls(info.max_seq_len, "completion")
+                    echo = gr.Checkbox(label="Echo the prompt", elem_id="completion-echo")
+                    show_probabilities = gr.Checkbox(label="Show probabilities", elem_id="completion-probabilities")
+            with gr.Tab("Model", elem_id="model-tab"):
+                gr.Markdown(model_facts(info), elem_id="model-facts")
 
         defaults.update(zip(conversations.SETTINGS, (control.value for control in chat_controls)))
         bounds.update((name, (control.minimum, control.maximum, control.step))  # the sliders' ranges

@@ -299,12 +299,15 @@ def stats_line(stats: dict) -> str:
         return "Refused: the message holds reserved chat-format tags."
     drafted = f" ({stats['drafted_tokens']} of them drafted ahead)" if stats.get("drafted_tokens") else ""
     speed = f"{stats['tokens_per_second']:.1f} tokens/s · " if stats["tokens_per_second"] > 0 else ""  # none to measure
-    line = (f"{speed}{stats['generated_tokens']} tokens generated{drafted} · context "
-            f"{stats['prompt_tokens'] + stats['generated_tokens']} / {stats['max_seq_len']} tokens "
+    generated, used = stats["generated_tokens"], stats["prompt_tokens"] + stats["generated_tokens"]
+    line = (f"{speed}{generated} token{'' if generated == 1 else 's'} generated{drafted} · context "
+            f"{used} / {stats['max_seq_len']} tokens "
             f"({stats['prompt_tokens']} prompt" + (f", {stats['cached_tokens']} of them cached" if stats.get("cached_tokens") else "")
             + ")")
     if stats["finish_reason"] == "length":
-        line += " · stopped at the token limit"
+        line += " · stopped: the context is full" if used >= stats["max_seq_len"] else " · stopped at the token limit"
+    elif stats["finish_reason"] in ("eos", "stop") and not generated:
+        line += " · nothing written: the model ended at once"
     if stats["dropped_pairs"]:
         line += (f"\n\n**Note:** the {stats['dropped_pairs']} oldest exchange(s) were left out to fit the "
                  f"{stats['max_seq_len']}-token context: the model no longer sees them.")

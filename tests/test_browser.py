@@ -326,6 +326,11 @@ def test_switching_conversations_shows_each_ones_messages(page):
     expect(page.locator("#chat-undo")).to_be_disabled()
     page.locator("#chat-list label", has_text="First of all.").first.click()
     expect(user).to_have_text("First of all.")
+    page.locator("#chat-title input").fill("Renamed on leaving the box")
+    page.locator("#chat-input textarea").click()  # no Enter: leaving the box renames too
+    expect(page.locator("#chat-list label", has_text="Renamed on leaving the box")).to_have_count(1)
+    page.reload()
+    expect(page.locator("#chat-list label", has_text="Renamed on leaving the box")).to_have_count(1)
 
 
 def import_file(page, path) -> None:

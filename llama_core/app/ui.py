@@ -66,6 +66,7 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 #chat-prompt pre { max-height: 360px; overflow-y: auto; }
 #chat-prompt pre code { white-space: pre-wrap; overflow-wrap: anywhere; }
 #chat-prompt del { opacity: 0.7; }
+#chat-list label { min-width: 0; max-width: 100%; overflow-wrap: anywhere; }  /* a long title wraps in its item */
 #chat-branch { align-items: center; }
 #chat-branch-label { flex: 0 1 auto !important; width: auto !important; min-width: 0 !important; }
 #chat-branch-label p { margin: 0; }
@@ -521,7 +522,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             return [gr.skip()] * len(begin_outputs)
         conversation = conversations.active(loaded(store))
         try:
-            message = requests.text(edit.value, "message")
+            message = requests.text(edit.value, "message").rstrip("\n")  # Enter in the edit box adds a newline
         except LlamaError:
             message = ""
         refused = (conversations.refused_turn(shown, conversation["messages"]) is not None
@@ -740,7 +741,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                     new_button = gr.Button("New chat", size="md", elem_id="chat-new")
                     chat_list = gr.Radio(label="Conversations", elem_id="chat-list")
                     chat_title = gr.Textbox(label="Title", max_lines=1, elem_id="chat-title",
-                                            info="press Enter to rename")
+                                            info="Enter, or leaving the box, renames")
                     delete_button = gr.Button("Delete this chat", size="sm", variant="stop", elem_id="chat-delete")
                     with gr.Row():
                         export_json = gr.Button("Export JSON", size="sm", elem_id="chat-export-json")
@@ -847,7 +848,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 .then(then, [store, pending, confirmed], view_outputs, queue=False, **ui)
         new_button.click(new_chat, [store, pending, system_prompt, *chat_controls], view_outputs, queue=False, **ui)
         chat_list.input(switch, [chat_list, store, pending], view_outputs, queue=False, **ui)
-        chat_title.submit(rename, [chat_title, store], [store, chat_list, chat_title], queue=False, **ui)
+        for renaming in (chat_title.submit, chat_title.blur):  # Enter, or leaving the box, renames
+            renaming(rename, [chat_title, store], [store, chat_list, chat_title], queue=False, **ui)
         typed = {"system_prompt", "stop", "output_grammar"}  # text boxes: "input" is keys only (Gradio 6)
         for name, control in [("system_prompt", system_prompt), *zip(conversations.SETTINGS, chat_controls)]:
             trigger = control.change if name in typed else control.input

@@ -72,6 +72,24 @@ def error_of(response: httpx.Response) -> dict:
     return body["error"]
 
 
+def test_a_page_on_localhost_may_call_the_api_and_one_elsewhere_may_not(served):
+    """A local chat front-end (http://localhost:3000) reads the API's answers: the preflight and the answer
+    agree (the preflight alone, from Gradio's page, said yes); another site's origin gets no grant."""
+    url = served[1] + "/chat/completions"
+    for origin, allowed in (("http://localhost:3000", True), ("http://127.0.0.1:8080", True),
+                            ("https://example.com", False)):
+        preflight = httpx.options(url, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                                "Access-Control-Request-Headers": "authorization,content-type"})
+        answer = httpx.post(url, json={"messages": HELLO, "max_tokens": 2},
+                            headers={"Origin": origin, "Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        granted = [r.headers.get("access-control-allow-origin") for r in (preflight, answer)]
+        assert granted == ([origin, origin] if allowed else [None, None]), (origin, granted)
+        assert "access-control-allow-credentials" not in answer.headers  # keys are headers, not cookies
+    unkeyed = httpx.get(served[1] + "/models", headers={"Origin": "http://localhost:3000"})
+    assert unkeyed.status_code == 401 and unkeyed.headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
 # -- models and health -----------------------------------------------------------------------------------
 def test_models_lists_the_loaded_model_with_its_context(client, served):
     models = client.models.list().data

@@ -30,6 +30,7 @@ from ..serving.requests import MAX_SEED, SamplingParams
 from ..serving.streams import TextEngine, TextStream, stream_chat, stream_completion, vocabulary
 from ..tokenizer import StreamDecoder
 from . import responses, tools
+from .cors import LocalOrigins
 from .errors import APIError, from_llama_error, from_validation_errors
 from .schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, Prediction,
                       ResponseFormat, ResponsesRequest, SamplingFields, TextPart, TokenizeRequest)
@@ -50,6 +51,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     created = int(time.time())
     api = FastAPI(title="llama_core OpenAI-compatible API", docs_url="/v1/docs", openapi_url="/v1/openapi.json",
                   redoc_url=None)
+    api.add_middleware(LocalOrigins)
     keys = [key.encode() for key in api_keys]
 
     async def authorized(request: Request) -> None:  # async: no worker thread for a header check

@@ -496,6 +496,20 @@ def test_tool_turns_are_written_into_the_dialog_as_the_model_reads_them():
     assert dialog[3]["content"] == "get_weather returned: Sunny\nget_weather returned: Rain\n\nAnd tomorrow?"
 
 
+def test_tokenize_counts_a_chat_with_tools_as_the_chat_route_bills_it(served, client, model_id):
+    url, headers = served[1].removesuffix("v1"), {"Authorization": f"Bearer {KEY}"}
+    for choice in ("auto", "required"):
+        reply = client.chat.completions.create(model=model_id, messages=ASK, tools=[WEATHER, SUMMON], max_tokens=1,
+                                               tool_choice=choice)
+        counted = httpx.post(url + "tokenize", json={"messages": ASK, "tools": [WEATHER, SUMMON], "tool_choice": choice},
+                             headers=headers).json()
+        assert counted["count"] == reply.usage.prompt_tokens, (counted["count"], reply.usage)
+    bare = httpx.post(url + "tokenize", json={"messages": ASK}, headers=headers).json()
+    assert bare["count"] < counted["count"]
+    refused = httpx.post(url + "tokenize", json={"prompt": "x", "tools": [WEATHER]}, headers=headers)
+    assert refused.status_code == 400 and error_of(refused)["param"] == "tools"
+
+
 def test_a_user_message_after_tool_results_is_answered_on_both_apis(served, client, model_id):
     messages = ASK + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Verona"}'}}]},
@@ -732,7 +746,8 @@ def test_bad_token_id_prompts_are_400s_saying_what(served, prompt, says):
 @pytest.mark.parametrize("path, body, param", [
     ("tokenize", {}, "prompt"),
     ("tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
-    ("tokenize", {"messages": [{"role": "assistant", "content": "x"}]}, "messages"),
+    ("tokenize", {"messages": []}, "messages"),
+    ("tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ("tokenize", {"prompt": "\ud800"}, "prompt"),
     ("detokenize", {"tokens": [10**6]}, "tokens"),
     ("detokenize", {"tokens": [-1]}, "tokens"),

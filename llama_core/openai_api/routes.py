@@ -221,6 +221,9 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         served_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send a prompt or messages (one of them) to tokenize", param="prompt")
+        if body.prompt is not None and body.tools:
+            raise APIError(400, "tools go with messages, as on the chat route", param="tools")
+        functions, required = _tools(body)
         tokenizer = engine.tokenizer
 
         def tokens() -> list[int]:
@@ -228,7 +231,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                 return tokenizer.encode(_text(body.prompt, "prompt"), bos=body.add_special_tokens is not False,
                                         eos=False)
             try:
-                return encode_dialog(tokenizer, _dialog(body.messages))
+                return encode_dialog(tokenizer, _dialog(body.messages, tools.tools_prompt(functions, required)
+                                                        if functions else ""))
             except LlamaError as exc:
                 raise from_llama_error(exc, {"messages"}) from None
 
@@ -273,7 +277,7 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
                        "may go with tools)", param=held[0])
 
 
-def _tools(body: ChatCompletionRequest) -> tuple[list[tools.Function], bool]:
+def _tools(body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[tools.Function], bool]:
     """The tools the reply may call, and whether it must call one."""
     if not body.tools:
         if body.tool_choice not in (None, "none", "auto"):

@@ -197,6 +197,8 @@ class TokenizeRequest(_Request):
     model: Optional[StrictStr] = None
     prompt: Optional[StrictStr] = None  # a completion's prompt
     messages: Optional[list[ChatMessage]] = None  # or a chat's messages, laid out as the chat route lays them
+    tools: Optional[list[Tool]] = None  # with messages: described in the system prompt, as the chat route does
+    tool_choice: Union[StrictStr, NamedTool, None] = None
     add_special_tokens: Optional[StrictBool] = True  # the prompt's BOS
 
 

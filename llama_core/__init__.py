@@ -32,6 +32,7 @@ _MODULES = {
     "DEFAULT_CKPT_DIR": ".resources",
     "ModelRunner": ".runner",
     "Engine": ".serving",
+    "EngineLostError": ".serving",
     "EngineProcess": ".serving",
     "GenerationRequest": ".serving",
     "GrammarFailedError": ".serving",

@@ -205,7 +205,7 @@ def test_the_child_sends_a_turns_events_in_one_message():
     outbox.flush()
     outbox.flush()  # nothing new: nothing sent
     assert sent == [("events", [("chunk", 1, 5, -0.5, None), ("chunk", 2, 7, -0.25, None),
-                                ("done", 1, "length", "", 6, 4, False)])]
+                                ("done", 1, "length", "", 6, 4, "")])]
 
 
 def test_a_grammar_llguidance_cannot_match_is_refused_at_submit_as_a_bad_request(served, prompts):  # noqa: F811

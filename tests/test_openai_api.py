@@ -1210,12 +1210,27 @@ def test_a_stream_whose_model_process_dies_ends_with_an_error_and_serving_resume
                     if len(events) == 1:
                         os.kill(engine.pid, signal.SIGKILL)
         assert "error" in events[-1] and "stopped unexpectedly" in events[-1]["error"]["message"]
-        deadline = time.monotonic() + 120
-        while engine.state != "running" and time.monotonic() < deadline:
-            time.sleep(0.1)
+        assert events[-1]["error"]["code"] == "engine_unavailable"  # not a failure of the request: send it again
+
+        def back() -> None:
+            deadline = time.monotonic() + 120
+            while engine.state != "running" and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+        back()
         reply = httpx.post(url + "v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0},
                            timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        # A whole (unstreamed) reply under way then is a 503 to retry, as a request sent while it restarts.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, url + "v1/completions", timeout=60, json={
+                "prompt": "ROMEO:", "max_tokens": 200, "temperature": 0, "logit_bias": {str(engine.tokenizer.eos_id): -100}})
+            assert wait_for(lambda: engine.active_count == 1, 30)
+            os.kill(engine.pid, signal.SIGKILL)
+            answer = whole.result()
+        assert answer.status_code == 503 and answer.headers["retry-after"], answer.text
+        assert error_of(answer)["code"] == "engine_unavailable"
+        back()
 
 
 # -- any body ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 
 from fastapi.responses import JSONResponse
 
-from ..errors import ContextLengthError, InvalidRequestError, LlamaError, ServerBusyError
+from ..errors import ContextLengthError, EngineUnavailableError, InvalidRequestError, LlamaError, ServerBusyError
 from ..serving.streams import RequestFailedError
 
 # What llama_core's validator calls a field, and what the API calls it.
@@ -52,7 +52,7 @@ def from_llama_error(exc: LlamaError, fields: Iterable[str], rename: Optional[di
         return APIError(400, message, param=param)
     if isinstance(exc, ServerBusyError):
         return APIError(503, message, type="server_error", code="server_busy", headers={"Retry-After": "1"})
-    if isinstance(exc, RequestFailedError):
+    if isinstance(exc, RequestFailedError) and not isinstance(exc, EngineUnavailableError):
         return APIError(500, message, type="server_error", code="generation_failed")
     return APIError(503, message, type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
 

@@ -19,6 +19,7 @@ _MODULES = {
     "GenerationRequest": ".requests",
     "SamplingParams": ".requests",
     "ChatPrompt": ".streams",
+    "EngineLostError": ".streams",
     "GrammarFailedError": ".streams",
     "RequestFailedError": ".streams",
     "TextStream": ".streams",

@@ -798,13 +798,13 @@ class Engine:
             return False
         if token == self.eos_id:
             if sequence.grammar is not None and not sequence.grammar.accepting:  # drawn as nothing else could be
-                self._free(sequence.slot, "error", sequence.grammar.dead_end, grammar_failed=True)
+                self._free(sequence.slot, "error", sequence.grammar.dead_end, failure="grammar")
             else:
                 self._free(sequence.slot, "eos")
             return False
         if sequence.grammar is not None and not sequence.grammar.accept(token):
             self._free(sequence.slot, "error", f"the reply left its grammar: {sequence.grammar.error}",
-                       grammar_failed=True)
+                       failure="grammar")
             return False
         sequence.output.append(token)
         sequence.last_token = token
@@ -909,7 +909,7 @@ class Engine:
         matcher.feed(decoder.push(token))
         return matcher.stopped
 
-    def _free(self, slot: int, reason: str, message: str = "", grammar_failed: bool = False) -> None:
+    def _free(self, slot: int, reason: str, message: str = "", failure: str = "") -> None:
         """Ends slot's request; the slot keeps what it wrote for later prompts, unless the request failed."""
         sequence = self._slots[slot]
         self._slots[slot] = None
@@ -918,12 +918,12 @@ class Engine:
                 self.prefix_cache.forget(slot)
             else:
                 self.prefix_cache.release(slot, sequence.written_tokens)
-            self._finish(sequence, reason, message, grammar_failed)
+            self._finish(sequence, reason, message, failure)
 
     @staticmethod
-    def _finish(sequence: _Sequence, reason: str, message: str = "", grammar_failed: bool = False) -> None:
+    def _finish(sequence: _Sequence, reason: str, message: str = "", failure: str = "") -> None:
         sequence.channel.events.put(Finished(reason, message, time.perf_counter(), sequence.drafted, sequence.accepted,
-                                             grammar_failed))
+                                             failure))
         sequence.channel.finished.set()
 
 

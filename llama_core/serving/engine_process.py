@@ -300,7 +300,7 @@ class EngineProcess:
             reply[1] = ("rejected", "EngineUnavailableError", reason)
             reply[0].set()
         for rid in pending:
-            self._finish(rid, "error", reason)
+            self._finish(rid, "error", reason, failure="engine")
         if crashed:
             self._restart(process.exitcode)
 
@@ -325,12 +325,12 @@ class EngineProcess:
             self._finish(rid, message[2], message[3], *message[4:7])
 
     def _finish(self, rid: int, reason: str, message: str, drafted_tokens: int = 0, accepted_tokens: int = 0,
-                grammar_failed: bool = False) -> None:
+                failure: str = "") -> None:
         with self._lock:
             channel = self._channels.pop(rid, None)
         if channel is not None:
             channel.events.put(Finished(reason, message, time.perf_counter(), drafted_tokens, accepted_tokens,
-                                        grammar_failed))
+                                        failure))
             channel.finished.set()
 
 
@@ -392,7 +392,7 @@ class _Forward:
             self._outbox.add(("admitted", self.rid, item.cached_tokens))
         elif isinstance(item, Finished):
             self._outbox.add(("done", self.rid, item.reason, item.message, item.drafted_tokens, item.accepted_tokens,
-                              item.grammar_failed))
+                              item.failure))
 
 
 def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> None:

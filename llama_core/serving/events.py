@@ -45,15 +45,16 @@ class Finished:
     """The request's end: reason is one of FINISH_REASONS ("stop": a stop string was reached); message
     explains an "error"; at is when the engine ended it (time.perf_counter()); drafted_tokens: tokens prompt
     lookup drafted for it and the model checked, accepted_tokens of which it kept (its reply has them);
-    grammar_failed: the error is the request's own, its grammar could not be followed (past llguidance's
-    limits, or nothing it allows could be written), not the engine's."""
+    failure: what an "error" came of where that is known: "grammar", the request's own grammar could not be
+    followed (past llguidance's limits, or nothing it allows could be written); "engine", the engine's process
+    stopped (the request may be sent again once it is back)."""
 
     reason: str
     message: str = ""
     at: float = 0.0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    grammar_failed: bool = False
+    failure: str = ""
 
 
 class EventSink(Protocol):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from .. import dialog as chat_format
-from ..errors import ContextLengthError, DialogError, InvalidRequestError, LlamaError
+from ..errors import ContextLengthError, DialogError, EngineUnavailableError, InvalidRequestError, LlamaError
 from ..tokenizer import StreamDecoder, Tokenizer
 from .events import Admitted, Channel, EventQueue, Finished, PromptLogprobs, StreamChunk
 from .requests import (SamplingParams, check_max_new_tokens, completion_prompt, sampling_params, token_ids,
@@ -30,8 +30,12 @@ class GrammarFailedError(RequestFailedError, InvalidRequestError):
     nothing the grammar allows may be written): the request's doing, not the engine's."""
 
 
+class EngineLostError(RequestFailedError, EngineUnavailableError):
+    """A request was under way when the engine's process stopped; it may be sent again once the engine is back."""
+
+
 def _failure(done: Finished) -> RequestFailedError:
-    return (GrammarFailedError if done.grammar_failed else RequestFailedError)(done.message)
+    return {"grammar": GrammarFailedError, "engine": EngineLostError}.get(done.failure, RequestFailedError)(done.message)
 
 
 class Driver(Protocol):

@@ -217,6 +217,10 @@ def generate(plan: ModelPlan, args: argparse.Namespace, params: SamplingParams, 
     except BrokenPipeError:  # the reader left (| head): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail
         return 1
+    except OSError as exc:  # the output cannot be written (a full disk, say)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"error: cannot write the text to standard output: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     except LlamaError as exc:  # a prompt too long for the context, or a failure inside the engine
         print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, InvalidRequestError) else 1

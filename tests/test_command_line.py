@@ -463,6 +463,16 @@ def test_generate_streams_its_text_piece_by_piece(llama):
     assert "".join(out.writes).strip() == expected.strip()
 
 
+def test_generate_says_when_its_output_cannot_be_written():
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here (a device that is always full)")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "llama_core.generate_cli", "ROMEO:", "-q", "--max-new-tokens", "8",
+                               "--device", "cpu"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "error: cannot write the text to standard output: No space left on device"), done.stderr
+
+
 def test_generate_holds_its_text_to_a_reply_format(tmp_path):
     schema = {"type": "object", "properties": {"play": {"type": "string", "maxLength": 30},
               "year": {"type": "integer", "minimum": 1590, "maximum": 1613}}, "required": ["play", "year"],

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
+
 from llama_core.app.address import listen_socket
 
 
@@ -29,3 +31,29 @@ def test_connections_of_the_listen_socket_have_nagle_off():
 
     asyncio.run(accept_one())
     assert seen and seen[0] != 0
+
+
+def test_a_port_holders_command_line_is_named_without_its_secrets():
+    from llama_core.app.address import without_secrets
+
+    args = ["python", "app.py", "--api-key", "sk-one", "--auth=amy:pw", "--api-key=sk-two", "--auth", "bo:pw", "--port",
+            "7860"]
+    assert without_secrets(args) == ["python", "app.py", "--api-key", "***", "--auth=***", "--api-key=***", "--auth",
+                                     "***", "--port", "7860"]
+
+
+def test_a_server_on_an_ipv6_address_gives_its_url_bracketed():
+    import socket
+
+    from llama_core.app.web_server import BackgroundServer
+
+    if not socket.has_ipv6:
+        pytest.skip("this machine has no IPv6")
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"::1 cannot be bound here: {exc}")
+    with sock:
+        server = BackgroundServer(None, sock)
+        assert server.url == f"http://[::1]:{sock.getsockname()[1]}/"

@@ -75,7 +75,25 @@ def port_holder(port: int) -> Optional[str]:
         if not pids:
             return None
         pid = min(pids)
-        command = " ".join(psutil.Process(pid).cmdline()) or psutil.Process(pid).name()
+        command = " ".join(without_secrets(psutil.Process(pid).cmdline())) or psutil.Process(pid).name()
     except (psutil.Error, OSError):  # another user's process, or a system that needs privileges to ask
         return None
     return f"process {pid} ({command[:80]})"
+
+
+SECRET_FLAGS = ("--api-key", "--auth")
+
+
+def without_secrets(args: list[str]) -> list[str]:
+    """A command line with the values of SECRET_FLAGS (either spelling: `--api-key KEY`, `--api-key=KEY`) shown
+    as ***, for a message that names another process."""
+    shown: list[str] = []
+    for arg in args:
+        name, equals, _ = arg.partition("=")
+        if shown and shown[-1] in SECRET_FLAGS:
+            shown.append("***")
+        elif name in SECRET_FLAGS and equals:
+            shown.append(f"{name}=***")
+        else:
+            shown.append(arg)
+    return shown

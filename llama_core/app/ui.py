@@ -29,9 +29,6 @@ import sys
 from typing import Any, AsyncIterator, Iterator, Optional
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version checks
-# Gradio's queue rebuilds its monitoring summary, a pandas table of up to 10,000 past requests, after every
-# request, monitoring on or off: 2 ms of the server's CPU per request at first, 8 ms once the table is full.
-os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", "10000")
 if importlib.util.find_spec("matplotlib") is None:
     # Gradio tries to import matplotlib twice for every streamed update; without it each try searches the
     # import path again (0.1 ms per update). Record it as missing, so the tries fail at once.

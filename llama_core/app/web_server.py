@@ -34,7 +34,7 @@ class BackgroundServer:
     @property
     def url(self) -> str:
         host = self.sock.getsockname()[0]
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}/"
 
     def start(self, timeout: float = 30.0) -> "BackgroundServer":

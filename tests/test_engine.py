@@ -113,6 +113,22 @@ def test_text_stream_batches_join_to_the_same_text(llama, prompts):
     assert batched.tokens_per_second > 0
 
 
+def test_a_stream_read_to_its_end_reads_empty_again(llama, prompts):
+    """A second read returns at once (it waited forever for an end already taken); a failure is raised again."""
+    with llama.serve() as engine:
+        tokens = engine.submit(prompts[0], 5, temperature=0)
+        assert len(list(tokens)) == 5 and list(tokens) == [] and list(tokens.batches()) == []
+        full = "".join(c.text for c in stream_completion(engine, "the king said", temperature=0, max_new_tokens=30))
+        stop = full[len(full) // 2:][:3]
+        stopped = stream_completion(engine, "the king said", temperature=0, max_new_tokens=30, stop=[stop])
+        assert "".join(c.text for c in stopped) == full[: full.index(stop)] and list(stopped) == []
+    with _serving_failing(llama, length=97) as engine:
+        doomed = engine.submit(list(prompts[0][:1]) * 97, 10)
+        for _ in range(2):
+            with pytest.raises(RequestFailedError, match="memory"):
+                list(doomed)
+
+
 def _polled(stream, timeout: float = 30.0) -> list:
     """Reads a stream as an event loop does: poll whenever its listener was called, never blocking on it."""
     import threading

@@ -84,7 +84,12 @@ class TokenStream:
         """The chunks in lists: whatever has arrived, waiting for at least one, and at most one list per
         `seconds` (the first at once). A reader that shows text a few times a second then wakes up that
         often, not once per token. When the request's end arrives with its last chunks, `finish_reason`
-        is set before that last list is yielded."""
+        is set before that last list is yielded. A stream read to its end before yields nothing more (or raises
+        its failure again)."""
+        if self.finish_reason is not None:
+            if self._failure is not None:
+                raise self._failure
+            return
         events, next_at = self._channel.events, 0.0
         try:
             while True:
@@ -97,7 +102,8 @@ class TokenStream:
                     yield chunks
                 if done is not None:
                     if done.reason == "error":
-                        raise _failure(done)
+                        self._failure = _failure(done)
+                        raise self._failure
                     return
         finally:
             if self.finish_reason is None:
@@ -260,8 +266,9 @@ class TextStream:
         updates a display periodically and need not wake up for every token. Text held back for a whole
         character, or because it could begin a stop string, comes at the end, as a chunk of token -1, in the
         last list; when the request's end arrives with its last tokens, `finish_reason` is set before that
-        list is yielded. The text of a stop string and what follows it never appears."""
-        if self._tokens is None:
+        list is yielded. The text of a stop string and what follows it never appears. A stream read to its end
+        before yields nothing more."""
+        if self._tokens is None or self._stops.stopped:
             return
         try:
             for batch in self._tokens.batches(seconds):

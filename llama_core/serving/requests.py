@@ -42,7 +42,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # over generated tokens: logit -= presence_penalty once a token appeared
     frequency_penalty: float = 0.0  # over generated tokens: logit -= frequency_penalty x its count
     stop: tuple[str, ...] = ()  # generation ends before the first occurrence of any
-    seed: Optional[int] = None  # the same seed gives the same tokens, alone or batched with others
+    seed: Optional[int] = None  # the same seed gives the same tokens, alone or batched (float32: see the README)
     logprobs: bool = True  # each generated token's log-probability (NaN without)
     top_logprobs: int = 0  # the most likely alternatives per position, with their log-probabilities
     grammar: Optional[Grammar] = None  # what the reply must match (a JSON schema, a regex, a Lark grammar)

@@ -13,6 +13,7 @@ line and exits with status 2 before any weight is read.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -110,6 +111,17 @@ def non_negative_int(text: str) -> int:
 def plain_warnings() -> None:
     """Shows Python warnings as a command's own lines, `warning: ...`, not with their source file and line."""
     warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
+
+
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:

@@ -98,6 +98,7 @@ def test_help_of_each_command(module):
 BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what the one error line must say
     "port out of range": (["--port", "99999"], ["argument --port", "65535", "0 for any free port"]),
     "port not a number": (["--port", "http"], ["argument --port", "'http'"]),
+    "stop grace negative": (["--stop-grace", "-1"], ["argument --stop-grace", "0 or more", "'-1'"]),
     "host not of this machine": (["--host", "192.0.2.1"], ["--host 192.0.2.1", "not an address of this machine",
                                                            "127.0.0.1"]),
     "host unknown": (["--host", "no-such-host.invalid"], ["--host no-such-host.invalid", "no such address",

@@ -113,6 +113,41 @@ def test_text_stream_batches_join_to_the_same_text(llama, prompts):
     assert batched.tokens_per_second > 0
 
 
+def test_draining_refuses_new_requests_lets_short_ones_end_and_ends_the_rest_with_an_error(llama, prompts):
+    """What the app does on Ctrl-C or SIGTERM: no request is cut off without its reader learning why."""
+    import threading
+
+    from llama_core import EngineLostError, EngineUnavailableError
+
+    with llama.serve() as engine:
+        engine._after_turn = lambda: time.sleep(0.02)  # a slower model: 200 tokens take seconds, 4 a tenth
+        short = engine.submit(prompts[0], 4, temperature=0)
+        long = engine.submit(prompts[1], 200, temperature=0, logit_bias={llama.tokenizer.eos_id: -100})
+        deadline = time.monotonic() + 10
+        while engine.active_count < 2 and time.monotonic() < deadline:  # both running
+            time.sleep(0.01)
+        refused = []
+
+        def submit_while_draining() -> None:
+            time.sleep(0.2)
+            try:
+                engine.submit(prompts[2], 4)
+            except EngineUnavailableError as exc:
+                refused.append(str(exc))
+
+        late = threading.Thread(target=submit_while_draining)
+        late.start()
+        engine.drain(1.0)
+        late.join()
+        engine._after_turn = lambda: None
+        assert refused == ["the server is stopping"]
+        assert len(list(short)) == 4 and short.finish_reason == "length"
+        with pytest.raises(EngineLostError, match="the server is stopping"):
+            list(long)
+    with llama.serve() as engine:  # started again, it serves
+        assert len(list(engine.submit(prompts[0], 3, temperature=0))) == 3
+
+
 def test_a_stream_read_to_its_end_reads_empty_again(llama, prompts):
     """A second read returns at once (it waited forever for an end already taken); a failure is raised again."""
     with llama.serve() as engine:

@@ -215,3 +215,19 @@ def test_a_grammar_llguidance_cannot_match_is_refused_at_submit_as_a_bad_request
     with pytest.raises(InvalidRequestError, match="too large or too complex"):
         served.submit(prompts[0], 4, grammar=Grammar.regex("(a|b)*" * 2000))
     assert len([c for c in served.submit(prompts[0], 4, temperature=0, grammar=Grammar.regex("[ab]+"))]) >= 1
+
+
+def test_draining_ends_what_is_left_with_an_error_and_refuses_new_requests(prompts):  # noqa: F811
+    from llama_core import EngineLostError
+
+    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1) as process:
+        long = process.submit(prompts[1], 250, temperature=0, logit_bias={process.tokenizer.eos_id: -100})
+        deadline = time.monotonic() + 30
+        while process.active_count < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        process.drain(0.0)
+        assert process.state == "stopping" and not process.alive
+        with pytest.raises(EngineLostError, match="the server is stopping"):
+            list(long)
+        with pytest.raises(EngineUnavailableError, match="the server is stopping"):
+            process.submit(prompts[0], 2)

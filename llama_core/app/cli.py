@@ -15,7 +15,7 @@ import sys
 from typing import Optional
 
 from ..cli_options import (ArgumentParser, OptionError, add_model_options, check_memory, check_model_options,
-                           non_negative_int, plain_warnings, positive_int)
+                           non_negative_int, non_negative_seconds, plain_warnings, positive_int)
 from ..errors import LlamaError
 from ..prompt_library import load_prompts
 from .address import listen_socket, port_number
@@ -65,6 +65,9 @@ def build_parser() -> ArgumentParser:
                    f"them in ${AUTH_VARIABLE}, comma-separated")
     p.add_argument("--model-name", help="the model's id in the OpenAI-compatible API (default: the checkpoint "
                    "folder's name)")
+    p.add_argument("--stop-grace", type=non_negative_seconds, default=10.0, metavar="SECONDS",
+                   help="on Ctrl-C or SIGTERM, the seconds requests in flight get to end before those left end with "
+                   "an error; new ones are refused at once (default: 10)")
     return p
 
 
@@ -189,7 +192,8 @@ def _run(argv: Optional[list[str]]) -> int:
     from .ui import build_demo
 
     try:
-        serve(build_demo(engine, prompts), engine, sock, args.share, api_keys, logins, args.model_name)
+        serve(build_demo(engine, prompts), engine, sock, args.share, api_keys, logins, args.model_name,
+              args.stop_grace)
     except EngineFailedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

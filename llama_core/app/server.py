@@ -31,6 +31,7 @@ SESSION_CAPACITY = 256
 # per event on a fresh server, ~7.5 ms once it keeps 10,000, time the web server's event loop waits. Every
 # this many events instead (the environment's GRADIO_ANALYTICS_CACHE_FREQUENCY, if set, wins).
 MONITORING_SUMMARY_EVERY = 1000
+STOP_GRACE_SECONDS = 10.0  # what requests in flight get to end once the app is told to stop
 
 # Events the Gradio queue holds waiting before it answers "queue full" (the engine bounds its own waiting
 # requests; this bounds what piles up in front of it), and the largest upload it takes (an imported
@@ -161,8 +162,11 @@ def share_link(port: int) -> Optional[str]:
 
 
 def serve(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys: Sequence[str] = (),
-          auth: Optional[list[tuple[str, str]]] = None, model_name: Optional[str] = None) -> None:
-    """Serves until Ctrl-C or SIGTERM, printing where: the page, the API, and the public link when made."""
+          auth: Optional[list[tuple[str, str]]] = None, model_name: Optional[str] = None,
+          stop_grace: float = STOP_GRACE_SECONDS) -> None:
+    """Serves until Ctrl-C or SIGTERM, printing where: the page, the API, and the public link when made. On
+    stopping, new requests are refused, those in flight get up to stop_grace seconds to end, and those still
+    running then end with an error their clients read (not a dropped connection)."""
     running = launch(demo, engine, sock, share, api_keys, auth, model_name)
     stopping = threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -179,6 +183,9 @@ def serve(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys
         pass
     finally:
         print("Stopping.", flush=True)
+        drain = getattr(engine, "drain", None)
+        if drain is not None:
+            drain(stop_grace)
         running.stop()
 
 

@@ -36,7 +36,7 @@ import torch
 
 from ..cpu_kernels import threads as cpu_threads
 from ..devices import to_device
-from ..errors import LlamaError, InvalidRequestError, ServerBusyError
+from ..errors import EngineUnavailableError, LlamaError, InvalidRequestError, ServerBusyError
 from .grammar_matcher import GrammarMatcher, allowed_along_drafts, allowed_tokens
 from ..loader import LoadedModel, ModelInfo
 from ..model import Span
@@ -49,6 +49,8 @@ from .prefix_cache import Placement, PrefixCache
 from .requests import MAX_SEED, GenerationRequest, SamplingParams, sampling_params
 from .stops import StopMatcher
 from .streams import TokenStream
+
+STOPPING = "the server is stopping"  # why a draining engine refuses requests, and ends those left at its end
 
 
 CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 512, 2048  # Engine's default prefill_chunk
@@ -206,6 +208,7 @@ class Engine:
         self._turn_lock = threading.Lock()  # one turn at a time, whichever thread runs it
         self._running = False
         self._closed = False
+        self._draining = False
         self._thread: Optional[threading.Thread] = None
         self._after_turn = after_turn or (lambda: None)
         self.prefix_cache = PrefixCache(self.runner.max_batch_size, enabled=prefix_caching)
@@ -240,13 +243,14 @@ class Engine:
     @property
     def alive(self) -> bool:
         """Whether the engine takes requests: not closed, and its thread, once started, still runs."""
-        return not self._closed and (self._thread is None or self._thread.is_alive())
+        return not self._closed and not self._draining and (self._thread is None or self._thread.is_alive())
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Engine":
         """Runs turns in a thread of the engine's own until shutdown()."""
         if self._closed:
             raise LlamaError("the engine is closed")
+        self._draining = False
         if self._running:
             return self
         self._running = True
@@ -260,6 +264,19 @@ class Engine:
     def shutdown(self) -> None:
         """Stops the engine's thread and cancels every request in flight. The engine stays usable: its
         streams' readers run its turns again, or start() it again."""
+        self._stop("cancelled")
+
+    def drain(self, seconds: float) -> None:
+        """Before a shutdown: refuses new requests (EngineUnavailableError, the server is stopping), gives those
+        in flight up to `seconds` to end, then stops, ending the rest with that error (EngineLostError for their
+        readers: a client sees an error, not a dropped connection)."""
+        self._draining = True
+        deadline = time.monotonic() + seconds
+        while self.busy and self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stop("error", STOPPING, "engine")
+
+    def _stop(self, reason: str, message: str = "", failure: str = "") -> None:
         with self._wakeup:
             self._running = False
             self._wakeup.notify_all()
@@ -271,9 +288,9 @@ class Engine:
             with self._wakeup:
                 pending, self._waiting = list(self._waiting), collections.deque()
             for sequence in pending:
-                self._finish(sequence, "cancelled")
+                self._finish(sequence, reason, message, failure)
             for slot in range(len(self._slots)):
-                self._free(slot, "cancelled")
+                self._free(slot, reason, message, failure)
             self._after_turn()
         atexit.unregister(self.shutdown)
 
@@ -356,6 +373,8 @@ class Engine:
                 sequence.seed = int(torch.randint(0, MAX_SEED, (1,), generator=self.generator))
             if self._closed:
                 raise LlamaError("the engine is closed")
+            if self._draining:
+                raise EngineUnavailableError(STOPPING)
             if len(self._waiting) >= self.max_waiting + self.free_slots:
                 raise ServerBusyError.full(len(self._slots), len(self._waiting))
             self._waiting.append(sequence)

@@ -27,7 +27,7 @@ from .. import errors
 from ..errors import EngineUnavailableError, LlamaError, ServerBusyError
 from ..loader import ModelInfo, load
 from ..tokenizer import Tokenizer
-from .engine import Engine
+from .engine import STOPPING, Engine
 from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
 from .grammar_matcher import GrammarMatcher
 from .requests import GenerationRequest, SamplingParams, sampling_params
@@ -62,7 +62,7 @@ class EngineProcess:
                                     draft_price=draft_price)
         self._threads = threads
         self.max_restarts = max_restarts
-        self.state = "stopped"  # "starting", "running", "restarting", "failed" or "stopped"
+        self.state = "stopped"  # "starting", "running", "restarting", "stopping" (drain), "failed" or "stopped"
         self.restarts = 0  # restarts in a row
         self._started_at = 0.0
         self.info: Optional[ModelInfo] = None
@@ -173,7 +173,24 @@ class EngineProcess:
         """The model process's id, while one runs."""
         return self._process.pid if self._process is not None else None
 
+    def drain(self, seconds: float) -> None:
+        """Before a shutdown: refuses new requests (EngineUnavailableError, the server is stopping), gives those
+        in flight up to `seconds` to end, then ends the rest with that error (EngineLostError for their
+        readers: a client sees an error, not a dropped connection) and cancels them in the model process."""
+        if self.state == "running":
+            self.state = "stopping"
+        deadline = time.monotonic() + seconds
+        while self._channels and time.monotonic() < deadline and self._process is not None and self._process.is_alive():
+            time.sleep(0.02)
+        with self._lock:
+            left = list(self._channels.items())
+        for rid, channel in left:
+            self._finish(rid, "error", STOPPING, failure="engine")
+            channel.cancelled.set()
+
     def unavailable_reason(self) -> str:
+        if self.state == "stopping":
+            return STOPPING
         if self.state == "restarting":
             return f"{STOPPED_UNEXPECTEDLY} and is restarting; try again in a moment"
         if self.state == "failed":

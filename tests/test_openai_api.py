@@ -980,6 +980,11 @@ def test_a_prompt_longer_than_the_context_is_refused(client, model_id, served):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=model_id, prompt=long)
     assert caught.value.code == "context_length_exceeded" and caught.value.param == "prompt"
+    # Past the characters any field takes (before counting its tokens), the code a client truncates on is the same.
+    huge = "word " * 30_000
+    with pytest.raises(openai.BadRequestError, match="150,000 characters") as caught:
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": huge}])
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages[0].content"
 
 
 def test_max_tokens_beyond_the_context_runs_to_its_end(client, model_id, served):

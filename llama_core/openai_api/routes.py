@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..dialog import UNSAFE_ERROR, Dialog, encode_dialog, ends_in_reply
-from ..errors import InvalidRequestError, LlamaError
+from ..errors import ContextLengthError, InvalidRequestError, LlamaError
 from ..grammar import Grammar
 from ..serving import aio, requests
 from ..serving.events import StreamChunk
@@ -355,7 +355,8 @@ def _text(content: str | list[TextPart], field: str) -> str:
     try:
         return requests.text(content, field)
     except LlamaError as exc:
-        raise APIError(400, str(exc), param=field) from None
+        raise APIError(400, str(exc), param=field,
+                       code="context_length_exceeded" if isinstance(exc, ContextLengthError) else None) from None
 
 
 def _prompts(prompt: Any, vocabulary: int) -> list[str | list[int]]:

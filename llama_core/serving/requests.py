@@ -238,8 +238,8 @@ def text(value: Any, name: str) -> str:
         raise InvalidRequestError(f"{name} must be a string, got {type(value).__name__}")
     if _has_lone_surrogate(value):
         raise InvalidRequestError(f"{name} is not valid Unicode text: it holds a lone surrogate (such as \\ud800)")
-    if len(value) > MAX_INPUT_CHARS:
-        raise InvalidRequestError(
+    if len(value) > MAX_INPUT_CHARS:  # far past a context (a token spells a few characters): the prompt is too long
+        raise ContextLengthError(
             f"{name} is too long: {len(value):,} characters, at most {MAX_INPUT_CHARS:,} are accepted"
         )
     return value

@@ -231,3 +231,15 @@ def test_draining_ends_what_is_left_with_an_error_and_refuses_new_requests(promp
             list(long)
         with pytest.raises(EngineUnavailableError, match="the server is stopping"):
             process.submit(prompts[0], 2)
+
+
+def test_a_stuck_model_process_is_told_from_a_live_one(served):
+    """What /health asks: a process stopped (SIGSTOP, as a hung device or a deadlock leaves it) is alive but does
+    not answer; once it goes on, it answers again."""
+    assert served.responsive(5.0)
+    os.kill(served.pid, signal.SIGSTOP)
+    try:
+        assert served.alive and not served.responsive(0.5)
+    finally:
+        os.kill(served.pid, signal.SIGCONT)
+    assert served.responsive(5.0)

@@ -104,6 +104,25 @@ def test_health_answers_without_a_key(served):
     assert response.status_code == 200 and response.json()["status"] == "ok"
 
 
+def test_health_says_when_the_model_process_is_stuck(served, monkeypatch):
+    """Alive but not answering (SIGSTOP stands for a hung device): 503 "unresponsive", for a load balancer or a
+    watchdog to act on; 200 again once it goes on."""
+    import os
+    import signal
+
+    from llama_core.serving.engine_process import EngineProcess
+
+    engine, url = served[0], served[1].removesuffix("v1") + "health"
+    monkeypatch.setattr(engine, "responsive", lambda: EngineProcess.responsive(engine, 0.5))
+    os.kill(engine.pid, signal.SIGSTOP)
+    try:
+        stuck = httpx.get(url, timeout=10)
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+    assert stuck.status_code == 503 and stuck.json()["status"] == "unresponsive", stuck.text
+    assert httpx.get(url, timeout=10).status_code == 200
+
+
 # -- chat ------------------------------------------------------------------------------------------------
 def test_chat_stream_equals_non_stream_with_usage(client, model_id, served):
     whole = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=24, temperature=0)

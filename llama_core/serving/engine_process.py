@@ -37,6 +37,7 @@ _STARTUP_SECONDS = 3600  # loading a large checkpoint from a slow disk can take 
 
 
 STOPPED_UNEXPECTEDLY = "the model process stopped unexpectedly"
+ANSWER_SECONDS = 30.0  # what /health waits for the model process: it answers between turns (a turn takes less)
 RESTARTS_FORGIVEN_AFTER = 300.0  # seconds of serving after which earlier restarts no longer count as in a row
 
 
@@ -268,15 +269,26 @@ class EngineProcess:
     def _stats(self) -> dict:  # the child answers between two turns
         return self._ask(("stats", next(self._ids)))[2]
 
-    def _ask(self, message: tuple) -> tuple:
+    def responsive(self, seconds: float = ANSWER_SECONDS) -> bool:
+        """Whether the model process answers within `seconds`, as it does between two engine turns: one stopped
+        or stuck (a hung device, a deadlock) does not, though it is alive."""
+        try:
+            self._ask(("stats", next(self._ids)), timeout=seconds)
+        except (TimeoutError, LlamaError):
+            return False
+        return True
+
+    def _ask(self, message: tuple, timeout: Optional[float] = None) -> tuple:
         """Sends message (its second item a fresh id) and waits for the child's answer to it; raises
-        EngineUnavailableError where the child stopped before answering."""
+        EngineUnavailableError where the child stopped before answering, TimeoutError where it did not answer
+        within timeout seconds."""
         rid, reply = message[1], [threading.Event(), None]
         with self._lock:
             self._replies[rid] = reply
         try:
             self._send(message)
-            reply[0].wait()
+            if not reply[0].wait(timeout):
+                raise TimeoutError(f"the model process did not answer in {timeout:g} s")
         finally:
             with self._lock:
                 self._replies.pop(rid, None)

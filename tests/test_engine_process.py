@@ -173,8 +173,11 @@ def test_a_dead_child_fails_its_requests_and_is_restarted(prompts, solo):  # noq
 def test_a_child_that_keeps_dying_is_given_up_on(prompts):  # noqa: F811
     process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1, max_restarts=0).start()
     try:
+        running = process.submit(prompts[1], 200, temperature=0, logit_bias={process.tokenizer.eos_id: -100})
         os.kill(process.pid, signal.SIGKILL)
         wait_for_state(process, "failed", 30)
+        with pytest.raises(RequestFailedError, match="not restarted again, and the server stops"):
+            list(running)  # not told "restarting"
         with pytest.raises(EngineUnavailableError, match="could not be restarted"):
             process.submit(prompts[1], 5)
     finally:

@@ -139,11 +139,15 @@ class EngineProcess:
         self._conn.close()
         atexit.unregister(self.shutdown)
 
-    def _restart(self, exitcode: Optional[int]) -> None:
-        """After the child died: a new one, unless max_restarts restarts in a row have been made."""
+    def _may_restart(self) -> bool:
+        """Whether a child that died now is restarted: fewer than max_restarts restarts in a row were made."""
         if time.monotonic() - self._started_at > RESTARTS_FORGIVEN_AFTER:
             self.restarts = 0
-        if self.restarts >= self.max_restarts:
+        return self.restarts < self.max_restarts
+
+    def _restart(self, exitcode: Optional[int]) -> None:
+        """After the child died: a new one, unless max_restarts restarts in a row have been made."""
+        if not self._may_restart():
             self.state = "failed"
             print(f"error: {STOPPED_UNEXPECTEDLY} (exit code {exitcode}) {self.restarts + 1} times in a row; "
                   "not restarting it again", file=sys.stderr, flush=True)
@@ -322,7 +326,11 @@ class EngineProcess:
             self.state = "restarting"
         self._stopped = True
         process.join(timeout=5)
-        reason = f"{STOPPED_UNEXPECTEDLY}; restarting" if crashed else "the engine process stopped"
+        if crashed:
+            reason = f"{STOPPED_UNEXPECTEDLY}; " + ("restarting" if self._may_restart() else "it is not restarted "
+                                                     "again, and the server stops")
+        else:
+            reason = "the engine process stopped"
         with self._lock:
             pending, replies = list(self._channels), list(self._replies.values())
         for reply in replies:

@@ -57,3 +57,25 @@ def test_a_server_on_an_ipv6_address_gives_its_url_bracketed():
     with sock:
         server = BackgroundServer(None, sock)
         assert server.url == f"http://[::1]:{sock.getsockname()[1]}/"
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_the_access_log_prints_a_line_per_request_only_when_asked(capfd, access_log):
+    import httpx
+    from fastapi import FastAPI
+
+    from llama_core.app.web_server import BackgroundServer
+
+    app = FastAPI()
+    app.get("/ping")(lambda: {"ok": True})
+    server = BackgroundServer(app, listen_socket("127.0.0.1", 0), access_log=access_log).start()
+    try:
+        assert httpx.get(server.url + "ping").status_code == 200
+        assert httpx.get(server.url + "nowhere").status_code == 404
+    finally:
+        server.stop()
+    printed = capfd.readouterr().out
+    lines = [line for line in printed.splitlines() if '"GET /' in line]
+    assert len(lines) == (2 if access_log else 0), printed
+    if access_log:
+        assert '"GET /ping HTTP/1.1" 200' in lines[0] and '"GET /nowhere HTTP/1.1" 404' in lines[1]

@@ -68,6 +68,8 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--stop-grace", type=non_negative_seconds, default=10.0, metavar="SECONDS",
                    help="on Ctrl-C or SIGTERM, the seconds requests in flight get to end before those left end with "
                    "an error; new ones are refused at once (default: 10)")
+    p.add_argument("--access-log", action="store_true", help="print a line per HTTP request (client, method, path, "
+                   "status: refusals and failed logins show), as uvicorn writes them")
     return p
 
 
@@ -193,7 +195,7 @@ def _run(argv: Optional[list[str]]) -> int:
 
     try:
         serve(build_demo(engine, prompts), engine, sock, args.share, api_keys, logins, args.model_name,
-              args.stop_grace)
+              args.stop_grace, args.access_log)
     except EngineFailedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -136,12 +136,13 @@ def miscounted_values_message(block_fn: Any, received: int) -> str:
 
 
 def launch(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys: Sequence[str] = (),
-           auth: Optional[list[tuple[str, str]]] = None, model_name: Optional[str] = None) -> RunningApp:
+           auth: Optional[list[tuple[str, str]]] = None, model_name: Optional[str] = None,
+           access_log: bool = False) -> RunningApp:
     """Starts serving the page and the API on the listening socket `sock` in background threads. With share,
     also asks Gradio for a public link; when that fails (no internet), prints one warning line and serves
     locally."""
     api, page = web_app(demo, engine, api_keys, auth, model_name)
-    server = BackgroundServer(api, sock, before_stop=(page.stop_event.set,)).start()
+    server = BackgroundServer(api, sock, before_stop=(page.stop_event.set,), access_log=access_log).start()
     running = RunningApp(server, server.url)
     if share:
         running.share_url = share_link(server.port)
@@ -163,11 +164,11 @@ def share_link(port: int) -> Optional[str]:
 
 def serve(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys: Sequence[str] = (),
           auth: Optional[list[tuple[str, str]]] = None, model_name: Optional[str] = None,
-          stop_grace: float = STOP_GRACE_SECONDS) -> None:
+          stop_grace: float = STOP_GRACE_SECONDS, access_log: bool = False) -> None:
     """Serves until Ctrl-C or SIGTERM, printing where: the page, the API, and the public link when made. On
     stopping, new requests are refused, those in flight get up to stop_grace seconds to end, and those still
     running then end with an error their clients read (not a dropped connection)."""
-    running = launch(demo, engine, sock, share, api_keys, auth, model_name)
+    running = launch(demo, engine, sock, share, api_keys, auth, model_name, access_log)
     stopping = threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stopping.set())

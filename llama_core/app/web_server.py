@@ -4,6 +4,7 @@ socket bound beforehand (llama_core.app.address.listen_socket)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -19,9 +20,14 @@ class BackgroundServer:
     that would otherwise hold it open (Gradio's heartbeats end when its app's stop_event is set)."""
 
     def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning",
-                 before_stop: tuple[Callable[[], None], ...] = ()) -> None:
+                 before_stop: tuple[Callable[[], None], ...] = (), access_log: bool = False) -> None:
+        """access_log: a line per request on standard output (client, method, path, status), as uvicorn writes
+        them; other server messages stay at log_level."""
         self.sock = sock
-        self.config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, ws="none")
+        self.config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, ws="none",
+                                     access_log=access_log)
+        if access_log:
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         self.server = uvicorn.Server(self.config)
         self.before_stop = list(before_stop)
         self.thread: Optional[threading.Thread] = None

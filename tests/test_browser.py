@@ -596,9 +596,30 @@ def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
     note = page.locator("#other-tab-note")
     expect(note).to_contain_text("changed in another tab")
     expect(other.locator("#other-tab-note")).to_have_count(0)  # the tab that wrote them is up to date
+    asked = []
+
+    def dismissed(dialog) -> None:
+        asked.append(dialog.message)
+        dialog.dismiss()
+
+    page.on("dialog", dismissed)
+    bubbles = page.locator('#chatbot [data-testid="user"]').count()
+    send(page, "From the stale tab.")  # would replace the other tab's: it asks, and cancelled, nothing is sent
+    page.locator("#chat-input textarea").press("Enter")  # Enter asks too
+    page.wait_for_timeout(1000)
+    assert len(asked) == 2 and all("changed in another tab" in message for message in asked), asked
+    expect(page.locator('#chatbot [data-testid="user"]')).to_have_count(bubbles)
+    page.remove_listener("dialog", dismissed)
     note.locator("button").click()  # Reload
     expect(page.locator("#chat-list")).to_contain_text("From the other tab.")
     expect(page.locator("#other-tab-note")).to_have_count(0)
+    page.wait_for_timeout(3500)  # past the reload's own write
+    send(other, "Again from the other tab.")
+    expect(note).to_contain_text("changed in another tab")
+    page.once("dialog", lambda dialog: dialog.accept())  # going on: this tab's copy is kept, the note goes
+    send(page, "Sent anyway.")
+    expect(page.locator('#chatbot [data-testid="user"]').last).to_have_text("Sent anyway.")
+    expect(note).to_have_count(0)
     context.close()
 
 

@@ -111,6 +111,25 @@ PAGE_JS = """() => {
       document.body.prepend(note);
     }, 1500);
   });
+  // While the note shows, a change here (sending, a new chat, retry, undo...) asks first: it would replace the
+  // other tab's. Going on makes this tab's copy the one kept, so the note goes.
+  const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-undo, #chat-clear, #chat-branch-retry";
+  const goOn = () => {
+    const note = document.getElementById("other-tab-note");
+    if (!note) return true;
+    if (!confirm("Your conversations were changed in another tab of this app. Going on here replaces those " +
+                 "changes with this tab's. Go on? (Cancel, then Reload, to see them.)")) return false;
+    note.remove();
+    return true;
+  };
+  const guard = (event) => { if (!goOn()) { event.preventDefault(); event.stopImmediatePropagation(); } };
+  document.addEventListener("click", (event) => {
+    if (event.target instanceof Element && event.target.closest(changes)) guard(event);
+  }, true);
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&
+        event.target.closest("#chat-input")) guard(event);
+  }, true);
   window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
     const stop = document.getElementById("chat-stop");
     if (stop && stop.checkVisibility()) { event.preventDefault(); event.returnValue = ""; }

@@ -398,14 +398,18 @@ def test_the_app_stops_when_its_model_process_cannot_be_kept_running(engine):
     which llama-chat reports and exits 1 on, rather than serving a page that can only fail."""
     from llama_core.prompt_library import load_prompts
 
+    outcome, drained = [], []
+
     class GivenUp:  # the app's engine, as it looks once its process has died too often in a row
         state = "running"
 
         def __getattr__(self, name):
             return getattr(engine, name)
 
+        def drain(self, seconds: float) -> None:  # not the shared engine's: the other tests go on with it
+            drained.append(seconds)
+
     failing = GivenUp()
-    outcome = []
 
     def run() -> None:
         try:
@@ -420,6 +424,7 @@ def test_the_app_stops_when_its_model_process_cannot_be_kept_running(engine):
     failing.state = "failed"
     thread.join(timeout=30)
     assert not thread.is_alive() and len(outcome) == 1
+    assert drained == [server.STOP_GRACE_SECONDS]  # stopping, it gave the requests in flight their time
 
 
 def test_share_link_failure_warns_once_and_keeps_serving_locally(engine, monkeypatch, capsys):

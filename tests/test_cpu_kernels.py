@@ -233,6 +233,8 @@ def test_the_kernels_can_be_turned_off(monkeypatch):
 @needs_kernels
 def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
+    (tmp_path / "tmp").mkdir()  # the fallback directory too: one built there before would be loaded instead
+    monkeypatch.setattr(build.tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("CC", "cc")
     monkeypatch.setattr(build, "_loaded", {})
     assert build.load() is not None

@@ -76,7 +76,7 @@ def test_the_app_engine_with_a_float16_kv_cache_holds_it_in_its_process_and_says
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_new_tokens=0), "max_new_tokens must be an integer from 1 to 255"),
     (dict(temperature=float("nan")), "temperature must be a finite number"),
-    (dict(top_p=1.5), "top_p must be a number in"),
+    (dict(top_p=1.5), "top_p must be a number from 0 to 1"),
     (dict(prompt_tokens=[1, 10**6]), r"prompt\[1\] is 1000000: token ids are integers from 0"),
     (dict(prompt_tokens=[]), "prompt is empty"),
 ])

@@ -246,3 +246,17 @@ def test_a_stuck_model_process_is_told_from_a_live_one(served):
     finally:
         os.kill(served.pid, signal.SIGCONT)
     assert served.responsive(5.0)
+
+
+def test_a_model_process_whose_parent_left_while_it_loaded_ends_quietly(monkeypatch):
+    """Its parent stopped (SIGTERM while the model loads): the child's "ready" finds the pipe closed, and it
+    ends without a BrokenPipeError traceback."""
+    from llama_core.serving import engine_process
+
+    class Closed:
+        def send(self, message):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(engine_process.signal, "signal", lambda *args: None)  # the test process's own stay
+    options = dict(max_waiting=4, prefill_chunk=None, prefix_caching=True, prompt_lookup=None, draft_price=None)
+    assert engine_process._serve(Closed(), dict(ckpt_dir=_model_dir(), max_batch_size=1, **BUILD), options, 1) is None

@@ -447,12 +447,17 @@ def _serve(conn, build: dict, engine_options: dict, threads: Optional[int]) -> N
         loaded = load(**build)
         engine = Engine(loaded, seed=seed, **engine_options, after_turn=outbox.flush)
     except BaseException as exc:  # reported to the parent, which raises it from start()
-        conn.send(("failed", type(exc).__name__, str(exc)))
+        with contextlib.suppress(OSError):  # unless the parent is gone
+            conn.send(("failed", type(exc).__name__, str(exc)))
         return
     # Loaded, it stops when the parent says so: a SIGTERM to the whole group (systemd, `timeout`, Kubernetes)
     # reaches the parent too, which stops it; ended first, it would be taken for a crash and restarted.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn.send(("ready", loaded.info))
+    try:
+        conn.send(("ready", loaded.info))
+    except OSError:  # the parent stopped while the model loaded: no one to serve, nothing to report
+        engine.close()
+        return
     channels: dict[int, Channel] = {}
     try:
         serving = True

@@ -349,8 +349,9 @@ def test_cancelling_a_stream_stops_its_request_in_the_engine(served, client):
         pytest.skip(f"greedy completion stops after {full} tokens: too soon to observe a cancel")
     steps_before = engine.steps
     job = client.submit(**args, api_name="/complete")
-    while not job.outputs():
-        time.sleep(0.001)
+    deadline = time.monotonic() + 30
+    while not engine.active_count and not job.done() and time.monotonic() < deadline:
+        time.sleep(0.001)  # cancelled once the engine runs it, not once its first text reaches this client
     job.cancel()
     deadline = time.monotonic() + 10
     while engine.active_count and time.monotonic() < deadline:

@@ -367,8 +367,8 @@ def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.components.Comp
     """Temperature, top-p and max new tokens, then the Advanced accordion's controls in ADVANCED order."""
     basic = [
         gr.Slider(0, 2, value=0.6, step=0.05, label="Temperature", info="0 is greedy", elem_id=f"{prefix}-temperature"),
-        gr.Slider(0.01, 1, value=0.9, step=0.01, label="Top-p", info="keep the most likely tokens holding this "
-                  "much probability", elem_id=f"{prefix}-top-p"),
+        gr.Slider(0, 1, value=0.9, step=0.01, label="Top-p", info="keep the most likely tokens holding this "
+                  "much probability (0: the most likely only)", elem_id=f"{prefix}-top-p"),
         gr.Slider(1, max_seq_len - 1, value=min(256, max(1, max_seq_len // 4)), step=1, label="Max new tokens",
                   elem_id=f"{prefix}-max-new-tokens"),
     ]

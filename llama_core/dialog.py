@@ -90,7 +90,8 @@ def dialog_segments(dialog: Dialog) -> list[tuple[str, bool]]:
     segments = [(f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} ", True)
                 for prompt, answer in zip(exchanges[::2], exchanges[1::2])]
     if started:
-        return segments + [(f"{B_INST} {dialog[-2]['content'].strip()} {E_INST} {dialog[-1]['content'].strip()}", False)]
+        question, start = dialog[-2]["content"].strip(), dialog[-1]["content"].strip()
+        return segments + [(f"{B_INST} {question} {E_INST} {start}", False)]
     return segments + [(f"{B_INST} {dialog[-1]['content'].strip()} {E_INST}", False)]
 
 

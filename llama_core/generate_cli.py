@@ -201,25 +201,21 @@ def generate(plan: ModelPlan, args: argparse.Namespace, params: SamplingParams, 
         else:
             stream = stream_completion(engine, request, max_new_tokens=max_new_tokens, params=params)
         text = request if args.echo else ""
-        stdout.write(text)
+        _emit(stdout, text)
         try:
             for chunk in stream:
-                stdout.write(chunk.text)
-                stdout.flush()
+                _emit(stdout, chunk.text)
                 text += chunk.text
         finally:
             stream.cancel()  # after the end, nothing; after Ctrl-C or a closed pipe, the engine stops the request
-        stdout.write("" if text.endswith("\n") else "\n")
-        stdout.flush()
+        _emit(stdout, "" if text.endswith("\n") else "\n")
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader left (| head): stop quietly
+    except _Unwritable as exc:  # the reader left (| head): quietly; a full disk, say: saying so
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail
-        return 1
-    except OSError as exc:  # the output cannot be written (a full disk, say)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        print(f"error: cannot write the text to standard output: {exc.strerror or exc}", file=sys.stderr)
+        if not isinstance(exc.__cause__, BrokenPipeError):
+            print(f"error: cannot write the text to standard output: {exc}", file=sys.stderr)
         return 1
     except LlamaError as exc:  # a prompt too long for the context, or a failure inside the engine
         print(f"error: {exc}", file=sys.stderr)
@@ -234,6 +230,20 @@ def generate(plan: ModelPlan, args: argparse.Namespace, params: SamplingParams, 
         print(f"[{stream.generated_tokens} tokens, {stream.tokens_per_second:.1f} tokens/s, finish reason: "
               f"{reason}]", file=status)
     return 0
+
+
+class _Unwritable(Exception):
+    """Standard output cannot be written (its reader left, a full disk): the text's own failure, told apart from
+    an OSError of the model's loading."""
+
+
+def _emit(stdout: TextIO, text: str) -> None:
+    try:
+        stdout.write(text)
+        stdout.flush()
+    except OSError as exc:
+        raise _Unwritable(exc.strerror or str(exc)) from exc
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -474,6 +474,17 @@ def test_generate_says_when_its_output_cannot_be_written():
         "error: cannot write the text to standard output: No space left on device"), done.stderr
 
 
+def test_generate_names_a_checkpoint_that_fails_to_load_as_such_not_as_its_output(monkeypatch, capsys):
+    from llama_core import CheckpointNotFoundError, loader
+
+    def vanished(*args, **kwargs):  # a shard removed after the checks: an OSError too (FileNotFoundError)
+        raise CheckpointNotFoundError("weight shard consolidated.00.pth not found")
+
+    monkeypatch.setattr(loader, "load", vanished)
+    status = generate_cli.main(["ROMEO:", "-q", "--device", "cpu"], stdout=io.StringIO())
+    assert status == 1 and capsys.readouterr().err.strip() == "error: weight shard consolidated.00.pth not found"
+
+
 def test_generate_holds_its_text_to_a_reply_format(tmp_path):
     schema = {"type": "object", "properties": {"play": {"type": "string", "maxLength": 30},
               "year": {"type": "integer", "minimum": 1590, "maximum": 1613}}, "required": ["play", "year"],

@@ -39,9 +39,9 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
-        host = self.sock.getsockname()[0]
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.port}/"
+        bound = self.sock.getsockname()[0]
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(bound, bound)  # a wildcard: this machine
+        return f"http://[{host}]:{self.port}/" if ":" in host else f"http://{host}:{self.port}/"
 
     def start(self, timeout: float = 30.0) -> "BackgroundServer":
         """Starts serving; returns once the server answers (or raises RuntimeError after timeout seconds)."""

@@ -437,13 +437,24 @@ def _grammar(body: SamplingFields) -> Optional[Grammar]:
 
 
 def _response_grammar(response_format: Optional[ResponseFormat]) -> Optional[Grammar]:
-    """What response_format asks the reply to match: nothing for "text", any JSON object for "json_object", JSON
-    matching json_schema.schema for "json_schema" (OpenAI's structured outputs; `strict` or not, the schema is
-    followed)."""
+    """What response_format asks the reply to match (see _format_schema), as a grammar."""
+    schema = _format_schema(response_format)
+    if schema is None:
+        return None
+    try:
+        return Grammar.json(schema, name="response_format.json_schema.schema")
+    except LlamaError as exc:
+        raise APIError(400, str(exc), param="response_format.json_schema.schema") from None
+
+
+def _format_schema(response_format: Optional[ResponseFormat]) -> Optional[dict[str, Any] | bool]:
+    """The JSON Schema response_format asks the reply to follow: none for "text", any JSON object for
+    "json_object", json_schema.schema for "json_schema" (OpenAI's structured outputs; `strict` or not, the
+    schema is followed)."""
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return Grammar.json()
+        return {"type": "object"}
     if response_format.type != "json_schema":
         raise APIError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got "
                        f"{response_format.type!r}", param="response_format.type")
@@ -451,10 +462,7 @@ def _response_grammar(response_format: Optional[ResponseFormat]) -> Optional[Gra
         raise APIError(400, "response_format of type 'json_schema' needs a json_schema object (with its name and "
                        "schema)", param="response_format.json_schema")
     schema = response_format.json_schema.schema_
-    try:
-        return Grammar.json({} if schema is None else schema, name="response_format.json_schema.schema")
-    except LlamaError as exc:
-        raise APIError(400, str(exc), param="response_format.json_schema.schema") from None
+    return {} if schema is None else schema
 
 
 def _controls(body: SamplingFields, **extra: Any) -> dict[str, Any]:
@@ -792,14 +800,9 @@ def _call_grammar(functions: list[tools.Function], required: bool,
     """The grammar a reply that may call the functions is held to (a reply that calls none follows
     response_format, a checked one, as OpenAI holds it); a 400 naming `tools` where they cannot make one (too
     large a set of schemas, say)."""
-    schema = None
-    if response_format is not None and response_format.type == "json_object":
-        schema = {"type": "object"}
-    elif response_format is not None and response_format.type == "json_schema":
-        given = response_format.json_schema.schema_
-        schema = given if isinstance(given, dict) else {}
+    schema = _format_schema(response_format)
     try:
-        return tools.call_grammar(functions, required, schema)
+        return tools.call_grammar(functions, required, {} if schema is True else schema)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="tools") from None
 

@@ -222,7 +222,8 @@ class Llama:
 
         The other sampling controls are keywords named as in SamplingParams: top_k, min_p,
         repetition_penalty, presence_penalty, frequency_penalty, stop (a prompt's tokens end with the one
-        that completes a stop string), seed.
+        that completes a stop string, found in the generated text as text_completion reads it: after the
+        prompt's with echo, else alone), seed.
 
         Returns:
             Per prompt, the generated tokens (after the prompt tokens with echo; EOS not included), and
@@ -237,7 +238,7 @@ class Llama:
         params = sampling_params(temperature, top_p, logprobs, **controls)
         engine = self.engine
         requests = [engine.check(p, self._clamped(max_gen_len), prompt_logprobs=logprobs and echo, params=params,
-                                 name=f"prompt {i}") for i, p in enumerate(prompt_tokens)]
+                                 name=f"prompt {i}", standalone_text=not echo) for i, p in enumerate(prompt_tokens)]
         streams: list[TokenStream] = []
         try:
             streams = [engine.submit_request(r) for r in requests]
@@ -276,7 +277,8 @@ class Llama:
         """
         self._check_call([prompt_tokens], max_gen_len)
         params = sampling_params(temperature, top_p, **controls)
-        request = self.engine.check(prompt_tokens, self._clamped(max_gen_len), params=params, name="prompt 0")
+        request = self.engine.check(prompt_tokens, self._clamped(max_gen_len), params=params, name="prompt 0",
+                                    standalone_text=not continue_prompt)
         tokens = self.engine.submit_request(request)
         decoder = StreamDecoder(self.tokenizer, prompt_tokens if continue_prompt else ())
         return iter(TextStream(tokens, decoder, len(prompt_tokens), self.max_seq_len, stop=params.stop))

@@ -86,3 +86,30 @@ def test_a_chat_turn_gets_a_reply_that_ends_on_its_own(llama):
     assert all(r["generation"]["role"] == "assistant" and r["generation"]["content"].strip() for r in replies)
     ended_at_eos = sum(len(r["tokens"]) < max_gen_len for r in replies)
     assert ended_at_eos >= 6, f"only {ended_at_eos} of {len(replies)} replies ended with EOS"
+
+
+def test_a_chat_replys_stop_strings_are_found_in_its_text_as_shown(llama):
+    """A chat reply's content reads alone (its first word without SentencePiece's space): a stop string
+    is found there, in the engine as in the text shown, not in the text as it would read after the prompt."""
+    from llama_core.dialog import SPECIAL_TAGS
+    from llama_core.serving import stream_chat
+    from llama_core.tokenizer import StreamDecoder
+
+    for question in ["Good morrow, what news?", "Who art thou?", "Where is the king?", "What say you, sir?"]:
+        dialog = [{"role": "user", "content": question}]
+        prompt = llama.prepare_chat(dialog, 24).prompt_tokens
+        ids = llama.generate([prompt], 24, temperature=0, stop=list(SPECIAL_TAGS))[0][0]
+        alone = llama.chat_completion([dialog], temperature=0, max_gen_len=24)[0]["generation"]["content"]
+        decoder = StreamDecoder(llama.tokenizer, prompt)
+        after_prompt = "".join(decoder.push(t) for t in ids) + decoder.flush()
+        words = alone.split()
+        if words and after_prompt.startswith(" " + words[0]) and " " + words[0] not in alone:
+            break
+    else:
+        pytest.fail("no reply starts with a word piece that appears nowhere else")
+    stop = " " + words[0]  # in the reply as it reads after the prompt, not in the reply shown
+    assert llama.chat_completion([dialog], temperature=0, max_gen_len=24, stop=[stop])[0]["generation"][
+        "content"] == alone
+    with llama.serve() as engine:
+        stream = stream_chat(engine, dialog, temperature=0, max_new_tokens=24, stop=[stop])
+        assert "".join(c.text for c in stream) == alone and stream.finish_reason != "stop"

@@ -318,6 +318,7 @@ class Engine:
         *,
         params: Optional[SamplingParams] = None,
         prediction_tokens: tuple[int, ...] | list[int] = (),
+        standalone_text: bool = False,
         **controls,
     ) -> TokenStream:
         """Queues a request; returns its token stream (with prompt_logprobs, also the log-probabilities of
@@ -325,7 +326,8 @@ class Engine:
         log-probabilities. The other sampling controls (top_k, min_p, repetition_penalty, presence_penalty,
         frequency_penalty, stop, seed, top_logprobs) are keywords named as in SamplingParams, or all of them
         in params. prediction_tokens: the reply as the caller expects it; with prompt lookup, drafts come from
-        it first (the reply itself is the same, sooner where the prediction is right).
+        it first (the reply itself is the same, sooner where the prediction is right). standalone_text: stop
+        strings are found in the reply's text read alone (a chat reply's content), not after the prompt.
 
         Raises:
             InvalidRequestError / ContextLengthError: bad prompt or parameters.
@@ -333,6 +335,7 @@ class Engine:
         """
         return self.submit_request(self.check(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs,
                                               logprobs, params=params, prediction_tokens=prediction_tokens,
+                                              standalone_text=standalone_text,
                                               **controls))
 
     def submit_request(self, request: GenerationRequest) -> TokenStream:
@@ -347,13 +350,14 @@ class Engine:
 
     def check(self, prompt_tokens, max_new_tokens, temperature=0.6, top_p=0.9, prompt_logprobs=False,
               logprobs=True, *, params: Optional[SamplingParams] = None, name: str = "prompt",
-              prediction_tokens=(), **controls) -> GenerationRequest:
+              prediction_tokens=(), standalone_text=False, **controls) -> GenerationRequest:
         """The checked request for this model, or InvalidRequestError / ContextLengthError (naming the prompt
         as `name`)."""
         params = sampling_params(temperature, top_p, logprobs, params, **controls)
         return GenerationRequest.checked(prompt_tokens, max_new_tokens, params, prompt_logprobs,
                                          vocab_size=self.words, max_seq_len=self.runner.max_seq_len,
-                                         name=name, prediction_tokens=prediction_tokens)
+                                         name=name, prediction_tokens=prediction_tokens,
+                                         standalone_text=standalone_text)
 
     def add(self, request: GenerationRequest, channel: Channel) -> None:
         """Queues a checked request whose events go to channel.
@@ -781,7 +785,8 @@ class Engine:
         text for stop strings."""
         params = sequence.params
         if params.stop:
-            sequence.stop_text = (StreamDecoder(self.tokenizer, sequence.prompt_tokens), StopMatcher(params.stop))
+            context = () if sequence.request.standalone_text else sequence.prompt_tokens
+            sequence.stop_text = (StreamDecoder(self.tokenizer, context), StopMatcher(params.stop))
         if params.penalized:
             if self._seen is None:
                 shape = (self.runner.max_batch_size, self.runner.args.vocab_size)

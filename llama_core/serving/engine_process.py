@@ -205,7 +205,8 @@ class EngineProcess:
     # -- submitting ---------------------------------------------------------------------------
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
-               prediction_tokens: tuple[int, ...] | list[int] = (), **controls) -> TokenStream:
+               prediction_tokens: tuple[int, ...] | list[int] = (), standalone_text: bool = False,
+               **controls) -> TokenStream:
         """As Engine.submit: the request is checked here, and sent to the child without waiting for it (the
         caller may be an event loop), so the errors a request can meet are raised here: a bad request, and a
         full engine, counted here as the requests sent and not yet ended. A refusal of the child's own (it is
@@ -221,7 +222,8 @@ class EngineProcess:
         request = GenerationRequest.checked(prompt_tokens, max_new_tokens,
                                             sampling_params(temperature, top_p, logprobs, params, **controls),
                                             prompt_logprobs, vocab_size=vocabulary(self),
-                                            max_seq_len=self.info.max_seq_len, prediction_tokens=prediction_tokens)
+                                            max_seq_len=self.info.max_seq_len, prediction_tokens=prediction_tokens,
+                                            standalone_text=standalone_text)
         if request.params.grammar is not None:  # one no reply can begin (llguidance's limits) is a bad request
             GrammarMatcher(request.params.grammar, self.tokenizer).check_start(self.info.args.vocab_size)  # here,
             # not an error in the stream from the child

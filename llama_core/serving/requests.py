@@ -141,11 +141,13 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     prompt_logprobs: bool = False  # also the log-probabilities of prompt tokens 1..n-1
     prediction_tokens: tuple[int, ...] = ()  # the reply as the caller expects it: prompt lookup drafts from it
+    standalone_text: bool = False  # the reply's text reads alone (a chat reply's content), not after the prompt:
+    # stop strings are found in that text (where "▁I" starts it, it reads "I", not " I")
 
     @classmethod
     def checked(cls, prompt_tokens: Any, max_new_tokens: Any, params: SamplingParams, prompt_logprobs: Any = False,
                 *, vocab_size: int, max_seq_len: int, name: str = "prompt",
-                prediction_tokens: Any = ()) -> "GenerationRequest":
+                prediction_tokens: Any = (), standalone_text: bool = False) -> "GenerationRequest":
         """The request for a model with this vocabulary and context, or InvalidRequestError /
         ContextLengthError naming what is wrong (the prompt as `name`). A prediction longer than the context
         is cut to it (no reply is longer)."""
@@ -159,7 +161,7 @@ class GenerationRequest:
             raise InvalidRequestError(f"logit_bias has token {outside[0]}, outside the model's vocabulary "
                                       f"[0, {vocab_size})")
         return cls(tokens, max_new_tokens, params, flag(prompt_logprobs, "prompt_logprobs"),
-                   tuple(prediction_tokens[:max_seq_len]))
+                   tuple(prediction_tokens[:max_seq_len]), bool(standalone_text))
 
 
 def sampling_params(temperature: Any = 0.6, top_p: Any = 0.9, logprobs: Any = True,

@@ -336,6 +336,7 @@ class TextEngine(Protocol):
 
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
+               prediction_tokens: tuple[int, ...] | list[int] = (), standalone_text: bool = False,
                **controls: Any) -> TokenStream: ...
 
 
@@ -398,9 +399,11 @@ def stream_chat(
     max_new_tokens = check_max_new_tokens(_default_max_new_tokens(engine, max_new_tokens), max_seq_len)
     fitted = _fitted_chat(engine, dialog, max_new_tokens, drop_old_turns)
     predicted = engine.tokenizer.encode(prediction, bos=False, eos=False) if prediction else ()
-    tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, params=params, prediction_tokens=predicted)
     # the reply's text, as chat_completion's content reads; where the dialog holds its start, what follows that
-    decoder = StreamDecoder(engine.tokenizer, fitted.prompt_tokens if chat_format.ends_in_reply(dialog) else ())
+    standalone = not chat_format.ends_in_reply(dialog)
+    tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, params=params, prediction_tokens=predicted,
+                           standalone_text=standalone)
+    decoder = StreamDecoder(engine.tokenizer, () if standalone else fitted.prompt_tokens)
     return TextStream(tokens, decoder, len(fitted.prompt_tokens), max_seq_len, fitted.dropped_pairs, stop=params.stop)
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama, LlamaError, ServerBusyError
-from llama_core.serving import Engine, RequestFailedError
+from llama_core.serving import Engine, EngineLostError, RequestFailedError
+from llama_core.errors import EngineUnavailableError
 from llama_core.errors import ContextLengthError
 from llama_core.serving import stream_chat, stream_completion
 
@@ -447,6 +448,30 @@ def test_after_turn_is_called_each_turn_with_that_turns_tokens_queued(llama, pro
     assert loop_calls[-1] == 1 + len(solo[0]) + 1
     assert len(loop_calls) >= steps and len(queued_at_turn_end) == len(loop_calls) + 1  # and once at shutdown
     assert _collect(streams[0]) == solo[0]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's traceback
+def test_an_engine_thread_that_fails_ends_its_requests_and_refuses_more(llama, prompts):
+    turns = []
+
+    def after_turn():  # a callback that fails once, on the third turn, stops the engine's thread
+        turns.append(1)
+        if len(turns) == 3:
+            raise RuntimeError("the callback failed")
+
+    with llama.serve(after_turn=after_turn) as engine:
+        running = engine.submit(prompts[0], 40, temperature=0)
+        waiting = [engine.submit(p, 40, temperature=0) for p in prompts[1:]]
+        with pytest.raises(EngineLostError, match="the callback failed"):
+            list(running)  # its reader is told, not left waiting on a thread that is gone
+        for stream in waiting:
+            with pytest.raises(EngineLostError):
+                list(stream)
+        assert not engine.alive
+        with pytest.raises(EngineUnavailableError, match="the engine stopped.*the callback failed"):
+            engine.submit(prompts[0], 4, temperature=0)
+    with llama.serve() as engine:  # started again, it serves
+        assert len(list(engine.submit(prompts[0], 4, temperature=0))) == 4
 
 
 def _spans_recorded(engine: Engine) -> list[list[tuple[int, int]]]:

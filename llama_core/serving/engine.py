@@ -209,6 +209,7 @@ class Engine:
         self._running = False
         self._closed = False
         self._draining = False
+        self._lost = ""  # why the engine's thread stopped, where it failed
         self._thread: Optional[threading.Thread] = None
         self._after_turn = after_turn or (lambda: None)
         self.prefix_cache = PrefixCache(self.runner.max_batch_size, enabled=prefix_caching)
@@ -243,7 +244,8 @@ class Engine:
     @property
     def alive(self) -> bool:
         """Whether the engine takes requests: not closed, and its thread, once started, still runs."""
-        return not self._closed and not self._draining and (self._thread is None or self._thread.is_alive())
+        return (not self._closed and not self._draining and not self._lost
+                and (self._thread is None or self._thread.is_alive()))
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -253,6 +255,7 @@ class Engine:
         self._draining = False
         if self._running:
             return self
+        self._lost = ""
         self._running = True
         if self.runner.device.type == "cpu":  # the model's work moves to the engine's thread from here
             cpu_threads.release_workers()  # (a second pool of OpenMP workers would slow every step)
@@ -379,6 +382,8 @@ class Engine:
                 raise LlamaError("the engine is closed")
             if self._draining:
                 raise EngineUnavailableError(STOPPING)
+            if self._lost:
+                raise EngineUnavailableError(self._lost)
             if len(self._waiting) >= self.max_waiting + self.free_slots:
                 raise ServerBusyError.full(len(self._slots), len(self._waiting))
             self._waiting.append(sequence)
@@ -420,14 +425,32 @@ class Engine:
             return self._turn()
 
     def _loop(self) -> None:
-        while True:
-            with self._wakeup:
-                while self._running and not self._waiting and not any(self._slots):
-                    self._wakeup.wait()
-                if not self._running:
-                    return
-            with self._turn_lock:
-                self._turn()
+        try:
+            while True:
+                with self._wakeup:
+                    while self._running and not self._waiting and not any(self._slots):
+                        self._wakeup.wait()
+                    if not self._running:
+                        return
+                with self._turn_lock:
+                    self._turn()
+        except BaseException as exc:  # the loop itself failed (after_turn raised, say): no reader may wait
+            self._abandon(exc)  # on a thread that is gone
+            raise
+
+    def _abandon(self, exc: BaseException) -> None:
+        """Ends every request, waiting or running, with the error that stopped the engine's thread; later
+        submissions are refused until start() runs it again."""
+        self._lost = f"the engine stopped: {_failure_message(exc)}"
+        with self._wakeup:
+            self._running = False
+            pending, self._waiting = list(self._waiting), collections.deque()
+        with self._turn_lock:
+            self._in_flight = None
+            for sequence in pending:
+                self._finish(sequence, "error", self._lost, "engine")
+            for slot in range(len(self._slots)):
+                self._free(slot, "error", self._lost, "engine")
 
     def _turn(self) -> bool:
         """Retires cancelled requests, admits waiting ones, prefills, and runs one decode step; whether
@@ -985,7 +1008,7 @@ def _prompt_scores(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tupl
     return values, [list(zip(row_ids, row_lps)) for row_ids, row_lps in zip(ids.tolist(), lps.tolist())]
 
 
-def _failure_message(exc: Exception) -> str:
+def _failure_message(exc: BaseException) -> str:
     if isinstance(exc, torch.OutOfMemoryError):
         return "the request ran out of device memory; try a shorter prompt or fewer new tokens"
     return f"generation failed: {type(exc).__name__}: {exc}"

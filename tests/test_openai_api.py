@@ -320,6 +320,38 @@ def test_json_object_replies_are_json_streamed_or_not(client, model_id):
     assert whole.choices[0].finish_reason == "stop" and isinstance(json.loads(streamed), dict)
 
 
+def test_schemas_and_grammars_are_compiled_off_the_event_loop(monkeypatch, client, model_id):
+    """A long schema is compiled, and any grammar's matcher built for its check, in a worker thread: the
+    event loop serving every other client is not held up while it is."""
+    import asyncio
+
+    from llama_core.grammar import Grammar
+    from llama_core.serving.grammar_matcher import GrammarMatcher
+
+    on_loop = []
+
+    def where() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    json_schema, check_start = Grammar.json.__func__, GrammarMatcher.check_start
+    monkeypatch.setattr(Grammar, "json", classmethod(
+        lambda cls, *a, **k: on_loop.append(("schema", where())) or json_schema(cls, *a, **k)))
+    monkeypatch.setattr(GrammarMatcher, "check_start",
+                        lambda self, *a: on_loop.append(("matcher", where())) or check_start(self, *a))
+    fields = {f"field_{i}": {"type": "integer", "description": "a number of the record " * 4} for i in range(60)}
+    schema = {"type": "object", "properties": fields}
+    client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"name": "record", "schema": schema}})
+    client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=4,
+                                   response_format={"type": "json_object"})  # a short request, a grammar
+    # the long schema, then its matcher; the short schema on the loop (sooner than a thread), its matcher not
+    assert on_loop == [("schema", False), ("matcher", False), ("schema", True), ("matcher", False)]
+
+
 def test_completions_take_a_response_format_too(client, model_id):
     reply = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=12, n=3, seed=1, temperature=1.0,
                                       extra_body={"response_format": {"type": "json_schema", "json_schema": {
@@ -1051,6 +1083,29 @@ def wait_for(condition, seconds: float = 1.0) -> bool:
             return True
         time.sleep(0.01)
     return condition()
+
+
+def test_a_streamed_reply_lists_the_tokens_of_its_text_as_the_whole_reply_does(one_slot):
+    """Tokens held back as the start of a possible stop string are listed with the text they write, not
+    sent ahead with none: where they wrote only the stop string, the stream leaves them out, as the
+    whole reply does. (One token a turn here: each comes in an event of its own.)"""
+    engine, url = one_slot
+    client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
+    ask = dict(model=engine.info.name, messages=HELLO, max_tokens=24, temperature=0, logprobs=True,
+               logit_bias={str(engine.eos_id): -100})
+    full = client.chat.completions.create(**ask).choices[0]
+    text, tokens = full.message.content, [entry.token for entry in full.logprobs.content]
+    stop = text[len(text) // 2 : len(text) // 2 + 5]
+    assert len(stop) == 5 and text.index(stop) == len(text) // 2
+    whole = client.chat.completions.create(**ask, stop=[stop]).choices[0]
+    streamed, entries = "", []
+    for event in client.chat.completions.create(**ask, stop=[stop], stream=True):
+        for choice in event.choices:
+            streamed += choice.delta.content or ""
+            entries += [entry.token for entry in (choice.logprobs.content if choice.logprobs else None) or []]
+    assert streamed == whole.message.content == text[: len(text) // 2]
+    assert entries == [entry.token for entry in whole.logprobs.content] == tokens[: len(entries)]
+    assert "".join(entries).startswith(streamed)  # the last token may write the stop's start too
 
 
 def test_more_choices_than_the_server_ever_holds_is_a_400_not_busy(one_slot):

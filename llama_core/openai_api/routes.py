@@ -104,7 +104,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         served_model(body.model)
         _refuse_unsupported_chat(body)
-        functions, required = _tools(body)
+        size = await _size(request)
+        functions, required = await aio.submitted(lambda: _tools(body), size)  # long schemas: off the loop
         dialog = _dialog(body.messages, tools.tools_prompt(functions, required) if functions else "")
         prediction = _prediction(body.prediction)
         fields = set(body.model_fields_set) | {"messages"}
@@ -112,9 +113,14 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-        controls = _controls(body, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0)
-        if functions:
-            controls["grammar"] = _call_grammar(functions, required, body.response_format)
+
+        def reply_controls() -> dict[str, Any]:
+            controls = _controls(body, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0)
+            if functions:
+                controls["grammar"] = _call_grammar(functions, required, body.response_format)
+            return controls
+
+        controls = await aio.submitted(reply_controls, size)
         _check_reply_start(dialog, controls)
         max_new_tokens = _max_new_tokens(max_tokens, engine, "max_completion_tokens" if rename else "max_tokens")
         refusal = [False]
@@ -127,8 +133,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             return stream
 
         choices = _choices(body.n, capacity=engine.capacity)
-        streams = await _submit_all(submit, _seeds(controls["seed"], choices), fields, rename,
-                                    aio.text_size(*(message["content"] for message in dialog)))
+        streams = await _submit_all(submit, _seeds(controls["seed"], choices), fields, rename, size, controls)
         if refusal[0]:
             raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
         reply = _ChatReply(engine, model_id, streams, len(streams), _include_usage(body), bool(body.logprobs),
@@ -142,6 +147,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         served_model(body.model)
         earlier = kept.get(body.previous_response_id).messages if body.previous_response_id is not None else []
         messages, origin = responses.chat_messages(body, earlier)
+        size = await _size(request)
         try:
             chat_tools, tool_choice = responses.chat_tools(body)
             chat = ChatCompletionRequest(
@@ -149,13 +155,17 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                     body.text.format if body.text else None), tools=chat_tools, tool_choice=tool_choice,
                 **{name: getattr(body, name) for name in SAMPLING_FIELDS if name != "logit_bias"})
             _refuse_unsupported_chat(chat)
-            functions, required = _tools(chat)
+            functions, required = await aio.submitted(lambda: _tools(chat), size)
             note = "\n\n".join(part for part in (body.instructions or "", tools.tools_prompt(functions, required)
                                                   if functions else "") if part)
             dialog = _dialog(chat.messages, note)
-            controls = _controls(chat, logprobs=False)
-            if functions:
-                controls["grammar"] = _call_grammar(functions, required, chat.response_format)
+            def reply_controls() -> dict[str, Any]:
+                controls = _controls(chat, logprobs=False)
+                if functions:
+                    controls["grammar"] = _call_grammar(functions, required, chat.response_format)
+                return controls
+
+            controls = await aio.submitted(reply_controls, size)
             _check_reply_start(dialog, controls)
             max_new_tokens = _max_new_tokens(chat.max_tokens, engine, "max_tokens")
 
@@ -165,8 +175,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                     raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
                 return stream
 
-            (stream,) = await _submit_all(submit, [None], set(chat.model_fields_set) | {"messages"}, {},
-                                          aio.text_size(*(message["content"] for message in dialog)))
+            (stream,) = await _submit_all(submit, [None], set(chat.model_fields_set) | {"messages"}, {}, size,
+                                          controls)
         except APIError as exc:
             raise responses.renamed(exc, origin) from None
         writer = responses.ResponseWriter(stream, model_id, body, functions, messages,
@@ -176,11 +186,11 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         return await writer.whole(request)
 
     @api.get("/v1/responses/{response_id}", dependencies=v1)
-    def get_response(response_id: str) -> dict[str, Any]:
+    async def get_response(response_id: str) -> dict[str, Any]:  # async: on the loop, the store's one user
         return kept.get(response_id, param="response_id").response
 
     @api.delete("/v1/responses/{response_id}", dependencies=v1)
-    def delete_response(response_id: str) -> dict[str, Any]:
+    async def delete_response(response_id: str) -> dict[str, Any]:
         kept.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -198,7 +208,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         if top is not None and not 0 <= top <= requests.MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be an integer from 0 to {requests.MAX_TOP_LOGPROBS}, got {top}",
                            param="logprobs")
-        controls = _controls(body, logprobs=top is not None, top_logprobs=top or 0)
+        size = await _size(request)
+        controls = await aio.submitted(lambda: _controls(body, logprobs=top is not None, top_logprobs=top or 0), size)
         scoring = bool(body.echo) and body.max_tokens == 0  # the prompt alone, with its logprobs: one step, unsent
         max_new_tokens = 1 if scoring else _max_new_tokens(body.max_tokens, engine, "max_tokens")
         echo_logprobs = bool(body.echo) and top is not None
@@ -211,8 +222,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             return stream_completion(engine, prompt, max_new_tokens=max_new_tokens, prompt_logprobs=echo_logprobs,
                                      **dict(controls, seed=job[1]))
 
-        streams = await _submit_all(submit, jobs, set(body.model_fields_set) | {"prompt"}, {},
-                                    aio.text_size(*prompts))
+        streams = await _submit_all(submit, jobs, set(body.model_fields_set) | {"prompt"}, {}, size, controls)
         echoed = [job[0] for job in jobs] if body.echo else None
         reply = _CompletionReply(engine, model_id, streams, n, _include_usage(body), top, echoed, scoring)
         if body.stream:
@@ -220,7 +230,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         return await reply.whole(request)
 
     @api.post("/tokenize", dependencies=v1)
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         """A prompt's tokens (a completion's, or a chat's messages as the chat route lays them out), to count
         them against the context before sending them."""
         served_model(body.model)
@@ -228,7 +238,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             raise APIError(400, "send a prompt or messages (one of them) to tokenize", param="prompt")
         if body.prompt is not None and body.tools:
             raise APIError(400, "tools go with messages, as on the chat route", param="tools")
-        functions, required = _tools(body)
+        size = await _size(request)
+        functions, required = await aio.submitted(lambda: _tools(body), size)
         tokenizer = engine.tokenizer
 
         def tokens() -> list[int]:
@@ -241,7 +252,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             except LlamaError as exc:
                 raise from_llama_error(exc, {"messages"}) from None
 
-        ids = await aio.submitted(tokens, len(body.prompt or "") + aio.text_size(body.messages or []))
+        ids = await aio.submitted(tokens, size)
         return {"count": len(ids), "max_model_len": engine.info.max_seq_len, "tokens": ids}
 
     @api.post("/detokenize", dependencies=v1)
@@ -502,10 +513,17 @@ def _include_usage(body: SamplingFields) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
+async def _size(request: Request) -> int:
+    """How long a request's body is (its text, schemas and tools): what preparing and submitting it costs, to
+    choose where to do that (aio.submitted). FastAPI has read the body already: this is its copy."""
+    return len(await request.body())
+
+
 async def _submit_all(submit: Callable[[Any], TextStream], jobs: list[Any], fields: set[str],
-                      rename: dict[str, str], characters: int) -> list[TextStream]:
-    """Submits each job (tokenizing the request's text, `characters` long: see aio.submitted); if one is
-    refused, the ones already running are cancelled and the refusal is answered."""
+                      rename: dict[str, str], size: int, controls: dict[str, Any]) -> list[TextStream]:
+    """Submits each job (tokenizing a request `size` long: see aio.submitted; with a grammar, always in a
+    worker thread: its matcher is built for the check); if one is refused, the ones already running are
+    cancelled and the refusal is answered."""
     def submit_each() -> list[TextStream]:
         streams: list[TextStream] = []
         try:
@@ -518,7 +536,7 @@ async def _submit_all(submit: Callable[[Any], TextStream], jobs: list[Any], fiel
         return streams
 
     try:
-        return await aio.submitted(submit_each, characters)
+        return await aio.submitted(submit_each, size if controls.get("grammar") is None else math.inf)
     except LlamaError as exc:
         raise from_llama_error(exc, fields, rename) from None
 
@@ -536,6 +554,7 @@ class _Reply:
         """streams: the choices, those of each prompt together (per_prompt of them)."""
         self.engine, self.model_id, self.streams, self.include_usage = engine, model_id, streams, include_usage
         self.per_prompt = per_prompt
+        self.unwritten: list[list[StreamChunk]] = [[] for _ in streams]  # each choice's chunks held back
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -574,9 +593,17 @@ class _Reply:
         tag): the text leaves it out, so its tokens and logprobs do too (as the Python API's results)."""
         if self.streams[index].finish_reason != "stop":
             return chunks
-        end = len(chunks)
-        while end and chunks[end - 1].token >= 0 and not chunks[end - 1].text:
-            end -= 1
+        return chunks[:_writing_end(chunks)]
+
+    def to_send(self, batch: Batch) -> list[StreamChunk]:
+        """A streamed batch's chunks to send now: those held back before, then the batch's, less those at its
+        end that have written nothing yet (a stop string may be all they write: they wait for the text they
+        write, or the end, so a stream lists the tokens the whole reply lists)."""
+        chunks, self.unwritten[batch.index] = self.unwritten[batch.index] + batch.chunks, []
+        if batch.done:
+            return self.written(batch.index, chunks)
+        end = _writing_end(chunks)
+        self.unwritten[batch.index] = chunks[end:]
         return chunks[:end]
 
     async def whole(self, request: Request) -> dict[str, Any]:
@@ -651,7 +678,7 @@ class _ChatReply(_Reply):
                 yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
 
     def event(self, batch: Batch) -> list[dict[str, Any]]:
-        chunks = self.written(batch.index, batch.chunks) if batch.done else batch.chunks
+        chunks = self.to_send(batch)
         held, role = self.held[batch.index], {}
         if held is not None:  # with tools: text before its first character is known to start no call is held
             held += chunks
@@ -729,7 +756,7 @@ class _CompletionReply(_Reply):
         return [] if self.scoring else super().written(index, chunks)
 
     def event(self, batch: Batch) -> list[dict[str, Any]]:
-        chunks = self.written(batch.index, batch.chunks) if batch.done or self.scoring else batch.chunks
+        chunks = [] if self.scoring else self.to_send(batch)
         choice = self._choice(batch.index, chunks, self.finish_reason(batch.index) if batch.done else None)
         if not choice["text"] and not (choice["logprobs"] and choice["logprobs"]["tokens"]) and not batch.done:
             return []
@@ -805,6 +832,14 @@ def _call_grammar(functions: list[tools.Function], required: bool,
         return tools.call_grammar(functions, required, {} if schema is True else schema)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="tools") from None
+
+
+def _writing_end(chunks: list[StreamChunk]) -> int:
+    """How many of chunks it takes to reach the last that wrote text: those after it wrote nothing yet."""
+    end = len(chunks)
+    while end and chunks[end - 1].token >= 0 and not chunks[end - 1].text:
+        end -= 1
+    return end
 
 
 def _logprob(value: Optional[float]) -> Optional[float]:

@@ -31,8 +31,9 @@ def text_size(*values: Any) -> int:
     return sum(len(str(value)) for value in values)
 
 
-async def submitted(submit: Callable[[], T], characters: int) -> T:
-    """submit() (tokenizing and queueing a request of `characters` of text), on the loop when it is short."""
+async def submitted(submit: Callable[[], T], characters: float) -> T:
+    """submit() (tokenizing and queueing a request of `characters` of text, or preparing it), on the loop when
+    it is short, else in a worker thread."""
     if characters <= INLINE_SUBMIT_CHARACTERS:
         return submit()
     return await anyio.to_thread.run_sync(submit)

@@ -76,11 +76,13 @@ class EngineProcess:
         self._replies: dict[int, list] = {}  # request id -> [threading.Event, reply]
         self._lock = threading.Lock()
         self._stopped = False
+        self._shut = False  # shutdown() was called: a child a restart loads meanwhile is stopped, not served
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "EngineProcess":
         if self._process is not None:
             return self
+        self._shut = False
         self.state = "starting"
         try:
             self._spawn()
@@ -117,6 +119,10 @@ class EngineProcess:
             conn.close()
             raise _exception(message[1], message[2])
         with self._send_lock:
+            if self._shut:  # shut down while a restart loaded this child: it serves no one
+                process.kill()
+                conn.close()
+                return
             self._process, self._conn, self.info = process, conn, message[1]
         self._stopped = False
         self._started_at = time.monotonic()
@@ -124,6 +130,8 @@ class EngineProcess:
         threading.Thread(target=self._read, args=(conn, process), name="llama-engine-reader", daemon=True).start()
 
     def shutdown(self) -> None:
+        with self._send_lock:
+            self._shut = True
         if self._process is None:
             return
         self.state = "stopped"

@@ -59,6 +59,37 @@ def test_only_an_untouched_chat_counts_as_new():
     assert not c.is_new(b.cleared(chat(("hi", "ho"))))  # New chat after Clear starts another conversation
 
 
+def _finished(conversation: dict, message: str, reply: str) -> dict:
+    """What the chat's respond hands finish for a reply to message after the conversation's messages."""
+    keep = len(conversation["messages"])
+    return {"id": conversation["id"], "keep": keep, "message": message, "reply": reply, "stats": "s",
+            "conversation": c.with_exchange(conversation, keep, message, reply, "s")}
+
+
+def test_a_finished_reply_is_kept_in_its_conversation_as_the_store_is_now():
+    talk = chat(("hi", "ho"))
+    store = c.with_conversation(c.new_store("", SETTINGS), talk)
+    finished = _finished(talk, "again?", "aye")
+    renamed = c.renamed(store, "Renamed while it streamed")
+    kept = c.with_reply_kept(renamed, finished)
+    assert c.active(kept)["title"] == "Renamed while it streamed"
+    assert [m["content"] for m in c.active(kept)["messages"]] == ["hi", "ho", "again?", "aye"]
+    assert len(kept["conversations"]) == 2
+
+
+def test_a_reply_whose_conversation_the_store_lost_is_kept_not_thrown_away():
+    # A fresh browser: the page's load and the first message each read no store and made one of their own.
+    sent_from = c.new_store("sys", SETTINGS)
+    written_by_load = c.new_store("sys", SETTINGS)
+    kept = c.with_reply_kept(written_by_load, _finished(c.active(sent_from), "Early bird says hello.", "Good day."))
+    assert [(m["role"], m["content"]) for m in c.active(kept)["messages"]] == [
+        ("user", "Early bird says hello."), ("assistant", "Good day.")]
+    assert len(kept["conversations"]) == 1  # the untouched new chat the load made is replaced
+    other = c.with_conversation(c.new_store("", SETTINGS), chat(("hi", "ho")))
+    kept = c.with_reply_kept(other, _finished(c.active(sent_from), "Another?", "Yes."))
+    assert len(kept["conversations"]) == 3 and c.active(kept)["messages"][0]["content"] == "Another?"
+
+
 def test_new_switch_rename_and_delete():
     store = c.new_store("", SETTINGS)
     first = store["active"]

@@ -94,6 +94,21 @@ def with_conversation(store: dict, conversation: dict, *, activate: bool = True)
                 active=conversation["id"] if activate else store["active"])
 
 
+def with_reply_kept(store: dict, finished: dict) -> dict:
+    """The store with a finished reply kept in its conversation, as the store is now (what changed while it
+    streamed stays). A conversation the store no longer holds is kept as the reply left it: the page wrote
+    another store meanwhile (a fresh browser's first store, made by the page's load while the first message
+    was sent, had another id), and a reply shown is never thrown away; an untouched new chat it replaces."""
+    conversation = next((c for c in store["conversations"] if c["id"] == finished["id"]), None)
+    if conversation is not None:
+        return with_conversation(store, with_exchange(conversation, finished["keep"], finished["message"],
+                                                      finished["reply"], finished["stats"]))
+    kept = _checked_conversation(finished["conversation"], "conversation")
+    if is_new(active(store)):
+        store = dict(store, conversations=[c for c in store["conversations"] if c["id"] != store["active"]])
+    return with_conversation(store, kept)
+
+
 def switched(store: dict, conversation_id: Any) -> dict:
     if not any(c["id"] == conversation_id for c in store["conversations"]):
         return store

@@ -598,7 +598,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             stats += f"\n\n**Note:** {left_out} earlier exchange(s) holding reserved chat-format tags were left out."
         done = conversations.with_exchange(conversation, keep, message, reply, stats)
         yield [done["messages"], stats, {"id": conversation["id"], "keep": keep, "message": message, "reply": reply,
-                                         "stats": stats}, gr.skip()]
+                                         "stats": stats, "conversation": done}, gr.skip()]
 
     def show_prompt(message: str, store: Any, system_prompt: str, max_new_tokens: Any):
         """The exact prompt the next turn would give the model, and what of the history does not fit."""
@@ -612,11 +612,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         (no branch bar under a turn's notice)."""
         store = loaded(store)
         if finished is not None and "reply" in finished:
-            conversation = next((c for c in store["conversations"] if c["id"] == finished["id"]), None)
-            if conversation is not None:
-                conversation = conversations.with_exchange(conversation, finished["keep"], finished["message"],
-                                                           finished["reply"], finished["stats"])
-                store = conversations.with_conversation(store, conversation)
+            store = conversations.with_reply_kept(store, finished)
         conversation = conversations.active(store)
         branch = ([None, gr.update(visible=False)] + [gr.skip()] * 4 if finished is not None and "notice" in finished
                   else branch_states(conversation))

@@ -31,7 +31,7 @@ from torch import nn
 from .devices import execution_device, on_one_device, to_device
 from .errors import InvalidRequestError
 from .model import Span, Transformer, TransformerBlock
-from .cpu_kernels import PanelLinear, available as cpu_kernels_available, rows_read_as_one
+from .cpu_kernels import PanelLinear, available as cpu_kernels_available, kernel_for, rows_read_as_one
 from .cpu_kernels import build as cpu_kernels_build
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
 from .int4 import Int4Linear, keep_int4_in_panels
@@ -220,6 +220,9 @@ class DecodeStep:
         on_cuda = next(model.parameters()).device.type == "cuda"
         if compile:  # torch.compile traces torch's operations, not ctypes calls
             model.use_cpu_kernels(False)
+            for module in model.modules():  # a quantized layer's kernel is chosen before tracing: choosing it
+                if isinstance(module, (Int8Linear, Int4Linear)):  # builds the kernels, under a lock dynamo
+                    kernel_for(module)  # cannot trace
         if compile and unpack_linears(model):
             model.use_column_major_weights()
         self.compiled = compile

@@ -120,6 +120,26 @@ def test_cpu_compiled_step_decodes_as_eager_does_with_the_one_graph_compiled_at_
     assert counters["stats"]["unique_graphs"] == graphs, "the compiled step was compiled again after start-up"
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_quantized_model_compiles_on_the_cpu_and_decodes_as_eager_does(monkeypatch, meta_ckpt_dir, tokenizer,
+                                                                         quantize):
+    """The quantized layers choose their CPU kernel before the step is traced (choosing loads the kernels,
+    the first time under a lock, which dynamo refuses: loading failed, reported as the model not fitting)."""
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    from llama_core.cpu_kernels import build
+
+    monkeypatch.setattr(build, "_loaded", {})  # as in a fresh process: the kernels not loaded yet
+    compiled = build_llama(meta_ckpt_dir, max_batch_size=2, quantize=quantize, compile=True)
+    eager = build_llama(meta_ckpt_dir, max_batch_size=2, quantize=quantize)
+    prompts = _prompts(tokenizer)[:2]
+    expected_tokens, expected_lps = eager.generate(prompts, 8, temperature=0, logprobs=True)
+    tokens, lps = compiled.generate(prompts, 8, temperature=0, logprobs=True)
+    assert tokens == expected_tokens
+    for got, want in zip(lps, expected_lps):  # activations rounded as the kernel rounds them, summed in float: an
+        assert got == pytest.approx(want, abs=0.05)  # 8-bit activation's rounding may fall the other way
+
+
 def test_a_cpu_compiled_step_serves_more_rows_than_the_eager_path_splits_its_products_at(meta_ckpt_dir, tokenizer):
     """From SEPARATE_PRODUCTS_FROM_ROWS rows the eager CPU path splits stacked projections; the compiled step
     must not branch on its symbolic row count, or its one graph would hold only below that (with 32 slots it

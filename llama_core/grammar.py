@@ -60,11 +60,15 @@ class Grammar:
             raise InvalidRequestError(f"{name} must be a JSON Schema object, got {type(schema).__name__}")
         try:
             text = json.dumps(schema)
+        except RecursionError:
+            raise InvalidRequestError(f"{name} is nested too deeply") from None
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"{name} must hold only JSON values: {exc}") from None
         _check_length(text, name)
         try:
             grammar = _matcher_class().grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except RecursionError:
+            raise InvalidRequestError(f"{name} is nested too deeply") from None
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"{name} is not a JSON Schema this server can follow: {exc}") from None
         return cls._checked("json", grammar, name)
@@ -74,6 +78,8 @@ class Grammar:
         """As json, from the schema's JSON text."""
         try:
             schema = json.loads(text)
+        except RecursionError:
+            raise InvalidRequestError(f"{name} is nested too deeply") from None
         except ValueError as exc:
             raise InvalidRequestError(f"{name} is not JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):

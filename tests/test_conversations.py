@@ -90,6 +90,35 @@ def test_a_reply_whose_conversation_the_store_lost_is_kept_not_thrown_away():
     assert len(kept["conversations"]) == 3 and c.active(kept)["messages"][0]["content"] == "Another?"
 
 
+def test_settings_no_control_can_hold_are_left_out_and_the_conversation_kept():
+    exported = json.loads(c.to_json(chat(("hi", "ho"))))
+    exported["settings"] = {"temperature": float("nan"), "top_p": 0.5, "max_new_tokens": 10**30,
+                                            "seed": 10**30, "stop": 3, "top_k": "many"}
+    imported = c.from_json(json.dumps(exported))
+    assert imported["settings"] == {"top_p": 0.5} and imported["messages"][0]["content"] == "hi"
+    assert c.kept_setting("seed", "1" * 31, 7) == 7 and c.kept_setting("seed", "-1", 7) == 7
+    assert c.kept_setting("seed", "42", 7) == 42
+
+
+def test_a_file_nested_too_deeply_or_too_long_is_refused_with_a_message():
+    with pytest.raises(c.ConversationFileError, match="nested too deeply"):
+        c.from_json("[" * 100_000 + "]" * 100_000)
+    exported = json.loads(c.to_json(chat(("hi", "ho"))))
+    exported["messages"] = [{"role": r, "content": "x"} for r in ["user", "assistant"] * 5001]
+    exported.pop("tree")
+    with pytest.raises(c.ConversationFileError, match="at most 10,000 messages"):
+        c.from_json(json.dumps(exported))
+
+
+def test_a_long_conversation_is_walked_whole():
+    nodes = [{"id": i, "parent": i - 1 if i else b.ROOT, "role": "user" if i % 2 == 0 else "assistant",
+              "content": str(i), "stats": ""} for i in range(b.MAX_MESSAGES)]
+    tree = b.checked_tree({"nodes": nodes, "chosen": {}})
+    conversation = b.with_tree(chat(), tree)
+    assert len(conversation["messages"]) == b.MAX_MESSAGES and b.branch_point(conversation) is None
+    assert len(b.undone(conversation)["messages"]) == b.MAX_MESSAGES - 2
+
+
 def test_new_switch_rename_and_delete():
     store = c.new_store("", SETTINGS)
     first = store["active"]

@@ -321,3 +321,13 @@ def test_drafts_of_a_reply_held_to_a_grammar_change_nothing_but_its_steps(sampli
         assert tokens == reply and drafting.accepted_tokens > 0 and drafting.steps < steps
         drafting.close()
     assert json.loads(llama.tokenizer.decode(reply))
+
+
+def test_a_schema_nested_too_deeply_is_a_bad_request_not_a_crash():
+    deep: dict = {}
+    for _ in range(100_000):
+        deep = {"items": deep}
+    with pytest.raises(InvalidRequestError, match="guided_json is nested too deeply"):
+        Grammar.json(deep, "guided_json")
+    with pytest.raises(InvalidRequestError, match="output_grammar is nested too deeply"):
+        Grammar.json_text('{"items":' * 100_000 + "{}" + "}" * 100_000, "output_grammar")

@@ -320,6 +320,22 @@ def test_json_object_replies_are_json_streamed_or_not(client, model_id):
     assert whole.choices[0].finish_reason == "stop" and isinstance(json.loads(streamed), dict)
 
 
+def test_a_client_that_leaves_mid_body_is_no_error_in_the_log(served, caplog):
+    import logging
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(served[1])
+    with caplog.at_level(logging.ERROR):
+        for _ in range(3):
+            with socket.create_connection((address.hostname, address.port)) as raw:
+                raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 1000\r\n\r\n{\"mode")
+        time.sleep(1.0)
+        assert httpx.get(served[1].removesuffix("v1") + "health", timeout=10).status_code == 200
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
+
+
 def test_schemas_and_grammars_are_compiled_off_the_event_loop(monkeypatch, client, model_id):
     """A long schema is compiled, and any grammar's matcher built for its check, in a worker thread: the
     event loop serving every other client is not held up while it is."""

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from ..errors import LlamaError
 
 ROOT = -1  # the parent id of a conversation's first messages
+MAX_MESSAGES = 10_000  # in a conversation's tree: far past any model's context, and its checks stay quick
 
 
 class TreeError(LlamaError, ValueError):
@@ -34,9 +35,9 @@ def tree_of(conversation: dict) -> dict:
 
 def branch(tree: dict) -> list[dict]:
     """The nodes of the branch shown, first to last."""
-    shown, parent = [], ROOT
+    shown, parent, children_of = [], ROOT, _children_index(tree)
     while True:
-        children = _children(tree, parent)
+        children = children_of.get(parent, [])
         if str(parent) in tree["chosen"]:
             node = next((n for n in children if n["id"] == tree["chosen"][str(parent)]), None)
         else:
@@ -98,8 +99,8 @@ def branch_point(conversation: dict) -> Optional[int]:
     """The message whose versions to offer first: the last one shown that has others; None where none has
     (the bar then waits for a message to be clicked: the last reply has Retry below the chat already)."""
     tree = tree_of(conversation)
-    shown = branch(tree)
-    forked = [i for i, node in enumerate(shown) if len(_children(tree, node["parent"])) > 1]
+    shown, children_of = branch(tree), _children_index(tree)
+    forked = [i for i, node in enumerate(shown) if len(children_of[node["parent"]]) > 1]
     return forked[-1] if forked else None
 
 
@@ -107,12 +108,22 @@ def _children(tree: dict, parent: int) -> list[dict]:
     return [n for n in tree["nodes"] if n["parent"] == parent]
 
 
+def _children_index(tree: dict) -> dict[int, list[dict]]:
+    """Each parent id's children, in order: one pass over the nodes (a long conversation is walked in
+    linear time)."""
+    children: dict[int, list[dict]] = {}
+    for node in tree["nodes"]:
+        children.setdefault(node["parent"], []).append(node)
+    return children
+
+
 def _with_descendants(tree: dict, ids: set[int]) -> set[int]:
-    found, grew = set(ids), True
-    while grew:
-        more = {n["id"] for n in tree["nodes"] if n["parent"] in found} - found
-        found |= more
-        grew = bool(more)
+    children_of, found, todo = _children_index(tree), set(ids), list(ids)
+    while todo:
+        for child in children_of.get(todo.pop(), []):
+            if child["id"] not in found:
+                found.add(child["id"])
+                todo.append(child["id"])
     return found
 
 
@@ -122,6 +133,9 @@ def checked_tree(tree: Any) -> dict:
     parent's. Raises TreeError naming the first problem."""
     if type(tree) is not dict or type(tree.get("nodes")) is not list or type(tree.get("chosen", {})) is not dict:
         raise TreeError('"tree" must be {"nodes": [...], "chosen": {...}}')
+    if len(tree["nodes"]) > MAX_MESSAGES:
+        raise TreeError(f"a conversation keeps at most {MAX_MESSAGES:,} messages, every version counted; this one "
+                        f"has {len(tree['nodes']):,}")
     roles, nodes = {ROOT: "assistant"}, []  # the root is followed by user messages, as a reply is
     for i, node in enumerate(tree["nodes"]):
         if type(node) is not dict or type(node.get("id")) is not int or node["id"] in roles:

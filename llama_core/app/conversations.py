@@ -188,9 +188,10 @@ def kept_setting(name: str, value: Any, previous: Any, bounds: Optional[tuple] =
         if value is None or value == "":
             return None
         try:
-            return int(float(value))
+            seed = value if type(value) is int else int(float(value))
         except (TypeError, ValueError, OverflowError):
             return previous
+        return seed if 0 <= seed <= requests.MAX_SEED else previous  # a box typed past 64 bits: not savable
     return value if type(value) is str else previous
 
 
@@ -344,6 +345,8 @@ def from_json(data: bytes | str) -> dict:
         value = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConversationFileError(f"the file is not JSON ({exc}); choose a conversation exported as JSON") from None
+    except RecursionError:
+        raise ConversationFileError("the file is not a conversation: its JSON is nested too deeply") from None
     if type(value) is not dict or value.get("schema") != SCHEMA:
         raise ConversationFileError(f"the file is not a conversation exported by this app (its \"schema\" must be "
                                     f"\"{SCHEMA}\")")
@@ -365,14 +368,14 @@ def _checked_conversation(value: Any, where: str) -> dict:
     settings = value.get("settings", {})
     if type(settings) is not dict:
         raise ConversationFileError(f"{where}: \"settings\" must be an object")
-    for name, setting in settings.items():
+    for name in settings:
         if name not in SETTINGS:
             raise ConversationFileError(f"{where}: unknown setting \"{name}\"; known: {', '.join(SETTINGS)}")
-        if setting is not None and type(setting) not in (int, float, str):
-            raise ConversationFileError(f"{where}: setting \"{name}\" must be a number or text")
     messages = value.get("messages")
     if type(messages) is not list:
         raise ConversationFileError(f"{where}: \"messages\" must be a list")
+    if len(messages) > branches.MAX_MESSAGES:
+        raise ConversationFileError(f"{where}: a conversation keeps at most {branches.MAX_MESSAGES:,} messages")
     for i, message in enumerate(messages):
         expected = "user" if i % 2 == 0 else "assistant"
         if type(message) is not dict or message.get("role") != expected or type(message.get("content")) is not str:
@@ -382,7 +385,9 @@ def _checked_conversation(value: Any, where: str) -> dict:
         raise ConversationFileError(f"{where}: the last message must be the assistant's reply")
     updated, stats = value.get("updated"), value.get("stats")
     conversation = {"id": value["id"], "title": clean_title(value["title"]), "system_prompt": value["system_prompt"],
-                    "settings": dict(settings),
+                    # a setting no control can hold (NaN, a number past 64 bits, text for a slider) is left
+                    # out, its default in its place: the conversation itself is kept
+                    "settings": {name: setting for name, setting in settings.items() if _holdable(name, setting)},
                     "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
                     "updated": updated if type(updated) in (int, float) else time.time(),
                     "stats": stats if type(stats) is str else ""}
@@ -392,6 +397,16 @@ def _checked_conversation(value: Any, where: str) -> dict:
         return branches.with_tree(conversation, branches.checked_tree(value["tree"]))
     except branches.TreeError as exc:
         raise ConversationFileError(f"{where}: {exc}") from None
+
+
+def _holdable(name: str, value: Any) -> bool:
+    """Whether a saved setting is one its control can hold: a slider's a finite number, the seed's a whole
+    number from 0 to MAX_SEED or none, the others' text."""
+    if name == "seed":
+        return value is None or (type(value) is int and 0 <= value <= requests.MAX_SEED)
+    if name in SLIDERS:
+        return type(value) in (int, float) and math.isfinite(value) and abs(value) <= requests.MAX_SEED
+    return type(value) is str
 
 
 def _quoted(text: str) -> str:

@@ -33,6 +33,7 @@ if importlib.util.find_spec("matplotlib") is None:
     # Gradio tries to import matplotlib twice for every streamed update; without it each try searches the
     # import path again (0.1 ms per update). Record it as missing, so the tries fail at once.
     sys.modules["matplotlib"] = None
+import anyio  # noqa: E402
 import gradio as gr  # noqa: E402
 
 from ..errors import ContextLengthError, LlamaError  # noqa: E402
@@ -548,7 +549,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return beginning(conversation, message, edit.index, box="" if refused else gr.skip())
 
     def select_message(store: Any, pending: Optional[dict], selected: gr.SelectData):
-        if pending is not None:
+        if pending is not None or selected is None or type(selected.index) is not int:  # not the page's click
             return [gr.skip()] * 6
         return branch_states(conversations.active(loaded(store)), selected.index)
 
@@ -567,7 +568,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         if pending is None:
             yield [gr.skip()] * 4
             return
-        store, message, keep = loaded(store), pending["message"], pending["keep"]
+        store = await anyio.to_thread.run_sync(loaded, store)  # checking a long store: off the loop
+        message, keep = pending["message"], pending["keep"]
         conversation = conversations.active(store)
         history, left_out = conversations.model_history(conversation["messages"][:keep])
         shown = conversation["messages"][:keep] + [{"role": "user", "content": message}]

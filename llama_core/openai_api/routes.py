@@ -17,6 +17,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import Depends, FastAPI, Request
+from starlette.requests import ClientDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -903,6 +904,8 @@ def _install_error_handlers(api: FastAPI) -> None:
                 (await request.body()).decode("utf-8")
             except UnicodeDecodeError:
                 detail = "the request body is not UTF-8 text, as JSON must be"
+            except ClientDisconnect:  # the client left mid-body: nobody to answer
+                detail = "the client went away before the body was sent"
         message = f"{request.method} {request.url.path}: {detail}"
         return APIError(exc.status_code, message, code=code).response()
 

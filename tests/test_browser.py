@@ -406,6 +406,34 @@ def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypat
     expect(bot.first).to_have_text(re.compile(r"\S"))
 
 
+def test_the_reply_kept_after_stop_is_the_reply_shown(page, served, monkeypatch):
+    """Stop asks the reply to end and the reply ends itself: the page's last update and the saved answer
+    are one text (Stop saved what its click saw, and updates already on their way then grew the page's)."""
+    bot = page.locator('#chatbot [data-testid="bot"]')
+    real_replies = ui.replies
+
+    async def growing(stream, *args, **kwargs):  # a reply that grows every 0.05 s until Stop
+        reply = ""
+        async for reply in real_replies(stream, *args, **kwargs):
+            yield reply
+        for i in range(1200):
+            await asyncio.sleep(0.05)
+            reply += f" {i}"
+            yield reply
+
+    monkeypatch.setattr(ui, "replies", growing)
+    new_chat(page)
+    send(page, "Count for me.")
+    expect(bot.first).to_contain_text(" 8")
+    page.locator("#chat-stop").dispatch_event("click")
+    expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    expect(page.locator("#chat-send")).to_be_visible()
+    page.wait_for_timeout(500)  # any update still on its way has landed
+    shown = bot.first.inner_text()
+    page.reload()
+    expect(bot.first).to_have_text(shown)
+
+
 def test_show_prompt_gives_the_prompt_the_next_turn_sends_and_marks_the_dropped_turns(page, tmp_path):
     exchanges = [(f"Question {i}: " + "what say you of the weather in fair Verona? " * 4, f"Answer {i}: fair.")
                  for i in range(8)]

@@ -18,6 +18,7 @@ and max_new_tokens null means llama_core's default:
 
 from __future__ import annotations
 
+import collections
 import colorsys
 import contextlib
 import importlib.util
@@ -26,6 +27,7 @@ import math
 import os
 import re
 import sys
+import uuid
 from typing import Any, AsyncIterator, Iterator, Optional
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version checks
@@ -55,6 +57,7 @@ STREAM_UPDATE_SECONDS = 0.1
 STORAGE_KEY, STORAGE_SECRET = "llama-core-conversations", "llama-core-conversations-v1"
 CLEAR_QUESTION = "Clear this chat? Its messages, every version of them, are removed; this cannot be undone."
 DELETE_QUESTION = "Delete this chat? It and every version of its messages are removed; this cannot be undone."
+STOPPED_STATS = "Stopped: the reply above was cut short."  # under a reply Stop ended
 TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
 ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed",
             "output_format", "output_grammar")
@@ -412,6 +415,41 @@ def _with_grammar(controls: dict[str, Any]) -> dict[str, Any]:
     return dict(controls, grammar=grammar_for(output_format or "text", spec or ""))
 
 
+class _Turns:
+    """The chat's replies under way, by their turn's id, and the Stops asked of them: a reply asked to stop
+    ends itself, so that what its page showed is what is saved (one writer). Used on the event loop only."""
+
+    KEPT_STOPS = 1024  # Stops of turns that ended first are forgotten, the oldest first
+
+    def __init__(self) -> None:
+        self._streams: dict[str, TextStream] = {}
+        self._stops: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def running(self, turn: Optional[str], stream: TextStream) -> None:
+        if turn is not None:
+            self._streams[turn] = stream
+
+    def ended(self, turn: Optional[str]) -> None:
+        self._streams.pop(turn, None)
+
+    def stop(self, turn: Any) -> None:
+        if type(turn) is not str:
+            return
+        self._stops[turn] = None
+        while len(self._stops) > self.KEPT_STOPS:
+            self._stops.popitem(last=False)
+        stream = self._streams.get(turn)
+        if stream is not None:  # ends it in the engine now, whether or not text is coming
+            stream.cancel()
+
+    def stopped(self, turn: Optional[str], forget: bool = False) -> bool:
+        if turn not in self._stops:
+            return False
+        if forget:
+            del self._stops[turn]
+        return True
+
+
 def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     """The app on a running engine: Chat, Completion and Model tabs, and the /chat and /complete API."""
     info = engine.info
@@ -419,6 +457,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     defaults: dict[str, Any] = {}  # the chat controls' initial values, as conversations.SETTINGS names them
     bounds: dict[str, tuple] = {}  # the sliders' (minimum, maximum, step), by the same names
     ui = dict(api_visibility="private")
+    turns = _Turns()
 
     # The API's two routes run on the server's event loop (async): no worker thread between a request and
     # the engine, or between a token and its client.
@@ -517,7 +556,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     def beginning(conversation: dict, message: str, keep: int, box: Any = gr.skip()) -> list:
         """begin_outputs for a reply to `message` after the conversation's first `keep` messages."""
         return [conversation["messages"][:keep] + [{"role": "user", "content": message}], box, "",
-                {"message": message, "keep": keep}, gr.update(interactive=False),
+                {"message": message, "keep": keep, "turn": uuid.uuid4().hex}, gr.update(interactive=False),
                 *button_states(conversation, busy=True), gr.update(visible=False), gr.update(visible=False)]
 
     def begin_retry(store: Any, pending: Optional[dict], shown: Any, at: Optional[int] = None):
@@ -569,11 +608,14 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             yield [gr.skip()] * 4
             return
         store = await anyio.to_thread.run_sync(loaded, store)  # checking a long store: off the loop
-        message, keep = pending["message"], pending["keep"]
+        message, keep, turn = pending["message"], pending["keep"], pending.get("turn")
         conversation = conversations.active(store)
         history, left_out = conversations.model_history(conversation["messages"][:keep])
         shown = conversation["messages"][:keep] + [{"role": "user", "content": message}]
-        reply, notice, stream = "", None, None
+        reply, notice, stream, stopped = "", None, None, False
+        if turns.stopped(turn, forget=True):  # Stop came before the reply began: the message goes back to the box
+            yield [conversation["messages"], conversation["stats"], None, message]
+            return
         try:
             stream = await aio.submitted(lambda: open_chat(engine, message, history, system_prompt, *controls),
                                          aio.text_size(message, history, system_prompt))
@@ -586,16 +628,29 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             notice = (conversations.REFUSED_SYSTEM_NOTICE if conversations.has_reserved_tags(system_prompt)
                       else conversations.REFUSED_NOTICE)
         elif stream is not None:
+            turns.running(turn, stream)
             try:
-                async for reply in replies(stream):
-                    yield [shown + [{"role": "assistant", "content": reply}]] + [gr.skip()] * 3
+                async with contextlib.aclosing(replies(stream)) as updates:
+                    async for update in updates:
+                        if turns.stopped(turn):
+                            break
+                        reply = update
+                        yield [shown + [{"role": "assistant", "content": reply}]] + [gr.skip()] * 3
             except gr.Error as exc:
                 notice = f"The reply failed: {on_page(exc.message)} Send the message again."
+            finally:
+                stream.cancel()
+                turns.ended(turn)
+            stopped = turns.stopped(turn, forget=True)  # the reply as shown is the answer; none yet: the
+            if stopped and not reply:  # message goes back to the box
+                yield [conversation["messages"], conversation["stats"], None, message]
+                return
+            notice = None if stopped else notice
         if notice is not None:
             yield [shown + [{"role": "assistant", "content": conversations.NOTICE_MARK + notice}], "", {"notice": True},
                    message]
             return
-        stats = stats_line(request_stats(stream))
+        stats = STOPPED_STATS if stopped else stats_line(request_stats(stream))
         if left_out:
             stats += f"\n\n**Note:** {left_out} earlier exchange(s) holding reserved chat-format tags were left out."
         done = conversations.with_exchange(conversation, keep, message, reply, stats)
@@ -622,18 +677,11 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return [store, None, None, listed,
                 *button_states(conversation, busy=False, title=True), *branch]
 
-    def stop_reply(shown: list[dict], store: Any, pending: Optional[dict]):
-        """Keeps the reply so far as the answer (or, before any, puts the message back in the box)."""
-        store = loaded(store)
-        if pending is None:
-            return view(store) + [gr.skip(), None]
-        reply = requests.text(shown[-1]["content"], "reply") if shown and shown[-1]["role"] == "assistant" else ""
-        if not reply:
-            return view(store) + [pending["message"], None]
-        stats = "Stopped: the reply above was cut short."
-        conversation = conversations.with_exchange(conversations.active(store), pending["keep"], pending["message"],
-                                                   reply, stats)
-        return view(conversations.with_conversation(store, conversation)) + [gr.skip(), None]
+    async def stop_reply(pending: Optional[dict]) -> None:
+        """Asks the reply under way to end: respond then keeps the reply as it showed it (or, before any,
+        puts the message back in the box), and finish saves it. On the event loop, as respond runs."""
+        if pending is not None:
+            turns.stop(pending.get("turn"))
 
     def undo(store: Any, pending: Optional[dict], shown: Any):
         """The last exchange taken back, its message back in the box; a turn's notice only goes (its message is
@@ -844,8 +892,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                    for trigger, start, inputs in begins]
         for answer in answers:
             answer.then(finish, [store, finished], finish_outputs, queue=False, **ui)
-        stop.click(stop_reply, [chatbot, store, pending], view_outputs + [chat_input, pending], queue=False,
-                   cancels=answers, **ui)
+        stop.click(stop_reply, pending, None, queue=False, **ui)
         chatbot.select(select_message, [store, pending], branch_outputs, queue=False, **ui)
         branch_prev.click(lambda at, s, p: flip(at, s, p, -1), [branch_at, store, pending], view_outputs, queue=False,
                           **ui)

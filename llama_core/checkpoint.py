@@ -9,7 +9,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -103,8 +103,7 @@ def assign_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor
             raise CheckpointError(f"checkpoint {ckpt_dir} has tensor {name}, which the model config "
                                   f"(n_layers={model.args.n_layers}) has no place for")
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"checkpoint {ckpt_dir}: tensor {name} has shape {tuple(tensor.shape)}, "
-                                  f"but the model config expects {tuple(expected[name].shape)}")
+            raise CheckpointError(_shape_message(ckpt_dir, name, tensor.shape, expected[name].shape))
         if name in seen:
             raise CheckpointError(f"checkpoint {ckpt_dir} holds tensor {name} twice")
         seen.add(name)
@@ -326,10 +325,20 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], model: Transformer, ck
         raise CheckpointError(f"checkpoint {ckpt_dir} has unexpected tensor(s) {unexpected[:5]}")
     for name, tensor in state_dict.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"checkpoint {ckpt_dir}: tensor {name} has shape {tuple(tensor.shape)}, "
-                f"but the model config expects {tuple(expected[name].shape)}"
-            )
+            raise CheckpointError(_shape_message(ckpt_dir, name, tensor.shape, expected[name].shape))
+
+
+def _shape_message(ckpt_dir: Path, name: str, shape: Sequence[int], expected: Sequence[int]) -> str:
+    """A tensor of the wrong shape; where it is a whole fraction of the shape expected along one dimension, as a
+    model-parallel shard of Meta's is, the hint that shards are missing."""
+    message = (f"checkpoint {ckpt_dir}: tensor {name} has shape {tuple(shape)}, but the model config expects "
+               f"{tuple(expected)}")
+    split = [(have, want) for have, want in zip(shape, expected) if have != want]
+    if len(shape) == len(expected) and len(split) == 1 and split[0][0] and split[0][1] % split[0][0] == 0:
+        parts = split[0][1] // split[0][0]
+        message += (f": 1/{parts} of it, as in one of {parts} model-parallel shards; are consolidated.NN.pth "
+                    "files missing?")
+    return message
 
 
 def load_torch_file(path: Path) -> dict[str, torch.Tensor]:

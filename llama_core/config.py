@@ -102,10 +102,10 @@ class ModelArgs:
             "rope_theta": "rope_theta",
             "max_position_embeddings": "max_seq_len",
         }
+        _refuse_unsupported(raw, path)  # first: another architecture's config lacks Llama's fields too
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size") if k not in raw]
         if missing:
             raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
-        _refuse_unsupported(raw, path)
         if raw.get("rope_theta") is None and isinstance(raw.get("rope_parameters"), dict):
             raw["rope_theta"] = raw["rope_parameters"].get("rope_theta", 10000.0)
         return _build(cls, {ours: raw[theirs] for theirs, ours in mapping.items() if raw.get(theirs) is not None}, path)
@@ -119,6 +119,9 @@ def _refuse_unsupported(raw: dict[str, Any], path: Path) -> None:
 
     if raw.get("model_type", "llama") != "llama":
         refuse(f"model_type {raw['model_type']!r}")
+    architectures = raw.get("architectures")
+    if isinstance(architectures, list) and any(str(name).lower() != "llamaforcausallm" for name in architectures):
+        refuse(f"architectures {architectures!r}")  # (early conversions spelled it LLaMAForCausalLM)
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
         refuse(f"hidden_act {raw['hidden_act']!r} (Llama-2's SwiGLU uses silu)")
     for name in ("attention_bias", "mlp_bias"):

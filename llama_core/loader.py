@@ -13,7 +13,7 @@ import torch
 
 from . import cpu_kernels
 from .checkpoint import load_model
-from .checkpoint_files import check_vocabulary, find_tokenizer, read_model_args, stored_dtype
+from .checkpoint_files import check_vocabulary, checkpoint_layout, find_tokenizer, read_model_args, stored_dtype
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
@@ -119,9 +119,14 @@ def load(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
     ckpt_dir = Path(ckpt_dir).expanduser() if ckpt_dir is not None else DEFAULT_CKPT_DIR
+    if ckpt_dir.is_file():
+        raise CheckpointNotFoundError(f"checkpoint directory {ckpt_dir} is a file, not a directory: pass the folder "
+                                      "holding params.json (Meta layout) or config.json (Hugging Face layout) and "
+                                      f"the weights, e.g. {ckpt_dir.parent}")
     if not ckpt_dir.is_dir():
         hint = " (the embedded default model; see llama_core/models/README.md)" if ckpt_dir == DEFAULT_CKPT_DIR else ""
         raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}{hint}")
+    checkpoint_layout(ckpt_dir)  # a folder of no checkpoint says so before its tokenizer is looked for
     tokenizer = Tokenizer(find_tokenizer(ckpt_dir, tokenizer_path))
     args = read_model_args(ckpt_dir)
     if args.vocab_size == -1:

@@ -166,6 +166,25 @@ def test_compile_under_torchrun_is_refused_naming_the_flag(monkeypatch, capsys):
                                        "leave out --compile\n")
 
 
+@pytest.mark.parametrize("failure, said", [
+    (RuntimeError("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+     "error: the model does not fit on cpu with --max-seq-len 512 and --max-batch-size 8: OutOfMemoryError"),
+    (MemoryError("no room"), "error: the model does not fit on cpu"),
+    (RuntimeError("Unsupported: Unsupported context manager"),
+     "error: the model could not be loaded: Unsupported: Unsupported context manager\n"),
+])
+def test_a_load_that_fails_is_called_too_large_only_when_memory_ran_out(monkeypatch, capsys, failure, said):
+    from llama_core.app import cli
+    from llama_core.serving import launch
+
+    def fails(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(launch, "open_engine", fails)
+    assert cli.main(["--port", "0", "--device", "cpu"]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_listening_on_the_network_with_a_half_open_warns():
     from llama_core.app.cli import network_warnings
 

@@ -50,6 +50,23 @@ def test_directory_without_params_or_config(tmp_path, tokenizer_path):
         build_llama(tmp_path)
 
 
+def test_an_empty_directory_or_a_file_says_what_a_checkpoint_folder_holds(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match=r"no params.json \(Meta layout\) or config.json"):
+        build_llama(tmp_path)  # no tokenizer either: the folder is not a checkpoint, said first
+    (tmp_path / "consolidated.00.pth").write_bytes(b"")
+    with pytest.raises(CheckpointNotFoundError, match=r"consolidated.00.pth is a file, not a directory: pass the "
+                                                      r"folder holding params.json"):
+        build_llama(tmp_path / "consolidated.00.pth")
+
+
+def test_a_missing_last_shard_is_named_as_such(tmp_path, meta_sharded_ckpt_dir):
+    ckpt = copy_ckpt(meta_sharded_ckpt_dir, tmp_path / "ckpt")
+    (ckpt / "consolidated.01.pth").unlink()
+    with pytest.raises(CheckpointError, match=r"1/2 of it, as in one of 2 model-parallel shards; are "
+                                              r"consolidated.NN.pth files missing\?"):
+        build_llama(ckpt)
+
+
 def test_missing_first_shard(tmp_path, meta_sharded_ckpt_dir):
     ckpt = copy_ckpt(meta_sharded_ckpt_dir, tmp_path / "ckpt")
     (ckpt / "consolidated.00.pth").unlink()
@@ -247,6 +264,8 @@ def test_hf_config_missing_field(tmp_path, hf_ckpt_dir):
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling .* is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' .* is not supported"),
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ({"model_type": None, "architectures": ["MistralForCausalLM"]}, r"architectures \['MistralForCausalLM'\] is not"),
+    ({"model_type": "gpt2", "hidden_size": None, "n_embd": 64}, "model_type 'gpt2' is not supported"),  # not "missing"
     ({"sliding_window": 4096}, "sliding_window 4096 is not supported"),
     ({"attention_bias": True}, "attention_bias true .* is not supported"),
     ({"mlp_bias": True}, "mlp_bias true .* is not supported"),
@@ -260,6 +279,7 @@ def test_hf_config_of_another_architecture_is_refused(tmp_path, hf_ckpt_dir, cha
     ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
     config.update(change)
+    config = {key: value for key, value in config.items() if value is not None or key == "rope_theta"}
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=message):
         build_llama(ckpt)
@@ -268,7 +288,8 @@ def test_hf_config_of_another_architecture_is_refused(tmp_path, hf_ckpt_dir, cha
 def test_hf_config_as_transformers_writes_a_llama_is_read(tmp_path, hf_ckpt_dir):
     ckpt = copy_ckpt(hf_ckpt_dir, tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
-    config.update(model_type="llama", hidden_act="silu", attention_bias=False, mlp_bias=False, sliding_window=None,
+    config.update(model_type="llama", architectures=["LLaMAForCausalLM"], hidden_act="silu", attention_bias=False,
+                  mlp_bias=False, sliding_window=None,
                   head_dim=config["hidden_size"] // config["num_attention_heads"], pretraining_tp=1,
                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     (ckpt / "config.json").write_text(json.dumps(config))

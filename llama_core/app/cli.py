@@ -187,8 +187,12 @@ def _run(argv: Optional[list[str]]) -> int:
         return 130
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        print(f"error: the model does not fit on {plan.device} with --max-seq-len {plan.max_seq_len} and "
-              f"--max-batch-size {args.max_batch_size}: {reason}; lower them, or use a smaller --dtype", file=sys.stderr)
+        if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower() or "OutOfMemoryError" in reason:
+            print(f"error: the model does not fit on {plan.device} with --max-seq-len {plan.max_seq_len} and "
+                  f"--max-batch-size {args.max_batch_size}: {reason}; lower them, or use a smaller --dtype",
+                  file=sys.stderr)
+        else:  # a failure of another kind (not the sizes: lowering them would not help)
+            print(f"error: the model could not be loaded: {reason}", file=sys.stderr)
         return 2
     from .server import EngineFailedError, serve
     from .ui import build_demo

@@ -90,7 +90,8 @@ def venv(tmp_path_factory, wheel) -> Path:
                               cwd=root).stdout.strip())
     ours = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (site_packages / "running_environment.pth").write_text("\n".join(ours) + "\n")
-    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel], cwd=root)
+    # --ignore-installed: a llama-core installed where this test runs (seen through the .pth) is not this wheel
+    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", wheel], cwd=root)
     return root
 
 

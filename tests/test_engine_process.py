@@ -173,13 +173,15 @@ def test_a_dead_child_fails_its_requests_and_is_restarted(prompts, solo):  # noq
 def test_a_shutdown_during_a_restart_stops_the_child_it_was_loading(prompts):  # noqa: F811
     import multiprocessing
 
+    others = {child.pid for child in multiprocessing.active_children()}  # other tests' model processes
     process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1).start()
     os.kill(process.pid, signal.SIGKILL)
     wait_for_state(process, "restarting")
     process.shutdown()  # as Ctrl-C would, while the new child loads the model
     deadline = time.monotonic() + 60
     time.sleep(1.0)  # the restart's child has had time to be started
-    while any(child.name == "llama-engine" for child in multiprocessing.active_children()):
+    while any(child.name == "llama-engine" and child.pid not in others
+              for child in multiprocessing.active_children()):
         assert time.monotonic() < deadline, "the child the restart loaded still runs after the shutdown"
         time.sleep(0.1)
     assert process.state == "stopped" and not process.alive and process.pid is None

@@ -104,6 +104,19 @@ def test_health_answers_without_a_key(served):
     assert response.status_code == 200 and response.json()["status"] == "ok"
 
 
+def test_health_counts_the_prompt_tokens_the_prefix_cache_saved(served, client, model_id):
+    health = served[1].removesuffix("v1") + "health"
+    system = [{"role": "system", "content": "You are a herald of the court; speak in rhyme of the king. " * 4}]
+    before = httpx.get(health).json()
+    for question in ("What news?", "Who comes?"):
+        client.chat.completions.create(model=model_id, messages=system + [{"role": "user", "content": question}],
+                                       max_tokens=2)
+    after = httpx.get(health).json()
+    assert {"active", "waiting", "steps", "prefilled_tokens", "cached_tokens"} <= set(after)
+    assert after["cached_tokens"] - before["cached_tokens"] >= 40  # the second found the system prompt cached
+    assert after["prefilled_tokens"] > before["prefilled_tokens"] and after["active"] == 0
+
+
 def test_health_says_when_the_model_process_is_stuck(served, monkeypatch):
     """Alive but not answering (SIGSTOP stands for a hung device): 503 "unresponsive", for a load balancer or a
     watchdog to act on; 200 again once it goes on."""
@@ -113,7 +126,7 @@ def test_health_says_when_the_model_process_is_stuck(served, monkeypatch):
     from llama_core.serving.engine_process import EngineProcess
 
     engine, url = served[0], served[1].removesuffix("v1") + "health"
-    monkeypatch.setattr(engine, "responsive", lambda: EngineProcess.responsive(engine, 0.5))
+    monkeypatch.setattr(engine, "stats", lambda: EngineProcess.stats(engine, 0.5))
     os.kill(engine.pid, signal.SIGSTOP)
     try:
         stuck = httpx.get(url, timeout=10)

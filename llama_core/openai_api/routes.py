@@ -80,13 +80,14 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 
     @api.get("/health", include_in_schema=False)
     def health() -> JSONResponse:
-        """200 while the engine takes requests; else 503 with its state ("restarting" after its process died,
+        """200 while the engine takes requests, with its counters (Engine.stats: requests running and waiting,
+        prompt tokens computed and found in the prefix cache); else 503 with its state ("restarting" after its process died,
         "failed" when it could not be restarted, "stopping", "stopped", or "unresponsive": its process is alive
         but does not answer, stuck)."""
         if engine.alive:
-            responsive = getattr(engine, "responsive", None)  # a model process is asked; in-process, it runs here
-            if responsive is None or responsive():
-                return JSONResponse({"status": "ok", "model": model_id})
+            stats = engine.stats()  # a model process is asked (None: it does not answer); in-process, read here
+            if stats is not None:
+                return JSONResponse({"status": "ok", "model": model_id, **stats})
             return JSONResponse({"status": "unresponsive", "model": model_id}, status_code=503,
                                 headers={"Retry-After": "5"})
         state = getattr(engine, "state", "stopped")

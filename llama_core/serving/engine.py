@@ -413,6 +413,12 @@ class Engine:
     def waiting_count(self) -> int:
         return len(self._waiting)
 
+    def stats(self) -> dict[str, int]:
+        """Its counters: requests running ("active") and waiting, decode steps run, and prompt tokens computed
+        ("prefilled_tokens") and found in the KV cache instead ("cached_tokens": the prefix cache's work)."""
+        return dict(active=self.active_count, waiting=self.waiting_count, steps=self.steps,
+                    prefilled_tokens=self.prefilled_tokens, cached_tokens=self.cached_tokens)
+
     # -- the loop -----------------------------------------------------------------------------
     def pump(self) -> bool:
         """Runs one turn in the calling thread unless the engine's own thread runs them; whether it did

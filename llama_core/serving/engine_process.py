@@ -283,14 +283,18 @@ class EngineProcess:
     def _stats(self) -> dict:  # the child answers between two turns
         return self._ask(("stats", next(self._ids)))[2]
 
-    def responsive(self, seconds: float = ANSWER_SECONDS) -> bool:
-        """Whether the model process answers within `seconds`, as it does between two engine turns: one stopped
-        or stuck (a hung device, a deadlock) does not, though it is alive."""
+    def stats(self, seconds: float = ANSWER_SECONDS) -> Optional[dict]:
+        """The engine's counters (as Engine.stats), or None where the model process does not answer within
+        `seconds`, as it does between two engine turns: one stopped or stuck (a hung device, a deadlock) does
+        not, though it is alive."""
         try:
-            self._ask(("stats", next(self._ids)), timeout=seconds)
+            return self._ask(("stats", next(self._ids)), timeout=seconds)[2]
         except (TimeoutError, LlamaError):
-            return False
-        return True
+            return None
+
+    def responsive(self, seconds: float = ANSWER_SECONDS) -> bool:
+        """Whether the model process answers within `seconds` (see stats)."""
+        return self.stats(seconds) is not None
 
     def _ask(self, message: tuple, timeout: Optional[float] = None) -> tuple:
         """Sends message (its second item a fresh id) and waits for the child's answer to it; raises
@@ -492,9 +496,7 @@ def _obey(command: tuple, engine: Engine, channels: dict[int, Channel], outbox: 
         if channel is not None:
             channel.cancelled.set()
     elif command[0] == "stats":
-        stats = dict(active=engine.active_count, waiting=engine.waiting_count, steps=engine.steps,
-                     prefilled_tokens=engine.prefilled_tokens, cached_tokens=engine.cached_tokens)
-        outbox.send(("stats", command[1], stats))
+        outbox.send(("stats", command[1], engine.stats()))
     else:
         _, rid, request = command
         channel = Channel(events=outbox.queue_for(rid))

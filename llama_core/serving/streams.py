@@ -334,6 +334,8 @@ class TextEngine(Protocol):
     @property
     def capacity(self) -> int: ...
 
+    def stats(self) -> Optional[dict[str, int]]: ...
+
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
                prediction_tokens: tuple[int, ...] | list[int] = (), standalone_text: bool = False,

@@ -381,6 +381,16 @@ def test_schemas_and_grammars_are_compiled_off_the_event_loop(monkeypatch, clien
     assert on_loop == [("schema", False), ("matcher", False), ("schema", True), ("matcher", False)]
 
 
+def test_ignore_eos_runs_a_completion_to_max_tokens(client, model_id, served):
+    eos = served[0].tokenizer.eos_id
+    ended = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=60, temperature=0,
+                                      logit_bias={str(eos): 100})  # EOS at once, unless it is never drawn
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 0
+    ran = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=60, temperature=0,
+                                    logit_bias={str(eos): 100}, extra_body={"ignore_eos": True})
+    assert ran.choices[0].finish_reason == "length" and ran.usage.completion_tokens == 60
+
+
 def test_completions_take_a_response_format_too(client, model_id):
     reply = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=12, n=3, seed=1, temperature=1.0,
                                       extra_body={"response_format": {"type": "json_schema", "json_schema": {

@@ -117,7 +117,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
 
         def reply_controls() -> dict[str, Any]:
-            controls = _controls(body, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0)
+            controls = _controls(body, engine.tokenizer.eos_id, logprobs=bool(body.logprobs),
+                                 top_logprobs=body.top_logprobs or 0)
             if functions:
                 controls["grammar"] = _call_grammar(functions, required, body.response_format)
             return controls
@@ -211,7 +212,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             raise APIError(400, f"logprobs must be an integer from 0 to {requests.MAX_TOP_LOGPROBS}, got {top}",
                            param="logprobs")
         size = await _size(request)
-        controls = await aio.submitted(lambda: _controls(body, logprobs=top is not None, top_logprobs=top or 0), size)
+        controls = await aio.submitted(lambda: _controls(body, engine.tokenizer.eos_id, logprobs=top is not None,
+                                                         top_logprobs=top or 0), size)
         scoring = bool(body.echo) and body.max_tokens == 0  # the prompt alone, with its logprobs: one step, unsent
         max_new_tokens = 1 if scoring else _max_new_tokens(body.max_tokens, engine, "max_tokens")
         echo_logprobs = bool(body.echo) and top is not None
@@ -478,10 +480,12 @@ def _format_schema(response_format: Optional[ResponseFormat]) -> Optional[dict[s
     return {} if schema is None else schema
 
 
-def _controls(body: SamplingFields, **extra: Any) -> dict[str, Any]:
+def _controls(body: SamplingFields, eos_id: Optional[int] = None, **extra: Any) -> dict[str, Any]:
     """The request's sampling fields as llama_core's sampling controls (each absent one at its default), its
-    response_format as a grammar."""
+    response_format as a grammar; with ignore_eos, EOS (eos_id) never drawn, as vLLM's field asks."""
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    if getattr(body, "ignore_eos", None) and eos_id is not None:
+        given["logit_bias"] = {**(given.get("logit_bias") or {}), str(eos_id): -100}
     controls = {**{name: getattr(SamplingParams, name) for name in SAMPLING_FIELDS}, **given, **extra,
                 "grammar": _grammar(body)}
     try:

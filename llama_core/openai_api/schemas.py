@@ -115,6 +115,7 @@ class SamplingFields(SamplingControls):
     guided_regex: Optional[StrictStr] = None  # or response_format
     guided_choice: Optional[list[StrictStr]] = None
     guided_grammar: Optional[StrictStr] = None  # Lark
+    ignore_eos: Optional[StrictBool] = None  # vLLM's: the reply runs to max_tokens (for benchmarks)
 
 
 class Prediction(_Request):

@@ -133,7 +133,7 @@ def test_the_line_under_a_reply_says_how_many_of_its_tokens_were_drafted_ahead(e
 
 def test_the_line_under_a_reply_says_why_it_ended():
     stats = dict(prompt_tokens=500, generated_tokens=12, max_seq_len=512, tokens_per_second=0.0, finish_reason="length",
-                 dropped_pairs=0, cached_tokens=0, drafted_tokens=0)
+                 dropped_pairs=0, cached_tokens=0, accepted_tokens=0)
     assert ui.stats_line(stats).endswith("12 tokens generated · context 512 / 512 tokens (500 prompt) · stopped: the "
                                          "context is full")
     assert ui.stats_line(dict(stats, generated_tokens=1)).startswith("1 token generated · context 501 / 512")

@@ -275,7 +275,7 @@ def request_stats(stream: TextStream) -> dict:
     return dict(prompt_tokens=stream.prompt_tokens, generated_tokens=stream.generated_tokens,
                 max_seq_len=stream.max_seq_len, tokens_per_second=round(stream.tokens_per_second, 1),
                 finish_reason=stream.finish_reason, dropped_pairs=stream.dropped_pairs, cached_tokens=stream.cached_tokens,
-                drafted_tokens=stream.accepted_tokens)
+                accepted_tokens=stream.accepted_tokens)
 
 
 def prompt_size_line(engine: TextEngine, prompt: Any) -> str:
@@ -318,7 +318,7 @@ def stats_line(stats: dict) -> str:
     """The line shown under a reply: speed, tokens, context used, and whether old exchanges were dropped."""
     if stats["finish_reason"] == "refused":
         return "Refused: the message holds reserved chat-format tags."
-    drafted = f" ({stats['drafted_tokens']} of them drafted ahead)" if stats.get("drafted_tokens") else ""
+    drafted = f" ({stats['accepted_tokens']} of them drafted ahead)" if stats.get("accepted_tokens") else ""
     speed = f"{stats['tokens_per_second']:.1f} tokens/s · " if stats["tokens_per_second"] > 0 else ""  # none to measure
     generated, used = stats["generated_tokens"], stats["prompt_tokens"] + stats["generated_tokens"]
     line = (f"{speed}{generated} token{'' if generated == 1 else 's'} generated{drafted} · context "

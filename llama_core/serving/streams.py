@@ -60,7 +60,7 @@ class TokenStream:
         self._channel = channel
         self._driver = driver
         self.prompt_len = prompt_len
-        self.finish_reason: Optional[str] = None  # "eos", "length", "cancelled" or "error"
+        self.finish_reason: Optional[str] = None  # "eos", "stop", "length", "cancelled" or "error"
         self.prompt_logprobs: Optional[list[float]] = None  # with prompt_logprobs=True: tokens 1..n-1
         self.prompt_top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # and with top_logprobs
         self.cached_tokens = 0  # prompt tokens found in the engine's KV cache (known before the first chunk)

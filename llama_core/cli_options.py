@@ -22,12 +22,11 @@ from typing import Optional
 
 from .checkpoint_files import (checkpoint_layout, find_tokenizer, read_model_args, stored_dtype, vocabulary_fits,
                                weight_files)
-from .config import ModelArgs
+from .config import DEFAULT_MAX_SEQ_LEN, ModelArgs, default_context
 from .errors import CheckpointError, CheckpointNotFoundError, LlamaError
 from .resources import DEFAULT_CKPT_DIR, PACKAGE_DIR
 from .tokenizer import Tokenizer
 
-DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when none is asked for and the model allows it
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_CHOICES = ("none", "int8", "int4")  # --quantize; llama_core.quantize.QUANTIZATIONS besides none
 
@@ -143,7 +142,7 @@ def check_model_options(options: argparse.Namespace, device_map: Optional[str] =
     if args.vocab_size == -1:
         args.vocab_size = vocab_size
     if not vocabulary_fits(vocab_size, args.vocab_size):
-        raise OptionError(f"--tokenizer {tokenizer_path} has {vocab_size:,} pieces but the model in {ckpt_dir} has "
+        raise OptionError(f"--tokenizer {_shown(tokenizer_path)} has {vocab_size:,} pieces but the model in {_shown(ckpt_dir)} has "
                           f"vocab_size {args.vocab_size:,}: pass the tokenizer.model that came with these weights")
     max_seq_len, warnings = check_context(options.max_seq_len, options.allow_longer_context, args, ckpt_dir.name)
     warnings += thread_warnings(getattr(options, "threads", None))
@@ -177,6 +176,13 @@ def check_memory(plan: ModelPlan, max_batch_size: int, compile: bool = False) ->
         raise OptionError(shortfall.describe("flags"))
 
 
+def _shown(path: object) -> str:
+    """A path for an error's one line: as typed, or quoted where it holds a newline or another unprintable
+    character."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
+
+
 def check_checkpoint(ckpt_dir: Optional[Path]) -> Path:
     """The checkpoint folder to load (the embedded model for None), holding a config and weights."""
     if ckpt_dir is None:
@@ -187,22 +193,22 @@ def check_checkpoint(ckpt_dir: Optional[Path]) -> Path:
     ckpt_dir = ckpt_dir.expanduser()
     layouts = "params.json (Meta layout) or config.json (Hugging Face layout)"
     if ckpt_dir.is_file():
-        raise OptionError(f"--ckpt-dir {ckpt_dir} is a file, not a directory: pass the folder holding {layouts} "
+        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)} is a file, not a directory: pass the folder holding {layouts} "
                           f"and the weights, e.g. --ckpt-dir {ckpt_dir.parent}")
     if not ckpt_dir.is_dir():
-        raise OptionError(f"--ckpt-dir {ckpt_dir}: no such directory; pass the folder holding {layouts} and the weights")
+        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)}: no such directory; pass the folder holding {layouts} and the weights")
     try:
         checkpoint_layout(ckpt_dir)
     except CheckpointNotFoundError as exc:
-        raise OptionError(f"--ckpt-dir {ckpt_dir} holds no {layouts}: pass the folder of a checkpoint") from exc
+        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)} holds no {layouts}: pass the folder of a checkpoint") from exc
     try:
         read_model_args(ckpt_dir)
     except CheckpointError as exc:
-        raise OptionError(f"--ckpt-dir {ckpt_dir}: {exc}") from exc
+        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)}: {exc}") from exc
     try:
         weight_files(ckpt_dir)
     except (CheckpointNotFoundError, CheckpointError) as exc:
-        raise OptionError(f"--ckpt-dir {ckpt_dir} has no weights: {exc}; put the weight files (consolidated.NN.pth, "
+        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)} has no weights: {exc}; put the weight files (consolidated.NN.pth, "
                           "*.safetensors or pytorch_model*.bin) beside its config, or pass the folder that has them") from exc
     return ckpt_dir
 
@@ -212,20 +218,20 @@ def check_tokenizer(ckpt_dir: Path, tokenizer: Optional[Path]) -> tuple[Path, in
     if tokenizer is not None and tokenizer.expanduser().is_dir():
         inside = tokenizer.expanduser() / "tokenizer.model"
         hint = f"--tokenizer {inside}" if inside.is_file() else "the tokenizer.model file"
-        raise OptionError(f"--tokenizer {tokenizer} is a directory: pass {hint}")
+        raise OptionError(f"--tokenizer {_shown(tokenizer)} is a directory: pass {hint}")
     try:
         path = find_tokenizer(ckpt_dir, tokenizer)
     except CheckpointNotFoundError as exc:
         if tokenizer is not None:
-            raise OptionError(f"--tokenizer {tokenizer}: no such file; pass the SentencePiece tokenizer.model that "
+            raise OptionError(f"--tokenizer {_shown(tokenizer)}: no such file; pass the SentencePiece tokenizer.model that "
                               "came with the weights") from exc
-        raise OptionError(f"no tokenizer.model in {ckpt_dir} or its parent: pass --tokenizer "
+        raise OptionError(f"no tokenizer.model in {_shown(ckpt_dir)} or its parent: pass --tokenizer "
                           "PATH/tokenizer.model (the SentencePiece model that came with the weights)") from exc
     try:
         return path, Tokenizer(path).n_words
     except LlamaError as exc:
         flag = "--tokenizer" if tokenizer is not None else "the tokenizer"
-        raise OptionError(f"{flag} {path} is not a SentencePiece model ({exc}): pass the tokenizer.model that came "
+        raise OptionError(f"{flag} {_shown(path)} is not a SentencePiece model ({exc}): pass the tokenizer.model that came "
                           "with the weights") from exc
 
 
@@ -234,7 +240,7 @@ def check_context(max_seq_len: Optional[int], allow_longer: bool, args: ModelArg
     A checkpoint that does not state its trained context (Meta's params.json) takes any --max-seq-len."""
     trained = args.max_seq_len
     if max_seq_len is None:
-        return min(DEFAULT_MAX_SEQ_LEN, trained or DEFAULT_MAX_SEQ_LEN), ()
+        return default_context(trained), ()
     if trained is None or max_seq_len <= trained:
         return max_seq_len, ()
     if not allow_longer:

@@ -10,6 +10,14 @@ from typing import Any, Optional
 
 from .errors import CheckpointError, CheckpointNotFoundError
 
+DEFAULT_MAX_SEQ_LEN = 2048  # context allocated when none is asked for and the model allows it
+
+
+def default_context(trained: Optional[int]) -> int:
+    """The context allocated when none is asked for: the model's trained one (where its config states it), at
+    most DEFAULT_MAX_SEQ_LEN."""
+    return min(DEFAULT_MAX_SEQ_LEN, trained or DEFAULT_MAX_SEQ_LEN)
+
 
 @dataclass
 class ModelArgs:

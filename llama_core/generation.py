@@ -13,7 +13,7 @@ import torch
 
 from . import dialog as chat_format
 from .checkpoint_files import read_model_args
-from .cli_options import DEFAULT_MAX_SEQ_LEN
+from .config import default_context
 from .devices import resolve_kv_cache_dtype
 from .errors import DialogError, InvalidRequestError, LlamaError
 from .loader import DEFAULT_CKPT_DIR, LoadedModel, load
@@ -52,7 +52,7 @@ def _context(ckpt_dir: Optional[str | Path], asked: Optional[int]) -> int:
     except (LlamaError, OSError):  # load says what is wrong with the checkpoint
         trained = None
     if asked is None:
-        return min(DEFAULT_MAX_SEQ_LEN, trained or DEFAULT_MAX_SEQ_LEN)
+        return default_context(trained)
     if trained is not None and isinstance(asked, int) and asked > trained:
         warnings.warn(f"max_seq_len {asked} is past the {trained} tokens the model in {folder} was trained for: "
                       "text past them may lose its way", stacklevel=3)

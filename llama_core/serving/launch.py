@@ -10,7 +10,7 @@ from typing import Optional, Union
 import torch
 
 from ..checkpoint_files import read_model_args
-from ..cli_options import DEFAULT_MAX_SEQ_LEN
+from ..config import default_context
 from ..devices import resolve_device
 from ..distributed.device_map import parse_max_memory
 from ..distributed.parallel import launched_by_torchrun
@@ -65,10 +65,9 @@ def open_engine(
     """
     ckpt_dir = Path(ckpt_dir).expanduser() if ckpt_dir is not None else None
     if max_seq_len is None:
-        max_seq_len = DEFAULT_MAX_SEQ_LEN
         folder = ckpt_dir or DEFAULT_CKPT_DIR
-        if folder.is_dir():  # a missing folder is reported by loading
-            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, read_model_args(folder).max_seq_len or DEFAULT_MAX_SEQ_LEN)
+        # a missing folder is reported by loading
+        max_seq_len = default_context(read_model_args(folder).max_seq_len if folder.is_dir() else None)
     threads = threads or default_threads(device, device_map)
     if threads:
         torch.set_num_threads(threads)

@@ -131,6 +131,21 @@ def test_the_line_under_a_reply_says_how_many_of_its_tokens_were_drafted_ahead(e
     assert f"{stream.generated_tokens} tokens generated ({stream.accepted_tokens} of them drafted ahead)" in line
 
 
+def test_a_turn_is_run_once_kept_once_and_a_stop_before_it_begins_ends_it():
+    turns = ui._Turns()
+    assert turns.claim("a") and not turns.claim("a")  # Enter again: the same pending, not run twice
+    assert not turns.settle("a")  # its first finish waits for the reply
+    turns.end("a")
+    assert turns.settle("a") and not turns.settle("a")  # kept once
+    assert turns.stop("b", box_empty=False)  # not begun (Gradio's queue): it ends at the Stop
+    assert not turns.claim("b") and not turns.settle("b")
+    assert turns.claim("c") and not turns.stop("c", box_empty=False)  # running: it ends itself
+    assert turns.stopped("c") and not turns.box_empty_at_stop("c")
+    turns.end("c")
+    assert turns.settle("c") and not turns.stopped("c")
+    assert turns.claim(None) and turns.settle(None)  # a pending without a turn (an older page): as before
+
+
 def test_the_line_under_a_reply_says_why_it_ended():
     stats = dict(prompt_tokens=500, generated_tokens=12, max_seq_len=512, tokens_per_second=0.0, finish_reason="length",
                  dropped_pairs=0, cached_tokens=0, accepted_tokens=0)

@@ -406,6 +406,30 @@ def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypat
     expect(bot.first).to_have_text(re.compile(r"\S"))
 
 
+def test_enter_while_a_reply_streams_runs_no_second_reply(page, monkeypatch):
+    """Enter in the box re-triggers the chain whose first step (begin) waits while a reply streams: its
+    respond and finish must not run the same turn again (a hidden version 2 / 2, the exchange lost)."""
+    bot = page.locator('#chatbot [data-testid="bot"]')
+    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
+    opened, open_chat = [], ui.open_chat
+    monkeypatch.setattr(ui, "open_chat", lambda *args: opened.append(1) or open_chat(*args))
+    new_chat(page)
+    send(page, "Tell me of the masque.")
+    expect(page.locator("#chat-stop")).to_be_visible()
+    expect(bot.first).to_have_text(re.compile(r"\S"))
+    for _ in range(3):
+        page.locator("#chat-input textarea").press("Enter")
+    page.wait_for_timeout(500)
+    expect(page.locator("#chat-stop")).to_be_visible()  # the reply still streams: no finish ran
+    assert len(opened) == 1  # one request in the engine
+    page.locator("#chat-stop").dispatch_event("click")
+    expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    page.reload()
+    expect(bot).to_have_count(1)
+    expect(page.locator("#chat-branch")).to_be_hidden()  # one version of the reply
+    expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+
+
 def test_the_reply_kept_after_stop_is_the_reply_shown(page, served, monkeypatch):
     """Stop asks the reply to end and the reply ends itself: the page's last update and the saved answer
     are one text (Stop saved what its click saw, and updates already on their way then grew the page's)."""
@@ -431,7 +455,7 @@ def test_the_reply_kept_after_stop_is_the_reply_shown(page, served, monkeypatch)
     page.wait_for_timeout(500)  # any update still on its way has landed
     shown = bot.first.inner_text()
     page.reload()
-    expect(bot.first).to_have_text(shown)
+    expect(bot.first).to_have_text(shown, use_inner_text=True)
 
 
 def test_show_prompt_gives_the_prompt_the_next_turn_sends_and_marks_the_dropped_turns(page, tmp_path):
@@ -482,7 +506,7 @@ def test_editing_a_message_starts_a_branch_and_flipping_back_shows_the_old_reply
     expect(page.locator("#chat-branch-next")).to_be_disabled()
     page.click("#chat-branch-prev")
     expect(user).to_have_text("Good morrow, my lord.")
-    expect(bot).to_have_text(old_reply)
+    expect(bot).to_have_text(old_reply, use_inner_text=True)  # a line break: "\n" in both
     expect(label).to_contain_text("Message 1 · version 1 / 2")
     expect(page.locator("#chat-branch-prev")).to_be_disabled()
     page.reload()  # the branches and the one shown are saved

@@ -416,37 +416,71 @@ def _with_grammar(controls: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Turns:
-    """The chat's replies under way, by their turn's id, and the Stops asked of them: a reply asked to stop
-    ends itself, so that what its page showed is what is saved (one writer). Used on the event loop only."""
+    """The chat's turns (a message sent, and its reply) by the id in the page's pending state: the one respond
+    that runs a turn (a second trigger of the same pending, Enter while a reply streams, finds it taken), its
+    stream, the Stops asked of it, and the one finish that keeps it. A reply asked to stop ends itself, so that
+    what its page showed is what is saved (one writer). Used on the event loop only."""
 
-    KEPT_STOPS = 1024  # Stops of turns that ended first are forgotten, the oldest first
+    KEPT = 1024  # turns remembered, the oldest over forgotten first (a running one never)
 
     def __init__(self) -> None:
+        self._states: collections.OrderedDict[str, str] = collections.OrderedDict()  # "running", "ended", "settled"
         self._streams: dict[str, TextStream] = {}
-        self._stops: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._stops: dict[str, bool] = {}  # turn -> whether the message box was empty at the Stop
+
+    def claim(self, turn: Optional[str]) -> bool:
+        """Whether the caller runs this turn: the first to ask does, if no Stop settled it before."""
+        if turn is None:
+            return True
+        if turn in self._states:
+            return False
+        self._states[turn] = "running"
+        while len(self._states) > self.KEPT:
+            oldest = next((t for t, state in self._states.items() if state != "running"), None)
+            if oldest is None:
+                break
+            del self._states[oldest]
+            self._stops.pop(oldest, None)
+        return True
 
     def running(self, turn: Optional[str], stream: TextStream) -> None:
         if turn is not None:
             self._streams[turn] = stream
+            if turn in self._stops:  # stopped while it was being submitted
+                stream.cancel()
 
-    def ended(self, turn: Optional[str]) -> None:
+    def end(self, turn: Optional[str]) -> None:
         self._streams.pop(turn, None)
+        if self._states.get(turn) == "running":
+            self._states[turn] = "ended"
 
-    def stop(self, turn: Any) -> None:
+    def stop(self, turn: Any, box_empty: bool) -> bool:
+        """Asks the turn to end; True where it had not begun: it is over now (no respond will run it, no
+        finish keep it), and the caller puts the page back."""
         if type(turn) is not str:
-            return
-        self._stops[turn] = None
-        while len(self._stops) > self.KEPT_STOPS:
-            self._stops.popitem(last=False)
-        stream = self._streams.get(turn)
-        if stream is not None:  # ends it in the engine now, whether or not text is coming
-            stream.cancel()
-
-    def stopped(self, turn: Optional[str], forget: bool = False) -> bool:
-        if turn not in self._stops:
             return False
-        if forget:
-            del self._stops[turn]
+        if turn not in self._states:
+            self._states[turn] = "settled"
+            return True
+        if self._states[turn] == "running":
+            self._stops[turn] = box_empty
+            stream = self._streams.get(turn)
+            if stream is not None:  # ends it in the engine now, whether or not text is coming
+                stream.cancel()
+        return False
+
+    def stopped(self, turn: Optional[str]) -> bool:
+        return turn in self._stops
+
+    def box_empty_at_stop(self, turn: Optional[str]) -> bool:
+        return self._stops.get(turn, True)
+
+    def settle(self, turn: Optional[str]) -> bool:
+        """Whether the caller (a finish) keeps the turn: once, after its respond ended."""
+        if turn is None or self._states.get(turn, "ended") != "ended":
+            return turn is None
+        self._states[turn] = "settled"
+        self._stops.pop(turn, None)
         return True
 
 
@@ -607,15 +641,24 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         if pending is None:
             yield [gr.skip()] * 4
             return
+        turn = pending.get("turn")
+        if not turns.claim(turn):  # another respond runs this turn, or a Stop ended it before it began
+            yield [gr.skip()] * 4
+            return
+        try:
+            async with contextlib.aclosing(_turn_updates(pending, store, system_prompt, controls)) as updates:
+                async for update in updates:
+                    yield update
+        finally:
+            turns.end(turn)
+
+    async def _turn_updates(pending: dict, store: Any, system_prompt: str, controls: tuple):
         store = await anyio.to_thread.run_sync(loaded, store)  # checking a long store: off the loop
         message, keep, turn = pending["message"], pending["keep"], pending.get("turn")
         conversation = conversations.active(store)
         history, left_out = conversations.model_history(conversation["messages"][:keep])
         shown = conversation["messages"][:keep] + [{"role": "user", "content": message}]
         reply, notice, stream, stopped = "", None, None, False
-        if turns.stopped(turn, forget=True):  # Stop came before the reply began: the message goes back to the box
-            yield [conversation["messages"], conversation["stats"], None, message]
-            return
         try:
             stream = await aio.submitted(lambda: open_chat(engine, message, history, system_prompt, *controls),
                                          aio.text_size(message, history, system_prompt))
@@ -640,10 +683,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 notice = f"The reply failed: {on_page(exc.message)} Send the message again."
             finally:
                 stream.cancel()
-                turns.ended(turn)
-            stopped = turns.stopped(turn, forget=True)  # the reply as shown is the answer; none yet: the
-            if stopped and not reply:  # message goes back to the box
-                yield [conversation["messages"], conversation["stats"], None, message]
+            stopped = turns.stopped(turn)  # the reply as shown is the answer; none yet: the conversation as it
+            if stopped and not reply:  # was, and a message just sent back in the box (unless one is typed there)
+                fresh = keep == len(conversation["messages"]) and turns.box_empty_at_stop(turn)
+                yield [conversation["messages"], conversation["stats"], None, message if fresh else gr.skip()]
                 return
             notice = None if stopped else notice
         if notice is not None:
@@ -663,10 +706,12 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return gr.update(visible=True, open=True), conversations.prompt_preview(engine, message, messages,
                                                                                 system_prompt, max_new_tokens)
 
-    def finish(store: Any, finished: Optional[dict]):
+    def finish(store: Any, finished: Optional[dict], pending: Optional[dict]):
         """After a reply: it kept in its conversation as the store is now (settings, system prompt or title
         changed while it streamed stay); then nothing pending, and the buttons for the conversation as it is
-        (no branch bar under a turn's notice)."""
+        (no branch bar under a turn's notice). Once a turn: a second trigger's finish changes nothing."""
+        if pending is not None and not turns.settle(pending.get("turn")):
+            return [gr.skip()] * len(finish_outputs)
         store = loaded(store)
         if finished is not None and "reply" in finished:
             store = conversations.with_reply_kept(store, finished)
@@ -677,11 +722,16 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return [store, None, None, listed,
                 *button_states(conversation, busy=False, title=True), *branch]
 
-    async def stop_reply(pending: Optional[dict]) -> None:
-        """Asks the reply under way to end: respond then keeps the reply as it showed it (or, before any,
-        puts the message back in the box), and finish saves it. On the event loop, as respond runs."""
-        if pending is not None:
-            turns.stop(pending.get("turn"))
+    async def stop_reply(pending: Optional[dict], store: Any, box: Any):
+        """Asks the reply under way to end: respond then keeps the reply as it showed it (or, before any, puts
+        a message just sent back in the box, unless one is typed there), and finish saves it. A turn still
+        waiting for its respond to start (Gradio's queue) ends here. On the event loop, as respond runs."""
+        box_empty = not (type(box) is str and box.strip())
+        if pending is None or not turns.stop(pending.get("turn"), box_empty):
+            return unchanged(2)
+        store = loaded(store)
+        fresh = box_empty and pending["keep"] == len(conversations.active(store)["messages"])
+        return view(store) + [pending["message"] if fresh else gr.skip(), None]
 
     def undo(store: Any, pending: Optional[dict], shown: Any):
         """The last exchange taken back, its message back in the box; a turn's notice only goes (its message is
@@ -891,8 +941,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                    .then(respond, reply_inputs, reply_outputs, **generating, **ui)
                    for trigger, start, inputs in begins]
         for answer in answers:
-            answer.then(finish, [store, finished], finish_outputs, queue=False, **ui)
-        stop.click(stop_reply, pending, None, queue=False, **ui)
+            answer.then(finish, [store, finished, pending], finish_outputs, queue=False, **ui)
+        stop.click(stop_reply, [pending, store, chat_input], view_outputs + [chat_input, pending], queue=False,
+                   **ui)
         chatbot.select(select_message, [store, pending], branch_outputs, queue=False, **ui)
         branch_prev.click(lambda at, s, p: flip(at, s, p, -1), [branch_at, store, pending], view_outputs, queue=False,
                           **ui)

@@ -176,8 +176,8 @@ def test_stop_cancels_the_request_in_the_engine(page, served, monkeypatch):
     engine = served[0]
     cancels = []  # per cancel() call: was the request still running?
 
-    def recording_stream_completion(*args, **kwargs):
-        stream = stream_completion(*args, **kwargs)
+    def recording_stream_completion(*args, **kwargs):  # EOS banned: it runs until Stop, however late that is
+        stream = stream_completion(*args, **dict(kwargs, logit_bias={engine.tokenizer.eos_id: -100}))
         cancel = stream.cancel
         stream.cancel = lambda: (cancels.append(stream.finish_reason is None), cancel())
         return stream
@@ -385,6 +385,17 @@ def replies_held_open(updates: int, tail: str = ""):
     return held
 
 
+def stored(page) -> str:
+    """The page's saved conversations as the browser holds them (encrypted)."""
+    return page.evaluate(f"() => localStorage.getItem({json.dumps(ui.STORAGE_KEY)})")
+
+
+def wait_saved(page, before: str) -> None:
+    """Waits for the browser to hold a store other than `before`: the page writes it once the turn's last step
+    has run, a moment after the page shows the turn ended (a reload before that finds the old one)."""
+    page.wait_for_function(f"(before) => localStorage.getItem({json.dumps(ui.STORAGE_KEY)}) !== before", arg=before)
+
+
 def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypatch):
     bot = page.locator('#chatbot [data-testid="bot"]')
     monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
@@ -395,8 +406,10 @@ def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypat
     expect(page.locator("#chat-retry")).to_be_disabled()
     expect(bot.first).to_have_text(re.compile(r"\S"))
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-streaming.png"))
+    before = stored(page)
     page.locator("#chat-stop").dispatch_event("click")  # re-rendered with each update: never "stable"
     expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    wait_saved(page, before)
     expect(page.locator("#chat-send")).to_be_visible()
     expect(page.locator("#chat-stop")).to_be_hidden()
     expect(page.locator("#chat-retry")).to_be_enabled()
@@ -404,6 +417,28 @@ def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypat
     page.reload()  # the reply so far was kept as the answer
     expect(bot).to_have_count(1)
     expect(bot.first).to_have_text(re.compile(r"\S"))
+
+
+def test_a_chats_settings_are_saved_as_chosen_and_survive_reloads(page):
+    """Each control saves itself only: a load sets every control, and a box's change event that came before the
+    controls after it were shown saved their old values (the seed and the reply format were lost on reload)."""
+    seed, fmt, grammar = page.locator("#chat-seed input"), page.locator("#chat-output-format input"), \
+        page.locator("#chat-output-grammar textarea")
+    new_chat(page)
+    page.click("#chat-advanced button")
+    seed.fill("7")
+    fmt.click()
+    page.get_by_role("option", name="Regular expression").click()
+    grammar.fill("[a-z ]{1,20}")
+    grammar.blur()
+    page.wait_for_timeout(500)
+    for _ in range(3):
+        page.reload()
+        page.click("#chat-advanced button")
+        expect(seed).to_have_value("7")
+        expect(fmt).to_have_value("Regular expression")
+        expect(grammar).to_have_value("[a-z ]{1,20}")
+        page.wait_for_timeout(500)  # what the load set has been saved, if anything was
 
 
 def test_enter_while_a_reply_streams_runs_no_second_reply(page, monkeypatch):
@@ -422,8 +457,10 @@ def test_enter_while_a_reply_streams_runs_no_second_reply(page, monkeypatch):
     page.wait_for_timeout(500)
     expect(page.locator("#chat-stop")).to_be_visible()  # the reply still streams: no finish ran
     assert len(opened) == 1  # one request in the engine
+    before = stored(page)
     page.locator("#chat-stop").dispatch_event("click")
     expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    wait_saved(page, before)
     page.reload()
     expect(bot).to_have_count(1)
     expect(page.locator("#chat-branch")).to_be_hidden()  # one version of the reply
@@ -449,8 +486,10 @@ def test_the_reply_kept_after_stop_is_the_reply_shown(page, served, monkeypatch)
     new_chat(page)
     send(page, "Count for me.")
     expect(bot.first).to_contain_text(" 8")
+    before = stored(page)
     page.locator("#chat-stop").dispatch_event("click")
     expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    wait_saved(page, before)
     expect(page.locator("#chat-send")).to_be_visible()
     page.wait_for_timeout(500)  # any update still on its way has landed
     shown = bot.first.inner_text()

@@ -419,6 +419,20 @@ def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypat
     expect(bot.first).to_have_text(re.compile(r"\S"))
 
 
+def test_enter_in_an_empty_box_writes_nothing(page):
+    """Each Enter runs the send chain; one whose begin started nothing must not finish anything either (it
+    wrote back the store it had read, which under load could be older than the last reply's)."""
+    new_chat(page)
+    send(page, "Good morrow, my lord.")
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    page.wait_for_timeout(500)
+    before = stored(page)
+    for _ in range(3):
+        page.locator("#chat-input textarea").press("Enter")
+    page.wait_for_timeout(1000)
+    assert stored(page) == before
+
+
 def test_a_chats_settings_are_saved_as_chosen_and_survive_reloads(page):
     """Each control saves itself only: a load sets every control, and a box's change event that came before the
     controls after it were shown saved their old values (the seed and the reply format were lost on reload)."""

@@ -710,8 +710,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     def finish(store: Any, finished: Optional[dict], pending: Optional[dict]):
         """After a reply: it kept in its conversation as the store is now (settings, system prompt or title
         changed while it streamed stay); then nothing pending, and the buttons for the conversation as it is
-        (no branch bar under a turn's notice). Once a turn: a second trigger's finish changes nothing."""
-        if pending is not None and not turns.settle(pending.get("turn")):
+        (no branch bar under a turn's notice). Once a turn: a second trigger's finish changes nothing, and one
+        whose begin started nothing (Enter while a reply streams: pending is not yet, or no longer, set)
+        leaves the page alone (it cleared pending and the buttons while the reply streamed)."""
+        if pending is None or not turns.settle(pending.get("turn")):
             return [gr.skip()] * len(finish_outputs)
         store = loaded(store)
         if finished is not None and "reply" in finished:

@@ -778,26 +778,26 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             return unchanged()
         return view(conversations.deleted(loaded(store), prompts.system_prompt, defaults))
 
-    def save_setting(name: str, store: Any, value: Any):
-        """Saves what was typed or chosen in one control (the system prompt or a setting) into the conversation:
-        that one only, as the page sent it (the others' values may not be the page's yet: a load sets them all,
-        and a box's change event came before the settings after it were shown, saving their old values over
-        the conversation's). The value skips Gradio's checks, which would refuse a slider's box typed past its
-        range, and log it: a number outside its slider's range is saved at the nearest end, and the box shows
-        it; an emptied box keeps the value it had."""
+    def save_settings(name: str, store: Any, system_prompt: Any, *controls):
+        """Saves what was typed or chosen into the conversation, when control `name` (the system prompt or a
+        setting) changed it. The values come as the page holds them (the event skips Gradio's checks, which
+        would refuse a slider's box typed past its range, and log it): a number outside its slider's range is
+        saved at the nearest end, and the box shows it; an emptied box keeps the value it had. Where `name`
+        holds the value saved already, the page set it (a load, a switch) and nothing is written: the controls
+        after it may not be shown yet (their old values were saved: a seed and a reply format lost on reload),
+        and the app's other tabs are not told they are stale."""
         store = loaded(store)
         conversation = conversations.active(store)
-        if name == "system_prompt":
-            kept = conversations.kept_setting(name, value, conversation["system_prompt"])
-            saved = dict(conversation, system_prompt=kept)
-        else:
-            settings = dict(defaults, **conversation["settings"])
-            kept = conversations.kept_setting(name, value, settings[name], bounds.get(name))
-            saved = dict(conversation, settings=dict(settings, **{name: kept}))
-        # Nothing changed (a box set by the page itself, on a switch or a load): nothing written, so the app's
-        # other tabs are not told they are stale.
-        return [conversations.with_conversation(store, saved) if saved != conversation else gr.skip(),
-                gr.skip() if kept == value else kept]
+        settings = dict(defaults, **conversation["settings"])
+        kept = [conversations.kept_setting(setting, value, settings[setting], bounds.get(setting))
+                for setting, value in zip(conversations.SETTINGS, controls)]
+        prompt = conversations.kept_setting("system_prompt", system_prompt, conversation["system_prompt"])
+        shown = [gr.skip() if value == typed else value for value, typed in zip(kept, controls)]  # a box's fix
+        if name == "system_prompt" and prompt == conversation["system_prompt"] or \
+                name != "system_prompt" and kept[conversations.SETTINGS.index(name)] == settings[name]:
+            return [gr.skip(), *shown]
+        saved = dict(conversation, system_prompt=prompt, settings=settings_of(kept))
+        return [conversations.with_conversation(store, saved) if saved != conversation else gr.skip(), *shown]
 
     def export(store: Any, kind: str):
         return gr.update(value=exports.write(conversations.active(loaded(store)), kind), visible=True)
@@ -972,8 +972,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         typed = {"system_prompt", "stop", "output_grammar"}  # text boxes: "input" is keys only (Gradio 6)
         for name, control in [("system_prompt", system_prompt), *zip(conversations.SETTINGS, chat_controls)]:
             trigger = control.change if name in typed else control.input
-            trigger(functools.partial(save_setting, name), [store, control], [store, control], queue=False,
-                    preprocess=False, **ui)
+            trigger(functools.partial(save_settings, name), [store, system_prompt, *chat_controls],
+                    [store, *chat_controls], queue=False, preprocess=False, **ui)
         export_json.click(lambda s: export(s, "json"), store, exported, queue=False, **ui)
         export_markdown.click(lambda s: export(s, "md"), store, exported, queue=False, **ui)
         import_button.upload(import_file, [import_button, store, pending], view_outputs, queue=False, **ui)

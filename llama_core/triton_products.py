@@ -47,23 +47,30 @@ class KernelConfig:
 
 
 def config_for(rows: int, n: int, k: int, sms: int) -> KernelConfig:
-    """The tiling for rows x k times n x k on a device with sms multiprocessors: about 4 programs per SM
-    (inputs split where the output rows alone give fewer), each slice at least two tiles deep. rows may be
-    symbolic (a step compiled for any number of rows): only whether it is 1 is asked. (scripts/bench_int8_cuda.py
-    --sweep times other tilings.)"""
-    block_m = 1 if rows == 1 else 16
-    block_n, block_k = (8, 512) if block_m == 1 else (32, 128)
-    split_k = max(1, min(triton.cdiv(4 * sms, triton.cdiv(n, block_n)), k // (2 * block_k)))
+    """The tiling for rows x k times n x k on a device with sms multiprocessors. One row: 8 output rows by 1,024
+    inputs a program (the fastest one-row tiling on an H100 for every 7B projection, or within 7 % of it:
+    scripts/bench_int8_cuda.py --sweep, docs/benchmarks.md "GPU"), the inputs split only where the output rows
+    give fewer programs than SMs (split 2 was slower at 4 programs an SM). More rows: 32 by 128, split to
+    about 4 programs per SM (not yet swept). rows may be symbolic (a step compiled for any number of rows):
+    only whether it is 1 is asked."""
+    if rows == 1:
+        block_m, block_n, block_k, programs = 1, 8, min(1024, max(64, triton.next_power_of_2(k))), sms
+    else:
+        block_m, block_n, block_k, programs = 16, 32, 128, 4 * sms
+    split_k = max(1, min(triton.cdiv(programs, triton.cdiv(n, block_n)), k // (2 * block_k)))
     return KernelConfig(block_m, block_n, block_k, split_k)
 
 
-GROUP = 32  # int4's inputs per scale (llama_core.int4.GROUP)
-ZERO_LEVEL = 8  # int4's level standing for 0
+# int4's layout (llama_core.int4), passed to the kernel as constexpr arguments: a Triton kernel may read no
+# module global that is not a tl.constexpr object (NameError at compile time, on the device only).
+GROUP = 32  # inputs per scale
+ZERO_LEVEL = 8  # the level standing for 0
 
 
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_sn, stride_om,
-                 stride_os, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 stride_os, INT4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP: tl.constexpr, ZERO_LEVEL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,7 +127,7 @@ def _product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, int4: 
     launch(_rows_kernel)[grid](
         rows, weight, scales, out, m, n, k, k_per_split, rows.stride(0), weight.stride(0),
         scales.stride(0) if int4 else 1, n, partial_stride, INT4=int4,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP=GROUP, ZERO_LEVEL=ZERO_LEVEL,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         out = out.sum(0).to(x.dtype)

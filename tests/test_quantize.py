@@ -302,6 +302,46 @@ def test_the_cuda_quantized_kernels_compute_the_dequantized_product_in_tritons_i
         assert result["error"] < (8e-3 if result["dtype"] == "torch.bfloat16" else 1e-3), result
 
 
+_TRITON_CUDA_COMPILE = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llama_core import triton_products
+compiled = []
+for kind in ("int8", "int4"):
+    for dtype in ("bf16", "fp16"):
+        for rows in (1, 2, 64):  # a reduction at one row, tensor cores from two
+            for n, k in [(12288, 4096), (4096, 11008), (32000, 4096)]:
+                config = triton_products.config_for(rows, n, k, sms=132)
+                constants = {"INT4": kind == "int4", "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+                             "BLOCK_K": config.block_k, "GROUP": triton_products.GROUP,
+                             "ZERO_LEVEL": triton_products.ZERO_LEVEL}
+                signature = {"x_ptr": "*" + dtype, "w_ptr": "*u8" if kind == "int4" else "*i8", "scale_ptr": "*fp32",
+                             "out_ptr": "*" + dtype, **{name: "i32" for name in (
+                                 "M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_om",
+                                 "stride_os")}, **{name: "constexpr" for name in constants}}
+                source = ASTSource(triton_products._rows_kernel, signature=signature, constexprs=constants)
+                kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                        options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+                compiled.append([kind, dtype, rows, n, k, "cubin" in kernel.asm])
+print(json.dumps(compiled))
+"""
+
+
+def test_the_cuda_quantized_kernels_compile_for_an_h100(tmp_path):
+    # Triton's interpreter (above) runs the kernels' Python, not their compiler, which refuses what it cannot
+    # build: a module global that is not a tl.constexpr object (int4's ZERO_LEVEL and GROUP were, and every int4
+    # product on an H100 fell back to the dequantized one). Compiled here to an sm_90 cubin, which needs no GPU,
+    # with the tilings config_for chooses for the 7B's projections.
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _TRITON_CUDA_COMPILE], capture_output=True, text=True, timeout=600,
+                         env={**env, "TRITON_CACHE_DIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(compiled) == 36 and all(entry[-1] for entry in compiled), compiled
+
+
 class _FailingTritonProducts:
     """Stands for llama_core.triton_products where its kernels cannot be built (a triton too old, say)."""
 

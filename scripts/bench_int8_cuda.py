@@ -3,7 +3,7 @@ against bfloat16 weights through cuBLAS, the dequantized int8 product, and that 
 with coordinate-descent tuning (what the compiled decode step ran before the kernel); and the int4 kernel.
 
     python scripts/bench_int8_cuda.py --out report.json                 # rows 1, 8, 32
-    python scripts/bench_int8_cuda.py --sweep --deadline 100            # then the kernel's tilings at one row
+    python scripts/bench_int8_cuda.py --sweep --deadline 100            # then the kernel's tilings at 1 and 8 rows
     python scripts/bench_int8_cuda.py --dry-run --sweep                 # here, without a GPU: see below
 
 Each product is timed over enough distinct weights (--weight-bytes, 1 GiB by default) that none is read from
@@ -12,8 +12,8 @@ projection and row count: microseconds per product, the weights' bytes read per 
 the device-to-device copy bandwidth measured first; then, per row count, a whole forward's products (32
 layers' fused q/k/v, output, fused gate/up and down projections, and the vocabulary projection) and each
 variant's ratio to bfloat16. int8_inductor is taken at one row only (with more, inductor leaves the product
-to cuBLAS after converting the weight: int8_dequant). --sweep then times the kernel's one-row tilings on each
-projection, until --deadline. The JSON report (--out) is written after each projection.
+to cuBLAS after converting the weight: int8_dequant). --sweep then times the kernel's tilings on each
+projection (variant int8_triton[block_n,block_k,split_k,warps,stages]) at one row and at 8, until --deadline. The JSON report (--out) is written after each projection.
 
 --dry-run runs every variant once, at 1/64 of the 7B's widths, on CPU tensors through Triton's interpreter,
 timing nothing that means anything: it checks the script itself before a device call is spent on it
@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--projections", nargs="+", default=list(PROJECTIONS), choices=list(PROJECTIONS))
     parser.add_argument("--weight-bytes", type=float, default=float(1 << 30), help="int8 bytes per projection's weights")
-    parser.add_argument("--sweep", action="store_true", help="also time the kernel's tilings at one row")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel's tilings at one row and at 8 rows "
+                        "(where --rows has them)")
     parser.add_argument("--deadline", type=float, default=None, help="seconds after which no new projection starts")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--dry-run", action="store_true", help="each variant once on the CPU (see above)")
@@ -123,14 +124,16 @@ def main() -> None:
         for rows in rows_list:
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             int8_calls = lambda product: [lambda w=w, s=s: product(x, w, s) for w, s in zip(weights, scales)]
-            if sweep:
+            if sweep:  # one row: the reduction's tilings; more: the tensor-core path's (16 rows a program)
                 variants = {}
-                for block_n in (4, 8, 16, 32):
-                    for block_k in (256, 512, 1024):
-                        for warps in (4, 8):
-                            for split in (0, 1):
-                                c = KernelConfig(1, block_n, block_k, split or config_for(1, n, k, sms).split_k, warps, 3)
-                                variants[f"int8_triton[{block_n},{block_k},{c.split_k},{warps}]"] = int8_calls(
+                shapes = ([(bn, bk) for bn in (4, 8, 16) for bk in (512, 1024, 2048)] if rows == 1
+                          else [(bn, bk) for bn in (16, 32, 64) for bk in (64, 128, 256)])
+                for block_n, block_k in shapes:
+                    for warps in ((4, 8) if rows == 1 else (4,)):
+                        for stages in (2, 3, 4):
+                            for split in (1, 2):
+                                c = KernelConfig(1 if rows == 1 else 16, block_n, block_k, split, warps, stages)
+                                variants[f"int8_triton[{block_n},{block_k},{split},{warps},{stages}]"] = int8_calls(
                                     lambda x, w, s, c=c: triton_products.int8_product(x, w, s, c))
             else:
                 variants = {"bf16": [lambda w=w: F.linear(x, w) for w in floats],
@@ -165,7 +168,7 @@ def main() -> None:
             report["cut_short"] = f"--deadline {a.deadline} s passed before {name}{' (sweep)' if sweep else ''}"
             print(report["cut_short"])
             break
-        measure(name, [1] if sweep else a.rows, sweep)
+        measure(name, [rows for rows in a.rows if rows <= 8] if sweep else a.rows, sweep)
         if not a.dry_run:
             torch.cuda.empty_cache()  # the projection's weights
 

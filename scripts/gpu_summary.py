@@ -77,11 +77,14 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
             "{:.2f}x", lambda v: True)
         add("int4 largest logprob deviation from bf16 (reported)", int4, "7b_int4",
             int4.get("int4_max_logprob_deviation"), "{:.3f}", lambda v: True)
-    aggregate = None if engine32 is None else engine32["results"]["llama_core"]["aggregate_tokens_per_s"].get("32")
+    def aggregate_of(report, batch):  # None where the report has no such figure (a run cut short before it)
+        return None if report is None else report["results"].get("llama_core", {}).get("aggregate_tokens_per_s", {}).get(batch)
+
+    aggregate = aggregate_of(engine32, "32")
     batch1 = decode(compiled)
     add("engine, 32 sequences >= 12x its batch-1 decode", engine32, "7b_engine32 / 7b_compiled",
         aggregate / batch1 if aggregate and batch1 else None, "{:.1f}x", lambda v: v >= 12)
-    eight = None if engine32 is None else engine32["results"]["llama_core"]["aggregate_tokens_per_s"].get("8")
+    eight = aggregate_of(engine32, "8")
     add("engine, 8 sequences (the app's default batch), tokens/s (reported)", engine32, "7b_engine32", eight,
         "{:.0f}", lambda v: True)
     # The static step runs only the rows it needs: a lone request in a 32-slot engine decodes as in a one-slot one.

@@ -361,6 +361,15 @@ def test_gpu_summary_marks_each_target_met_or_not(tmp_path):
     assert table["a 7B forward's products at one row, int8_inductor over bf16 (reported)"][0] == "not measured"
 
 
+def test_gpu_summary_reads_a_report_cut_short_before_its_first_figure(tmp_path):
+    # The H100's 7b_engine32 step (2026-11-27) was killed while it compiled: its report holds no implementation.
+    empty = {"device": "NVIDIA H100 80GB HBM3", "results": {}, "ratios": {}, "phases_done": []}
+    (tmp_path / "7b_engine32.json").write_text(json.dumps(empty))
+    result = _run("gpu_summary.py", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "| engine, 32 sequences >= 12x its batch-1 decode | not measured |" in result.stdout
+
+
 def test_load_bench_reports_memory_for_each_layout_and_load(tmp_path, tokenizer_path, tokenizer):
     report_path = tmp_path / "load.json"
     result = _run("bench_load.py", "--dim", "128", "--n-layers", "2", "--vocab-size", str(tokenizer.n_words),

@@ -5,9 +5,9 @@ The decode step comes in three shapes. Dynamic (the default): only the given row
 longest row's positions: the least work, which is what a CPU wants. Static (`compile=True` on CUDA):
 the cache's leading rows 0..n-1 up to the highest row asked for, n rounded up to a power of two (at most
 max_batch_size), attending over a context length rounded up to a power of two (at least 256 positions, at
-most max_seq_len), so torch.compile compiles the step twice, for one row and for n a symbolic size, with
-the length a symbolic size, and captures it as a CUDA graph (mode "reduce-overhead") once per row count
-and length: a few graphs; no step reads more of the cache than twice what its longest row uses, and a
+most max_seq_len), so torch.compile compiles the step twice, for one row (with coordinate-descent tuning)
+and for n a symbolic size (without), with the length a symbolic size, and captures it as a CUDA graph
+(mode "reduce-overhead") once per row count and length: a few graphs; no step reads more of the cache than twice what its longest row uses, and a
 lone request decodes one row, not max_batch_size (its products read each weight once either way, but
 many rows' products and attention cost more: on an H100, a 7B-shaped step over 32 rows took 2.2 times one
 row's). Compiled, and captured for one row and for every row at the shortest length, when the runner is
@@ -202,6 +202,11 @@ SMALLEST_CONTEXT = 256  # the static step's shortest context length; longer ones
 # int8 weight is first written out in bfloat16 for cuBLAS: 5 bytes moved per weight instead of 1). gpt-fast's
 # settings.
 STATIC_STEP_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+# The static step for more than one row: CUDA graphs without the tuning. Its products are cuBLAS's (int8 and
+# int4: llama_core.triton_products'), so the tuning would only time variants of its small kernels, each
+# compiled in turn, for a row count and a context length both symbolic: on an H100 a 32-slot 7B engine had
+# not finished compiling its two graphs, tuned, after 300 s (docs/benchmarks.md, "GPU").
+STATIC_MANY_ROWS_OPTIONS = {"triton.cudagraphs": True}
 
 
 class DecodeStep:
@@ -232,9 +237,16 @@ class DecodeStep:
 
     def _compiled_step(self) -> Callable:
         on_cuda = self._device.type == "cuda"
-        if self.static:  # dynamic: the context length is a symbolic size, compiled once
-            return _floats_as_constants(torch.compile(
-                self._all_rows, options=STATIC_STEP_OPTIONS if on_cuda else None, fullgraph=True, dynamic=True))
+        if self.static:  # dynamic: the context length (and, past one row, the row count) a symbolic size
+            one_row = _floats_as_constants(torch.compile(
+                self._one_row, options=STATIC_STEP_OPTIONS if on_cuda else None, fullgraph=True, dynamic=True))
+            many_rows = _floats_as_constants(torch.compile(
+                self._all_rows, options=STATIC_MANY_ROWS_OPTIONS if on_cuda else None, fullgraph=True, dynamic=True))
+
+            def step(tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+                return (one_row if tokens.shape[0] == 1 else many_rows)(tokens, positions, kv_len)
+
+            return step
         return _floats_as_constants(torch.compile(self._leading_rows, fullgraph=True, dynamic=True))
 
     def __call__(
@@ -342,6 +354,11 @@ class DecodeStep:
             torch._dynamo.mark_dynamic(tokens, 0, min=2, max=self.max_batch_size)
             torch._dynamo.mark_dynamic(positions, 0, min=2, max=self.max_batch_size)
         return self._step(tokens, positions, kv_len)
+
+    def _one_row(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        # _all_rows for one row, as a function of its own: torch.compile keeps its compiled code apart, with
+        # the options of its own (STATIC_STEP_OPTIONS) and its own first trace (_floats_as_constants).
+        return self._all_rows(tokens, positions, kv_len)
 
     def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         # Rows 0..B-1 (B a row count). Rows not asked for sit at the spare position: they attend over all of [0, kv_len).

@@ -460,8 +460,13 @@ def main() -> None:
     torch_kernels_model = copy.deepcopy(model) if a.with_torch_kernels else None
     float32_panels_model = copy.deepcopy(model) if a.with_float32_panels else None
     other_kv_model = copy.deepcopy(model) if a.with_kv_cache_dtype else None
+    build_seconds: list[float] = []  # each Llama's making, its compiles and CUDA-graph captures included
+
     def llama_from_model(*args, **kwargs) -> Llama:
-        return Llama.from_model(*args, prompt_lookup=a.prompt_lookup, **kwargs)
+        started_build = time.perf_counter()
+        built = Llama.from_model(*args, prompt_lookup=a.prompt_lookup, **kwargs)
+        build_seconds.append(time.perf_counter() - started_build)
+        return built
 
     llama = llama_from_model(model, _Vocab(args.vocab_size), max_len, max_batch, compile=a.compile,
                              kv_cache_dtype=a.kv_cache_dtype)
@@ -473,6 +478,10 @@ def main() -> None:
     def add(name: str, implementation: Llama) -> None:
         impls[name] = lambda p, n: implementation.generate(p, n, temperature=0)
         engines[name] = implementation
+        report.setdefault("build_seconds", {})[name] = build_seconds[-1]
+        compiled = " (compiled)" if implementation.runner.decode_step.compiled else ""
+        print(f"{name}: made in {build_seconds[-1]:.1f} s{compiled}", flush=True)
+        progress.save()  # a run killed later (a device call's limit) still says how long the making took
 
     add("llama_core", llama)
     if compiled_model is not None:

@@ -13,7 +13,8 @@ the device-to-device copy bandwidth measured first; then, per row count, a whole
 layers' fused q/k/v, output, fused gate/up and down projections, and the vocabulary projection) and each
 variant's ratio to bfloat16. int8_inductor is taken at one row only (with more, inductor leaves the product
 to cuBLAS after converting the weight: int8_dequant). --sweep then times the kernel's tilings on each
-projection (variant int8_triton[block_n,block_k,split_k,warps,stages]) at one row and at 8, until --deadline. The JSON report (--out) is written after each projection.
+projection (variant int8_triton[block_n,block_k,split_k,warps,stages]) at one row and at 8, until
+--deadline. The JSON report (--out) is written after each projection.
 
 --dry-run runs every variant once, at 1/64 of the 7B's widths, on CPU tensors through Triton's interpreter,
 timing nothing that means anything: it checks the script itself before a device call is spent on it

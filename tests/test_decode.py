@@ -180,6 +180,36 @@ def test_the_static_steps_context_length_covers_the_rows_in_powers_of_two(meta_c
     assert DecodeStep(model, 2, static=True).context_length(1) == 128  # never past the cache
 
 
+def test_the_static_cuda_steps_two_graphs_have_options_and_a_first_trace_of_their_own(meta_ckpt_dir, monkeypatch):
+    # One row: coordinate-descent tuning (its products become tuned reductions); more rows: CUDA graphs only
+    # (its tuned compile had not ended after 300 s for a 7B on an H100). Each graph's first trace, not only the
+    # first graph's, has the model's floats as constants (under torch 2.11 dynamo otherwise guards each one with
+    # a .item() on every call).
+    import torch
+
+    from llama_core import runner
+
+    compiled = []
+
+    def fake_compile(function, options=None, **kwargs):
+        calls = []
+        compiled.append({"function": function.__name__, "options": options, "kwargs": kwargs, "calls": calls})
+        return lambda *args: calls.append(torch._dynamo.config.specialize_float) or torch.zeros(args[0].shape[0], 3)
+
+    model = build_llama(meta_ckpt_dir, max_batch_size=4).model
+    step = DecodeStep(model, 4, static=True, smallest_context=16)
+    monkeypatch.setattr(DecodeStep, "_device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(runner.torch, "compile", fake_compile)
+    compiled_step = step._compiled_step()
+    for rows in (1, 4, 1, 2, 4):
+        assert compiled_step(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long), 16).shape == (rows, 3)
+    one_row, many_rows = compiled
+    assert one_row["options"] == {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+    assert many_rows["options"] == {"triton.cudagraphs": True}
+    assert one_row["kwargs"] == many_rows["kwargs"] == {"fullgraph": True, "dynamic": True}
+    assert one_row["calls"] == [True, False] and many_rows["calls"] == [True, False, False]
+
+
 def test_a_compiled_static_step_compiles_when_warmed_up_and_not_again_across_lengths(meta_ckpt_dir):
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("torch.compile on CPU needs a C compiler")

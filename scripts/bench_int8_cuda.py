@@ -126,16 +126,18 @@ def main() -> None:
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             int8_calls = lambda product: [lambda w=w, s=s: product(x, w, s) for w, s in zip(weights, scales)]
             if sweep:  # one row: the reduction's tilings; more: the tensor-core path's (16 rows a program)
-                variants = {}
-                shapes = ([(bn, bk) for bn in (4, 8, 16) for bk in (512, 1024, 2048)] if rows == 1
-                          else [(bn, bk) for bn in (16, 32, 64) for bk in (64, 128, 256)])
-                for block_n, block_k in shapes:
-                    for warps in ((4, 8) if rows == 1 else (4,)):
-                        for stages in (2, 3, 4):
-                            for split in (1, 2):
-                                c = KernelConfig(1 if rows == 1 else 16, block_n, block_k, split, warps, stages)
-                                variants[f"int8_triton[{block_n},{block_k},{split},{warps},{stages}]"] = int8_calls(
-                                    lambda x, w, s, c=c: triton_products.int8_product(x, w, s, c))
+                rule = config_for(rows, n, k, sms)
+                if rows == 1:  # taller and shorter tiles, then pipeline stages at the rule's tiling
+                    configs = [KernelConfig(1, bn, bk, 1, warps, 3) for bn in (2, 4, 8, 16)
+                               for bk in (512, 1024, 2048, 4096) for warps in (4, 8)]
+                    configs += [KernelConfig(1, rule.block_n, rule.block_k, 1, warps, stages)
+                                for warps in (4, 8) for stages in (2, 4, 5)]
+                else:
+                    configs = [KernelConfig(16, bn, bk, split, 4, 3) for bn in (16, 32, 64) for bk in (64, 128, 256)
+                               for split in sorted({1, rule.split_k})]
+                variants = {f"int8_triton[{c.block_n},{c.block_k},{c.split_k},{c.num_warps},{c.num_stages}]":
+                            int8_calls(lambda x, w, s, c=c: triton_products.int8_product(x, w, s, c))
+                            for c in configs}
             else:
                 variants = {"bf16": [lambda w=w: F.linear(x, w) for w in floats],
                             "int8_dequant": int8_calls(lambda x, w, s: F.linear(x, w.to(x.dtype)) * s),

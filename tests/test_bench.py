@@ -260,7 +260,7 @@ def test_gpu_check_runs_the_steps_asked_for_and_carries_the_shared_files(tmp_pat
                               text=True, timeout=120, env=dict(os.environ, LLAMA_SHARED_DIR=str(shared), **(env or {})))
 
     steps = gpu_check("--list").stdout.splitlines()
-    assert steps == ["device", "7b_engine32", "7b_int8", "tests_cuda", "int8_kernels", "7b_compiled", "7b_eager (optional)",
+    assert steps == ["device", "tests_cuda", "7b_engine32", "int8_kernels", "7b_int8", "7b_compiled", "7b_eager (optional)",
                      "tests (optional)",
                      "7b_hf_compiled (optional)", "load_7b (optional)", "7b_int4 (optional)"]
     assert gpu_check("--carry").returncode == 0

@@ -46,7 +46,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, stored: Optional[str] = None) -> torch.dtype:
     """A floating-point dtype from a name; "auto" is, on CUDA, the 16-bit dtype the checkpoint is stored in
     (`stored`, "float16" or "bfloat16": Hugging Face's Llama-2 are float16, and running them in bfloat16 would
-    round every weight), else bfloat16 (float16 where bf16 is unsupported); on CPU float32 (where the CPU
+    round every weight), else bfloat16 (float16 on GPUs before Ampere, which only emulate bfloat16); on CPU float32 (where the CPU
     kernels keep 16-bit weights as they were stored).
 
     Raises:
@@ -58,13 +58,20 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, stored: Option
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
-            if stored == "float16" or not torch.cuda.is_bf16_supported():
+            if stored == "float16" or not native_bfloat16(device):
                 return torch.float16
             return torch.bfloat16
         return torch.float32
     if dtype not in DTYPE_NAMES:
         raise InvalidRequestError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
     return DTYPE_NAMES[dtype]
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether the CUDA device computes in bfloat16 natively (compute capability 8.0 and later: A100, H100,
+    RTX 30xx...). torch.cuda.is_bf16_supported() also says yes where it is only emulated (V100, T4), much
+    slower than float16 there."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: Optional[str | torch.dtype]) -> Optional[torch.dtype]:

@@ -235,14 +235,18 @@ def test_a_hugging_face_checkpoint_says_which_16_bit_dtype_it_is_stored_in(tmp_p
 
 def test_auto_dtype_on_a_gpu_is_the_16_bit_dtype_the_checkpoint_is_stored_in(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    capability = {"cuda": (9, 0)}  # an H100's
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["cuda"])
     assert resolve_dtype("auto", cuda, "float16") == torch.float16  # Hugging Face's Llama-2: not rounded to bfloat16
     assert resolve_dtype("auto", cuda, "bfloat16") == torch.bfloat16
     assert resolve_dtype("auto", cuda, None) == torch.bfloat16
     assert resolve_dtype("auto", cpu, "float16") == torch.float32  # the CPU keeps 16-bit weights in its panels
     assert resolve_dtype("bfloat16", cuda, "float16") == torch.bfloat16  # what the user asks for
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    capability["cuda"] = (7, 5)  # a T4's: torch.cuda.is_bf16_supported() says yes (emulated), float16 is native
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert resolve_dtype("auto", cuda, "bfloat16") == torch.float16
+    assert resolve_dtype("auto", cuda, None) == torch.float16
+    assert resolve_dtype("bfloat16", cuda, None) == torch.bfloat16  # asked for: emulated, but it runs
 
 
 # -- Hugging Face checkpoints in PyTorch's format (pytorch_model*.bin) ----------------------------------------

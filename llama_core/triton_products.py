@@ -23,6 +23,7 @@ kernels are ``torch.library.triton_op``s, which inductor places in its own gener
 eager calls launch them directly. ``TRITON_INTERPRET=1`` runs them on CPU tensors (tests/test_quantize.py).
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -124,11 +125,12 @@ def _product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, int4: 
         out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
         partial_stride = m * n
     grid = (triton.cdiv(n, config.block_n), splits, triton.cdiv(m, config.block_m))
-    launch(_rows_kernel)[grid](
-        rows, weight, scales, out, m, n, k, k_per_split, rows.stride(0), weight.stride(0),
-        scales.stride(0) if int4 else 1, n, partial_stride, INT4=int4,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP=GROUP, ZERO_LEVEL=ZERO_LEVEL,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    with launch_device(x, launch):
+        launch(_rows_kernel)[grid](
+            rows, weight, scales, out, m, n, k, k_per_split, rows.stride(0), weight.stride(0),
+            scales.stride(0) if int4 else 1, n, partial_stride, INT4=int4,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP=GROUP,
+            ZERO_LEVEL=ZERO_LEVEL, num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         out = out.sum(0).to(x.dtype)
     return out.view(*x.shape[:-1], n)
@@ -136,6 +138,15 @@ def _product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, int4: 
 
 def _direct(kernel):
     return kernel
+
+
+def launch_device(x: torch.Tensor, launch) -> contextlib.AbstractContextManager:
+    """Where a kernel launched now (launch _direct) runs on x's GPU: Triton launches on the current device and its
+    stream, not the tensors' (a model on cuda:1 would be read from cuda:0). Inductor's code, where the traced
+    operator lands, guards its device itself."""
+    if launch is _direct and x.device.type == "cuda":
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
 
 
 def int8_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,

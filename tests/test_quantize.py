@@ -342,6 +342,23 @@ def test_the_cuda_quantized_kernels_compile_for_an_h100(tmp_path):
     assert len(compiled) == 36 and all(entry[-1] for entry in compiled), compiled
 
 
+def test_a_cuda_kernel_launched_now_runs_on_its_tensors_gpu():
+    # Triton launches on the current device: a model on cuda:1 had its eager int8/int4 products launched on
+    # cuda:0 (CUDA review). A direct launch is put on x's device; the traced operator (inductor guards its
+    # device itself) and CPU tensors (Triton's interpreter) are left as they are.
+    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch bring it)")
+    from types import SimpleNamespace
+
+    from llama_core import triton_products
+
+    on_second_gpu = SimpleNamespace(device=torch.device("cuda", 1))
+    guard = triton_products.launch_device(on_second_gpu, triton_products._direct)
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    traced = triton_products.launch_device(on_second_gpu, torch.library.wrap_triton)
+    assert not isinstance(traced, torch.cuda.device)
+    assert not isinstance(triton_products.launch_device(torch.zeros(1), triton_products._direct), torch.cuda.device)
+
+
 class _FailingTritonProducts:
     """Stands for llama_core.triton_products where its kernels cannot be built (a triton too old, say)."""
 

@@ -233,21 +233,25 @@ class DecodeStep:
         self.compiled = compile
         self.static = static or (compile and on_cuda)
         self.leading_rows = compile and not self.static
+        self._traced: list[_FloatsAsConstants] = []  # the compiled functions, while warm_up traces them
         self._step = self._compiled_step() if compile else self._all_rows
 
     def _compiled_step(self) -> Callable:
         on_cuda = self._device.type == "cuda"
         if self.static:  # dynamic: the context length (and, past one row, the row count) a symbolic size
-            one_row = _floats_as_constants(torch.compile(
+            one_row = _FloatsAsConstants(torch.compile(
                 self._one_row, options=STATIC_STEP_OPTIONS if on_cuda else None, fullgraph=True, dynamic=True))
-            many_rows = _floats_as_constants(torch.compile(
+            many_rows = _FloatsAsConstants(torch.compile(
                 self._all_rows, options=STATIC_MANY_ROWS_OPTIONS if on_cuda else None, fullgraph=True, dynamic=True))
+            self._traced = [one_row, many_rows]
 
             def step(tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
                 return (one_row if tokens.shape[0] == 1 else many_rows)(tokens, positions, kv_len)
 
             return step
-        return _floats_as_constants(torch.compile(self._leading_rows, fullgraph=True, dynamic=True))
+        leading = _FloatsAsConstants(torch.compile(self._leading_rows, fullgraph=True, dynamic=True))
+        self._traced = [leading]
+        return leading
 
     def __call__(
         self,
@@ -314,17 +318,25 @@ class DecodeStep:
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            if triton_rows() is None or not any(isinstance(m, (Int8Linear, Int4Linear)) for m in self.model.modules()):
+            if not self._triton_products():
                 raise
             triton_failed(exc)
             torch._dynamo.reset()
             self._step = self._compiled_step()
             self._warm_up()
+        for traced in self._traced:  # every graph serving needs is traced: later calls skip the float patch
+            traced.tracing = False
+
+    def _triton_products(self) -> bool:
+        return triton_rows() is not None and any(isinstance(m, (Int8Linear, Int4Linear)) for m in self.model.modules())
 
     def _warm_up(self) -> None:
         with torch.inference_mode():  # as the engine calls it: torch.compile guards on inference tensors
             if self.static:
-                for count in sorted({1, self.max_batch_size}):
+                counts = {1, self.max_batch_size}
+                if self._triton_products():  # up to MAX_ROWS rows the products are the kernel's, past it cuBLAS's:
+                    counts.add(min(self.max_batch_size, triton_rows().MAX_ROWS))  # a graph for each, traced now
+                for count in sorted(counts):
                     positions = torch.full((count,), self.max_seq_len - 1, device=self._device)
                     for _ in range(3):  # torch.compile's CUDA graphs: a warm-up run, the capture, a replay
                         self._step(positions * 0, positions, self.context_length(1))
@@ -357,7 +369,7 @@ class DecodeStep:
 
     def _one_row(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
         # _all_rows for one row, as a function of its own: torch.compile keeps its compiled code apart, with
-        # the options of its own (STATIC_STEP_OPTIONS) and its own first trace (_floats_as_constants).
+        # the options of its own (STATIC_STEP_OPTIONS) and its own traces (_FloatsAsConstants).
         return self._all_rows(tokens, positions, kv_len)
 
     def _all_rows(self, tokens: torch.Tensor, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -369,24 +381,23 @@ class DecodeStep:
         return self.model(tokens[:, None], positions[:, None], cache_rows=None, kv_len=kv_len)[:, 0]
 
 
-def _floats_as_constants(compiled: Callable) -> Callable:
+class _FloatsAsConstants:
     """compiled, traced with the model's float attributes (each RMSNorm's eps, rope_theta) as constants.
     Under dynamic=True, torch 2.11's dynamo traces them as symbolic values, specialises them, and then
     guards each one on every call by making it a tensor and reading it back with .item(): two host-side
-    .item() calls a layer on every step (67 for a 7B). The first call traces (warm_up makes it); later ones
-    skip the config patch, which costs tens of microseconds a step."""
-    traced = False
+    .item() calls a layer on every step (67 for a 7B). Every call patches dynamo's config while tracing is
+    True; DecodeStep.warm_up, having traced every graph serving needs, sets it False: the patch costs tens of
+    microseconds a step."""
 
-    def step(*args):
-        nonlocal traced
-        if traced:
-            return compiled(*args)
+    def __init__(self, compiled: Callable) -> None:
+        self.compiled = compiled
+        self.tracing = True
+
+    def __call__(self, *args):
+        if not self.tracing:
+            return self.compiled(*args)
         with torch._dynamo.config.patch(specialize_float=True):
-            out = compiled(*args)
-        traced = True
-        return out
-
-    return step
+            return self.compiled(*args)
 
 
 def cpu_serving_layout(part: nn.Module, float32_model: bool = True) -> nn.Module:

@@ -180,34 +180,53 @@ def test_the_static_steps_context_length_covers_the_rows_in_powers_of_two(meta_c
     assert DecodeStep(model, 2, static=True).context_length(1) == 128  # never past the cache
 
 
-def test_the_static_cuda_steps_two_graphs_have_options_and_a_first_trace_of_their_own(meta_ckpt_dir, monkeypatch):
+@pytest.mark.parametrize("max_batch_size", [4, 96])
+def test_the_static_cuda_steps_graphs_are_all_traced_in_warm_up_with_their_options(meta_ckpt_dir, monkeypatch,
+                                                                                    max_batch_size):
     # One row: coordinate-descent tuning (its products become tuned reductions); more rows: CUDA graphs only
-    # (its tuned compile had not ended after 300 s for a 7B on an H100). Each graph's first trace, not only the
-    # first graph's, has the model's floats as constants (under torch 2.11 dynamo otherwise guards each one with
-    # a .item() on every call).
+    # (its tuned compile had not ended after 300 s for a 7B on an H100). Warm-up traces every graph serving needs,
+    # each with the model's floats as constants (under torch 2.11 dynamo otherwise guards each one with a .item()
+    # on every call); with llama_core's Triton products past 64 slots, the many-row step has a graph up to 64 rows
+    # (the kernel's) and one past (cuBLAS's), else the first step of a few rows compiled again while serving.
     import torch
 
-    from llama_core import runner
+    from llama_core import quantize, runner
 
     compiled = []
 
     def fake_compile(function, options=None, **kwargs):
         calls = []
         compiled.append({"function": function.__name__, "options": options, "kwargs": kwargs, "calls": calls})
-        return lambda *args: calls.append(torch._dynamo.config.specialize_float) or torch.zeros(args[0].shape[0], 3)
+
+        def run(tokens, positions, kv_len):
+            calls.append((tokens.shape[0], torch._dynamo.config.specialize_float))
+            return torch.zeros(tokens.shape[0], 3)
+
+        return run
+
+    class TritonProducts:
+        MAX_ROWS = 64
 
     model = build_llama(meta_ckpt_dir, max_batch_size=4).model
-    step = DecodeStep(model, 4, static=True, smallest_context=16)
+    quantize_int8(model)
+    monkeypatch.setattr(quantize, "_TRITON_ROWS", TritonProducts)
+    monkeypatch.setattr(quantize, "_TRITON_LOOKED_FOR", True)
     monkeypatch.setattr(DecodeStep, "_device", property(lambda self: torch.device("cuda")))
     monkeypatch.setattr(runner.torch, "compile", fake_compile)
-    compiled_step = step._compiled_step()
-    for rows in (1, 4, 1, 2, 4):
-        assert compiled_step(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long), 16).shape == (rows, 3)
+    monkeypatch.setattr(torch, "full", lambda size, value, device=None: torch.zeros(size, dtype=torch.long) + value)
+    step = DecodeStep(model, max_batch_size, static=True, compile=True, smallest_context=16)
+    step.warm_up()
     one_row, many_rows = compiled
     assert one_row["options"] == {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
     assert many_rows["options"] == {"triton.cudagraphs": True}
     assert one_row["kwargs"] == many_rows["kwargs"] == {"fullgraph": True, "dynamic": True}
-    assert one_row["calls"] == [True, False] and many_rows["calls"] == [True, False, False]
+    warmed = [4] if max_batch_size == 4 else [64, 96]
+    assert one_row["calls"] == [(1, True)] * 3
+    assert many_rows["calls"] == [(rows, True) for rows in warmed for _ in range(3)]
+    with torch.inference_mode():
+        step._step(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), 16)
+        step._step(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 16)
+    assert many_rows["calls"][-1] == (2, False) and one_row["calls"][-1] == (1, False)
 
 
 def test_a_compiled_static_step_compiles_when_warmed_up_and_not_again_across_lengths(meta_ckpt_dir):

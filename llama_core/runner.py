@@ -6,9 +6,10 @@ longest row's positions: the least work, which is what a CPU wants. Static (`com
 the cache's leading rows 0..n-1 up to the highest row asked for, n rounded up to a power of two (at most
 max_batch_size), attending over a context length rounded up to a power of two (at least 256 positions, at
 most max_seq_len), so torch.compile compiles the step twice, for one row (with coordinate-descent tuning)
-and for n a symbolic size (without), with the length a symbolic size, and captures it as a CUDA graph
-(mode "reduce-overhead") once per row count and length: a few graphs; no step reads more of the cache than twice what its longest row uses, and a
-lone request decodes one row, not max_batch_size (its products read each weight once either way, but
+and for n a symbolic size (without; with int8 or int4 kernels and more than 64 slots, once up to 64 rows and
+once past), with the length a symbolic size, and captures it as a CUDA graph (mode "reduce-overhead") once
+per row count and length: a few graphs; no step reads more of the cache than twice what its longest row
+uses, and a lone request decodes one row, not max_batch_size (its products read each weight once either way, but
 many rows' products and attention cost more: on an H100, a 7B-shaped step over 32 rows took 2.2 times one
 row's). Compiled, and captured for one row and for every row at the shortest length, when the runner is
 made; slots_to_fill() keeps new requests in the lowest rows. Leading rows (`compile=True` on CPU):

@@ -324,6 +324,18 @@ for kind in ("int8", "int4"):
                 kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                         options={"num_warps": config.num_warps, "num_stages": config.num_stages})
                 compiled.append([kind, dtype, rows, n, k, "cubin" in kernel.asm])
+# int8 scales in the activations' dtype (a layer quantized from a 16-bit model), and float32 partial sums (split)
+for dtype in ("bf16", "fp16"):
+    for rows in (1, 2):
+        config = triton_products.KernelConfig(1 if rows == 1 else 16, 8, 256, 2)
+        constants = {"INT4": False, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+                     "GROUP": triton_products.GROUP, "ZERO_LEVEL": triton_products.ZERO_LEVEL}
+        signature = {"x_ptr": "*" + dtype, "w_ptr": "*i8", "scale_ptr": "*" + dtype, "out_ptr": "*fp32",
+                     **{name: "i32" for name in ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn",
+                                                 "stride_om", "stride_os")}, **{name: "constexpr" for name in constants}}
+        source = ASTSource(triton_products._rows_kernel, signature=signature, constexprs=constants)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        compiled.append(["int8 split", dtype, rows, 4096, 4096, "cubin" in kernel.asm])
 print(json.dumps(compiled))
 """
 
@@ -339,7 +351,7 @@ def test_the_cuda_quantized_kernels_compile_for_an_h100(tmp_path):
                          env={**env, "TRITON_CACHE_DIR": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(compiled) == 36 and all(entry[-1] for entry in compiled), compiled
+    assert len(compiled) == 40 and all(entry[-1] for entry in compiled), compiled
 
 
 def test_a_cuda_kernel_launched_now_runs_on_its_tensors_gpu():

@@ -682,6 +682,52 @@ def test_pasted_and_out_of_range_settings_are_saved_as_the_page_shows_them(page)
     set_number(page, "#chat-temperature", 0.6)
 
 
+def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, browser, monkeypatch):
+    # A reply ending, a setting changed or another chat chosen in a tab whose conversations another tab changed
+    # wrote its whole copy back, silently replacing the other tab's exchanges (UI pass: 3 of 3). Now they are held
+    # until the user keeps them.
+    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
+    context = browser.new_context(viewport={"width": 1280, "height": 900})  # two tabs: one localStorage
+    page, other = context.new_page(), context.new_page()
+    for tab in (page, other):
+        tab.set_default_timeout(TIMEOUT_MS)
+        tab.goto(served[1])
+        expect(tab.locator("#chat-input textarea")).to_be_visible()
+        tab.wait_for_function(f"() => localStorage.getItem({json.dumps(ui.STORAGE_KEY)}) !== null")
+    page.wait_for_timeout(3500)  # past the 3 s after a tab opens, in which a write is taken for its opening
+    new_chat(page)
+    send(page, "A long tale, please.")
+    expect(page.locator("#chat-stop")).to_be_visible()
+    other.reload()  # up to date with the first tab's new chat
+    expect(other.locator("#chat-input textarea")).to_be_visible()
+    other.wait_for_timeout(3500)
+    before = stored(other)
+    new_chat(other)
+    send(other, "From the other tab.")
+    expect(other.locator("#chat-stop")).to_be_visible()
+    other.locator("#chat-stop").dispatch_event("click")  # its reply is held open too
+    expect(other.locator("#chat-stats")).to_contain_text("Stopped")
+    wait_saved(other, before)
+    theirs = stored(other)
+    note = page.locator("#other-tab-note")
+    expect(note).to_contain_text("changed in another tab")
+    page.locator("#chat-stop").dispatch_event("click")  # the reply ends: the page would write its copy
+    expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    expect(note.get_by_role("button", name="Keep this tab's")).to_be_visible()
+    expect(note).to_contain_text("not saved")
+    set_number(page, "#chat-temperature", 1.1)  # a setting: held too
+    page.wait_for_timeout(1500)
+    assert stored(other) == theirs  # the other tab's exchange is still saved
+    note.get_by_role("button", name="Keep this tab's").click()
+    expect(note).to_have_count(0)
+    wait_saved(other, theirs)
+    expect(other.locator("#other-tab-note")).to_contain_text("changed in another tab")  # now the other one is stale
+    other.get_by_role("button", name="Reload").click()
+    expect(other.locator("#chat-list")).to_contain_text("A long tale, please.")
+    expect(other.locator("#chat-temperature input[type=number]")).to_have_value("1.1")
+    context.close()
+
+
 def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
     context = browser.new_context(viewport={"width": 1280, "height": 900})  # two tabs: one localStorage
     page, other = context.new_page(), context.new_page()
@@ -715,7 +761,7 @@ def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
     assert len(asked) == 2 and all("changed in another tab" in message for message in asked), asked
     expect(page.locator('#chatbot [data-testid="user"]')).to_have_count(bubbles)
     page.remove_listener("dialog", dismissed)
-    note.locator("button").click()  # Reload
+    note.get_by_role("button", name="Reload").click()
     expect(page.locator("#chat-list")).to_contain_text("From the other tab.")
     expect(page.locator("#other-tab-note")).to_have_count(0)
     page.wait_for_timeout(3500)  # past the reload's own write

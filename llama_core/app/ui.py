@@ -90,41 +90,65 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 }"""
 # Run once the page loads. Each tab holds the conversations as they were when it opened, and writes them all back
 # when anything changes: another tab of the app changing them (the browser then fires "storage" here) makes
-# this one's copy stale, so it says so, offering a reload, before a change here replaces the other tab's.
+# this one's copy stale, so it says so, offering a reload. From then on this tab writes nothing by itself: what
+# it would write (a reply ending, a setting changed, another chat chosen) is held, and the note offers to keep
+# it, replacing the other tab's; a change the user makes here (sending, a new chat, retry, undo...) asks first.
 # A tab also writes them once as it opens (gr.BrowserState, unchanged but encrypted anew): each tab says it
 # opened under a key of its own, and a write within 3 s of that is not taken for a change.
-# Leaving or reloading the page while a chat reply streams asks first: the reply is kept only when it ends.
+# Leaving or reloading the page while a chat reply streams, or with changes held, asks first.
 PAGE_JS = """() => {
   const key = %s, opened = key + "-opened";
-  let openedAt = -1e9;
-  localStorage.setItem(opened, String(Math.random()));
+  const write = Storage.prototype.setItem;
+  let openedAt = -1e9, held = null, leaving = false;
+  const note = () => document.getElementById("other-tab-note");
+  const keep = () => {  // this tab's copy replaces the other tab's
+    note()?.remove();
+    if (held !== null) write.call(localStorage, key, held);
+    held = null;
+  };
+  Storage.prototype.setItem = function (name, value) {
+    if (this !== localStorage || name !== key || !note()) return write.call(this, name, value);
+    held = value;  // the other tab's changes stay until the user chooses
+    const shown = note();
+    if (!shown.querySelector("#other-tab-keep")) {
+      shown.firstChild.textContent = "Your conversations were changed in another tab of this app. What changed " +
+        "here since is not saved: Reload to see the other tab's (this tab's changes are lost), or keep this " +
+        "tab's (the other tab's are lost).";
+      const button = document.createElement("button");
+      button.id = "other-tab-keep";
+      button.textContent = "Keep this tab's";
+      button.onclick = keep;
+      shown.append(button);
+    }
+  };
+  write.call(localStorage, opened, String(Math.random()));
   window.addEventListener("storage", (event) => {
     if (event.key === opened) openedAt = performance.now();
     if (event.key !== key) return;
     const changedAt = performance.now();
     setTimeout(() => {
-      if (Math.abs(changedAt - openedAt) < 3000 || document.getElementById("other-tab-note")) return;
-      const note = document.createElement("div");
-      note.id = "other-tab-note";
-      note.setAttribute("role", "alert");
-      note.append("Your conversations were changed in another tab of this app. Reload to see them here: " +
-                  "a change made here first would replace them.");
+      if (Math.abs(changedAt - openedAt) < 3000 || note()) return;
+      const shown = document.createElement("div");
+      shown.id = "other-tab-note";
+      shown.setAttribute("role", "alert");
+      shown.append(document.createElement("span"));
+      shown.firstChild.textContent = "Your conversations were changed in another tab of this app. Reload to see " +
+        "them here: a change made here first would replace them.";
       const reload = document.createElement("button");
       reload.textContent = "Reload";
-      reload.onclick = () => location.reload();
-      note.append(reload);
-      document.body.prepend(note);
+      reload.onclick = () => { leaving = true; location.reload(); };
+      shown.append(reload);
+      document.body.prepend(shown);
     }, 1500);
   });
   // While the note shows, a change here (sending, a new chat, retry, undo...) asks first: it would replace the
   // other tab's. Going on makes this tab's copy the one kept, so the note goes.
   const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-undo, #chat-clear, #chat-branch-retry";
   const goOn = () => {
-    const note = document.getElementById("other-tab-note");
-    if (!note) return true;
+    if (!note()) return true;
     if (!confirm("Your conversations were changed in another tab of this app. Going on here replaces those " +
                  "changes with this tab's. Go on? (Cancel, then Reload, to see them.)")) return false;
-    note.remove();
+    keep();
     return true;
   };
   const guard = (event) => { if (!goOn()) { event.preventDefault(); event.stopImmediatePropagation(); } };
@@ -137,7 +161,10 @@ PAGE_JS = """() => {
   }, true);
   window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
     const stop = document.getElementById("chat-stop");
-    if (stop && stop.checkVisibility()) { event.preventDefault(); event.returnValue = ""; }
+    if ((stop && stop.checkVisibility()) || (held !== null && !leaving)) {
+      event.preventDefault();
+      event.returnValue = "";
+    }
   });
 }""" % json.dumps(STORAGE_KEY)
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]

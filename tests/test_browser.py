@@ -682,6 +682,24 @@ def test_pasted_and_out_of_range_settings_are_saved_as_the_page_shows_them(page)
     set_number(page, "#chat-temperature", 0.6)
 
 
+def test_html_in_a_message_cannot_cover_the_page(page):
+    # Gradio renders a message's HTML (scripts removed, inline styles kept): a fixed, full-screen element covered
+    # the page and took every click, also after a reload (UI pass). Each message is now its own containing block,
+    # clipped to its bubble, whatever the element's own !important styles.
+    new_chat(page)
+    cover = ('<div id="cover" style="position: fixed !important; inset: 0 !important; z-index: 99999 !important; '
+             'background: #b91c1c; width: 100vw; height: 100vh">Session expired. Log in again.</div>')
+    send(page, cover)
+    expect(page.locator("#chatbot #cover")).to_have_count(1)
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    for x, y in ((640, 450), (20, 20), (1200, 850)):
+        hit = page.evaluate("([x, y]) => { const e = document.elementFromPoint(x, y); return e && e.closest('#cover') "
+                            "!== null; }", [x, y])
+        assert not hit, (x, y)
+    page.click("#chat-new")  # the page still takes clicks
+    expect(page.locator("#chatbot #cover")).to_have_count(0)
+
+
 def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, browser, monkeypatch):
     # A reply ending, a setting changed or another chat chosen in a tab whose conversations another tab changed
     # wrote its whole copy back, silently replacing the other tab's exchanges (UI pass: 3 of 3). Now they are held

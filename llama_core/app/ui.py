@@ -79,6 +79,9 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 #completion-marked .token-container, #completion-marked .token { display: inline-flex; margin: 0; }
 #completion-marked .line-break { flex-basis: 100%; }
 #completion-marked .line-break + .line-break { height: 1lh; }  /* a blank line keeps its height */
+/* Each message is the containing block of what it holds, clipped to it: Gradio keeps a message's inline styles, and
+   a fixed or absolute element there (!important or not) would otherwise cover the page and take its clicks. */
+#chatbot [data-testid="user"], #chatbot [data-testid="bot"] { contain: paint; }
 #other-tab-note { position: sticky; top: 0; z-index: 1000; padding: 8px 12px; background: #fef3c7; color: #78350f;
   border-bottom: 1px solid #f59e0b; font-size: var(--text-md); }
 #other-tab-note button { margin-left: 8px; text-decoration: underline; font-weight: 600; }

@@ -406,6 +406,12 @@ def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypat
     expect(page.locator("#chat-retry")).to_be_disabled()
     expect(bot.first).to_have_text(re.compile(r"\S"))
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-streaming.png"))
+    said = []  # the chatbot's own trash button, not disabled while streaming: it says to stop first
+    page.once("dialog", lambda dialog: (said.append((dialog.type, dialog.message)), dialog.accept()))
+    page.locator('#chatbot button[aria-label="Clear"]').dispatch_event("click")
+    page.wait_for_timeout(500)
+    assert said == [("alert", "A reply is still coming: Stop it first.")]
+    expect(page.locator("#chat-stop")).to_be_visible()
     before = stored(page)
     page.locator("#chat-stop").dispatch_event("click")  # re-rendered with each update: never "stable"
     expect(page.locator("#chat-stats")).to_contain_text("Stopped")

@@ -56,6 +56,13 @@ STREAM_UPDATE_SECONDS = 0.1
 # Conversations are kept in the browser's localStorage under this key. Gradio encrypts them with the secret; a
 # fixed one lets them survive a server restart (it guards nothing: the data is the user's own, in their browser).
 STORAGE_KEY, STORAGE_SECRET = "llama-core-conversations", "llama-core-conversations-v1"
+# The page's question before Clear or Delete; while a reply streams (the chatbot's own trash button is not disabled
+# then), it says to stop first instead, and nothing is cleared.
+ASK_UNLESS_STREAMING = """() => {
+  const stop = document.getElementById("chat-stop");
+  if (stop && stop.checkVisibility()) { alert("A reply is still coming: Stop it first."); return false; }
+  return confirm(%s);
+}"""
 CLEAR_QUESTION = "Clear this chat? Its messages, every version of them, are removed; this cannot be undone."
 DELETE_QUESTION = "Delete this chat? It and every version of its messages are removed; this cannot be undone."
 STOPPED_STATS = "Stopped: the reply above was cut short."  # under a reply Stop ended
@@ -993,7 +1000,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         for trigger, question, then in ((clear.click, CLEAR_QUESTION, clear_chat),
                                         (chatbot.clear, CLEAR_QUESTION, clear_chat),
                                         (delete_button.click, DELETE_QUESTION, delete)):
-            trigger(None, None, confirmed, js=f"() => confirm({json.dumps(question)})", queue=False, **ui) \
+            trigger(None, None, confirmed, js=ASK_UNLESS_STREAMING % json.dumps(question), queue=False, **ui) \
                 .then(then, [store, pending, confirmed], view_outputs, queue=False, **ui)
         new_button.click(new_chat, [store, pending, system_prompt, *chat_controls], view_outputs, queue=False, **ui)
         chat_list.input(switch, [chat_list, store, pending], view_outputs, queue=False, **ui)

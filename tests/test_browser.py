@@ -83,6 +83,15 @@ def test_chat_reply_streams_into_the_chatbot(page):
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot.png"))
 
 
+def test_the_completion_seed_starts_empty_when_its_section_opens(page):
+    # An empty Number first shown when Advanced opens showed, and sent, 0: every completion alike (docs pass).
+    page.click("#completion-tab-button")
+    page.locator("#completion-tab").get_by_text("Advanced").click()
+    expect(page.locator("#completion-seed input")).to_be_visible()
+    page.wait_for_timeout(500)
+    expect(page.locator("#completion-seed input")).to_have_value("")
+
+
 def test_completion_shows_tokens_coloured_by_probability(page):
     page.click("#completion-tab-button")
     page.check("#completion-probabilities input")

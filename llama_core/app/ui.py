@@ -1015,6 +1015,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         export_markdown.click(lambda s: export(s, "md"), store, exported, queue=False, **ui)
         import_button.upload(import_file, [import_button, store, pending], view_outputs, queue=False, **ui)
         demo.load(restore, store, view_outputs, queue=False, **ui)
+        # An empty Number shown only later (under Advanced, closed) shows, and sends, 0 unless set empty after load.
+        demo.load(lambda: None, None, completion_controls[conversations.SETTINGS.index("seed")], queue=False, **ui)
 
         completion_inputs = [prompt, *completion_controls, echo, show_probabilities]
         continues = continue_button.click(continued_prompt, [prompt, completed], prompt, queue=False, **ui).then

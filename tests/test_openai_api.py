@@ -136,6 +136,30 @@ def test_health_says_when_the_model_process_is_stuck(served, monkeypatch):
     assert httpx.get(url, timeout=10).status_code == 200
 
 
+def test_health_of_a_model_process_that_just_ended_says_restarting(served, monkeypatch):
+    """The moment after the model process is killed, its pipe is closed before its supervisor has marked it
+    restarting: /health said "unresponsive" (meant for one alive and stuck) for about half a second (docs
+    pass). It waits, briefly, for the supervisor's word."""
+    import threading
+
+    from llama_core.errors import EngineUnavailableError
+
+    engine, url = served[0], served[1].removesuffix("v1") + "health"
+
+    def ended(*args):
+        raise EngineUnavailableError("the model process stopped")
+
+    monkeypatch.setattr(engine, "stats", ended)
+    monkeypatch.setattr(engine, "state", "running")
+    supervisor = threading.Timer(0.3, lambda: setattr(engine, "state", "restarting"))
+    supervisor.start()
+    try:
+        health = httpx.get(url, timeout=10)
+    finally:
+        supervisor.join()
+    assert health.status_code == 503 and health.json()["status"] == "restarting", health.text
+
+
 # -- chat ------------------------------------------------------------------------------------------------
 def test_chat_stream_equals_non_stream_with_usage(client, model_id, served):
     whole = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=24, temperature=0)

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..dialog import UNSAFE_ERROR, Dialog, encode_dialog, ends_in_reply
-from ..errors import ContextLengthError, InvalidRequestError, LlamaError
+from ..errors import ContextLengthError, EngineUnavailableError, InvalidRequestError, LlamaError
 from ..grammar import Grammar
 from ..serving import aio, requests
 from ..serving.events import StreamChunk
@@ -38,6 +38,7 @@ from .schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, Det
 from .streaming import Batch, merged_batches
 
 MAX_CHOICES = 16  # most choices (n x prompts) in one request
+ENDED_STATE_SECONDS = 2.0  # /health's wait for a model process that just ended to be restarting (or failed)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "stop", "seed", "logit_bias")
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
@@ -85,13 +86,22 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         "failed" when it could not be restarted, "stopping", "stopped", or "unresponsive": its process is alive
         but does not answer, stuck)."""
         if engine.alive:
-            stats = engine.stats()  # a model process is asked (None: it does not answer); in-process, read here
-            if stats is not None:
+            try:
+                stats = engine.stats()  # a model process is asked (None: it does not answer); in-process, read here
+            except EngineUnavailableError:
+                pass  # its process ended a moment ago: its state below says what comes next
+            else:
+                if stats is None:
+                    return JSONResponse({"status": "unresponsive", "model": model_id}, status_code=503,
+                                        headers={"Retry-After": "5"})
                 return JSONResponse({"status": "ok", "model": model_id, **stats})
-            return JSONResponse({"status": "unresponsive", "model": model_id}, status_code=503,
-                                headers={"Retry-After": "5"})
         state = getattr(engine, "state", "stopped")
-        return JSONResponse({"status": state, "model": model_id}, status_code=503, headers={"Retry-After": "5"})
+        waited = time.monotonic() + ENDED_STATE_SECONDS
+        while state == "running" and time.monotonic() < waited:  # ended a moment ago: not yet restarting
+            time.sleep(0.05)
+            state = getattr(engine, "state", "stopped")
+        return JSONResponse({"status": "restarting" if state == "running" else state, "model": model_id},
+                            status_code=503, headers={"Retry-After": "5"})
 
     @api.get("/v1/models", dependencies=v1)
     def list_models() -> dict[str, Any]:

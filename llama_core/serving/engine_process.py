@@ -286,15 +286,21 @@ class EngineProcess:
     def stats(self, seconds: float = ANSWER_SECONDS) -> Optional[dict]:
         """The engine's counters (as Engine.stats), or None where the model process does not answer within
         `seconds`, as it does between two engine turns: one stopped or stuck (a hung device, a deadlock) does
-        not, though it is alive."""
+        not, though it is alive.
+
+        Raises:
+            EngineUnavailableError: the model process ended (or its pipe closed) before answering."""
         try:
             return self._ask(("stats", next(self._ids)), timeout=seconds)[2]
-        except (TimeoutError, LlamaError):
+        except TimeoutError:
             return None
 
     def responsive(self, seconds: float = ANSWER_SECONDS) -> bool:
         """Whether the model process answers within `seconds` (see stats)."""
-        return self.stats(seconds) is not None
+        try:
+            return self.stats(seconds) is not None
+        except LlamaError:
+            return False
 
     def _ask(self, message: tuple, timeout: Optional[float] = None) -> tuple:
         """Sends message (its second item a fresh id) and waits for the child's answer to it; raises

@@ -92,6 +92,19 @@ def test_the_completion_seed_starts_empty_when_its_section_opens(page):
     expect(page.locator("#completion-seed input")).to_have_value("")
 
 
+def test_the_completion_prompt_says_its_keys_enter_a_new_line_shift_enter_generates(page):
+    # The reverse of the chat box's (Enter sends there), which a user adding a line did not expect (UI pass).
+    page.click("#completion-tab-button")
+    box = page.locator("#completion-prompt textarea")
+    expect(box).to_have_attribute("placeholder", re.compile("Shift\\+Enter generates"))
+    box.fill("ROMEO:")
+    box.press("Enter")
+    expect(box).to_have_value("ROMEO:\n")
+    expect(page.locator("#completion-stats")).to_have_text("")
+    box.press("Shift+Enter")
+    expect(page.locator("#completion-stats")).to_contain_text("tokens/s")
+
+
 def test_completion_shows_tokens_coloured_by_probability(page):
     page.click("#completion-tab-button")
     page.check("#completion-probabilities input")

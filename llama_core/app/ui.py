@@ -938,8 +938,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                     chat_controls = _sampling_controls(info.max_seq_len, "chat")
             with gr.Tab("Completion", elem_id="completion-tab"), gr.Row():
                 with gr.Column(scale=3):
-                    prompt = gr.Textbox(label="Prompt", lines=4, placeholder="Text for the model to continue",
-                                        elem_id="completion-prompt")
+                    prompt = gr.Textbox(label="Prompt", lines=4, elem_id="completion-prompt",  # Enter: a new line
+                                        placeholder="Text for the model to continue (Shift+Enter generates)")
                     prompt_size = gr.Markdown(prompt_size_line(engine, ""), elem_id="completion-prompt-tokens")
                     with gr.Row():
                         generate = gr.Button("Generate", variant="primary", elem_id="completion-generate")

@@ -418,6 +418,23 @@ def wait_saved(page, before: str) -> None:
     page.wait_for_function(f"(before) => localStorage.getItem({json.dumps(ui.STORAGE_KEY)}) !== before", arg=before)
 
 
+def test_escape_stops_a_reply_and_the_box_has_the_focus_after(page, monkeypatch):
+    # Stop by keyboard hid the focused button and dropped the focus to the page; Escape did nothing (UI pass).
+    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
+    new_chat(page)
+    send(page, "Tell me the whole tale of the king.")
+    expect(page.locator("#chat-stop")).to_be_visible()
+    page.keyboard.press("Escape")
+    expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    expect(page.locator("#chat-input textarea")).to_be_focused()
+    send(page, "Again.")
+    expect(page.locator("#chat-stop")).to_be_visible()
+    page.locator("#chat-stop").focus()
+    page.keyboard.press("Enter")  # Stop from the keyboard
+    expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    expect(page.locator("#chat-input textarea")).to_be_focused()
+
+
 def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypatch):
     bot = page.locator('#chatbot [data-testid="bot"]')
     monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop

@@ -169,6 +169,17 @@ PAGE_JS = """() => {
     if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&
         event.target.closest("#chat-input")) guard(event);
   }, true);
+  // Escape stops a streaming reply; after Stop (which hides itself), the message box has the focus.
+  const streaming = () => document.getElementById("chat-stop")?.checkVisibility();
+  const toBox = () => setTimeout(() => document.querySelector("#chat-input textarea")?.focus(), 0);
+  document.addEventListener("click", (event) => {
+    if (event.target instanceof Element && event.target.closest("#chat-stop")) toBox();
+  }, true);
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && !event.defaultPrevented && streaming()) {
+      document.getElementById("chat-stop").click();
+    }
+  });
   window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
     const stop = document.getElementById("chat-stop");
     if ((stop && stop.checkVisibility()) || (held !== null && !leaving)) {

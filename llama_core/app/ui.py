@@ -171,15 +171,56 @@ PAGE_JS = """() => {
   }, true);
   // Escape stops a streaming reply; after Stop (which hides itself), the message box has the focus.
   const streaming = () => document.getElementById("chat-stop")?.checkVisibility();
-  const toBox = () => setTimeout(() => document.querySelector("#chat-input textarea")?.focus(), 0);
+  const toBox = () => {  // once Send is back in Stop's place (the page re-renders the buttons as the turn ends)
+    const started = performance.now();
+    const tick = () => {
+      if (document.getElementById("chat-send")?.checkVisibility() || performance.now() - started > 5000) {
+        document.querySelector("#chat-input textarea")?.focus();
+      } else setTimeout(tick, 50);
+    };
+    setTimeout(tick, 0);
+  };
   document.addEventListener("click", (event) => {
     if (event.target instanceof Element && event.target.closest("#chat-stop")) toBox();
   }, true);
-  document.addEventListener("keydown", (event) => {
-    if (event.key === "Escape" && !event.defaultPrevented && streaming()) {
-      document.getElementById("chat-stop").click();
-    }
+  document.addEventListener("keydown", (event) => {  // before any box's own handling of the key
+    if (event.key === "Escape" && streaming()) document.getElementById("chat-stop").click();
+  }, true);
+  // A message sent is kept in this tab's sessionStorage until its turn ends: leaving or reloading the page before
+  // (the reply is not kept then) puts it back in the box when the page opens again, unless the chat shows it.
+  const unsent = key + "-unsent";
+  let sentSeen = false;
+  const sending = (event) => {
+    if (event.defaultPrevented || streaming()) return;
+    const box = document.querySelector("#chat-input textarea");
+    if (box && box.value.trim()) { sessionStorage.setItem(unsent, box.value); sentSeen = false; }
+  };
+  document.addEventListener("click", (event) => {
+    if (event.target instanceof Element && event.target.closest("#chat-send")) sending(event);
   });
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&
+        event.target.closest("#chat-input")) sending(event);
+  });
+  setInterval(() => {  // the turn ended: the message is in the chat (or back in the box)
+    if (sessionStorage.getItem(unsent) === null) return;
+    if (streaming()) sentSeen = true;
+    else if (sentSeen) sessionStorage.removeItem(unsent);
+  }, 250);
+  window.addEventListener("pagehide", () => {  // kept only where the page goes while its turn runs
+    if (!streaming()) sessionStorage.removeItem(unsent);
+  });
+  const left = sessionStorage.getItem(unsent);
+  if (left !== null) {
+    sessionStorage.removeItem(unsent);
+    setTimeout(() => {  // once the saved conversation is shown
+      const users = document.querySelectorAll('#chatbot [data-testid="user"]');
+      const box = document.querySelector("#chat-input textarea");
+      if (!box || box.value || (users.length && users[users.length - 1].innerText.trim() === left.trim())) return;
+      box.value = left;
+      box.dispatchEvent(new Event("input", {bubbles: true}));
+    }, 1500);
+  }
   window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
     const stop = document.getElementById("chat-stop");
     if ((stop && stop.checkVisibility()) || (held !== null && !leaving)) {

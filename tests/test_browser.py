@@ -706,6 +706,26 @@ def test_the_chat_works_at_a_phones_width(served, browser):
     page.close()
 
 
+def test_a_wide_table_in_a_message_scrolls_within_it_at_a_phones_width(served, browser):
+    # At 390 px a markdown table's columns wrapped a letter a line (UI pass); it scrolls sideways in its bubble.
+    page = browser.new_page(**PHONE)
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(served[1])
+    new_chat(page)
+    table = "| Character | Play | Act | Scene | Line spoken |\n| --- | --- | --- | --- | --- |\n" + \
+            "| Mercutio | Romeo and Juliet | three | one | A plague on both your houses |\n"
+    page.locator("#chat-input textarea").fill(table)
+    page.locator("#chat-send").tap()
+    cells = page.locator('#chatbot [data-testid="user"] td')
+    expect(cells).to_have_count(5)
+    heights = cells.evaluate_all("cells => cells.map(c => c.getBoundingClientRect().height)")
+    line = page.locator('#chatbot [data-testid="user"] td').first.evaluate(
+        "c => parseFloat(getComputedStyle(c).lineHeight) || 24")
+    assert max(heights) < 6 * line, heights  # a word a line at most ("Romeo and Juliet": 3), not a letter a line
+    assert overflow(page) == ["scrollWidth 390 / 390"]
+    page.close()
+
+
 def test_conversations_survive_a_server_restart(browser):
     """The same origin (host and port) after a restart: the browser's saved conversations open again."""
     port, context = free_port(), browser.new_context(viewport={"width": 1280, "height": 900})

@@ -89,6 +89,11 @@ CSS = """#completion-tokens .text { font-family: var(--font-mono); }
 /* Each message is the containing block of what it holds, clipped to it: Gradio keeps a message's inline styles, and
    a fixed or absolute element there (!important or not) would otherwise cover the page and take its clicks. */
 #chatbot [data-testid="user"], #chatbot [data-testid="bot"] { contain: paint; }
+/* A table wider than its bubble scrolls within it (on a phone its columns wrapped a letter a line). */
+#chatbot [data-testid="bot"] table, #chatbot [data-testid="user"] table { display: block; max-width: 100%;
+  overflow-x: auto; }
+#chatbot [data-testid="bot"] :is(th, td), #chatbot [data-testid="user"] :is(th, td) { word-break: normal;
+  overflow-wrap: normal; }
 #other-tab-note { position: sticky; top: 0; z-index: 1000; padding: 8px 12px; background: #fef3c7; color: #78350f;
   border-bottom: 1px solid #f59e0b; font-size: var(--text-md); }
 #other-tab-note button { margin-left: 8px; text-decoration: underline; font-weight: 600; }

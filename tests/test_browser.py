@@ -667,7 +667,7 @@ def overflow(page) -> list[str]:
         const width = document.documentElement.clientWidth;
         const wide = [...document.querySelectorAll('body *')].filter(e => {
             const box = e.getBoundingClientRect();
-            return box.width > 0 && box.right > width + 1 && !e.closest('pre, .overflow-x-auto');
+            return box.width > 0 && box.right > width + 1 && !e.closest('pre, table, .overflow-x-auto');  // scroll within
         });
         return [`scrollWidth ${document.scrollingElement.scrollWidth} / ${width}`]
             .concat(wide.slice(0, 5).map(e => e.tagName + '#' + e.id + '.' + String(e.className).slice(0, 40)));

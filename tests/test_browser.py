@@ -425,6 +425,12 @@ def test_escape_stops_a_reply_and_the_box_has_the_focus_after(page, monkeypatch)
     send(page, "Tell me the whole tale of the king.")
     expect(page.locator("#chat-stop")).to_be_visible()
     expect(page.locator('#chatbot [data-testid="bot"]').last).to_have_text(re.compile(r"\S"))  # a reply to keep
+    page.locator("#chat-advanced button").first.click()
+    page.locator("#chat-output-format input").click()  # a dropdown open: Escape closes it, and stops nothing
+    page.keyboard.press("Escape")
+    page.wait_for_timeout(500)
+    expect(page.locator("#chat-stop")).to_be_visible()
+    page.locator("#chat-input textarea").focus()
     page.keyboard.press("Escape")
     expect(page.locator("#chat-stats")).to_contain_text("Stopped")
     expect(page.locator("#chat-input textarea")).to_be_focused()
@@ -443,8 +449,12 @@ def test_a_message_whose_reply_a_reload_cut_off_goes_back_to_the_box(page, monke
     new_chat(page)
     send(page, "A message worth keeping.")
     expect(page.locator("#chat-stop")).to_be_visible()
-    page.once("dialog", lambda dialog: dialog.accept())  # the page asks first: going on
+    page.click("#completion-tab-button")  # the chat's turn still runs while another tab of the page shows
+    page.wait_for_timeout(600)
+    asked = []
+    page.once("dialog", lambda dialog: (asked.append(dialog.type), dialog.accept()))  # the page asks first: going on
     page.reload()
+    assert asked == ["beforeunload"]
     expect(page.locator("#chat-input textarea")).to_have_value("A message worth keeping.")
     monkeypatch.undo()
     page.click("#chat-send")  # sent again, and answered: a reload then puts nothing back

@@ -151,7 +151,7 @@ PAGE_JS = """() => {
         "them here: a change made here first would replace them.";
       const reload = document.createElement("button");
       reload.textContent = "Reload";
-      reload.onclick = () => { leaving = true; location.reload(); };
+      reload.onclick = () => { leaving = true; setTimeout(() => { leaving = false; }, 0); location.reload(); };
       shown.append(reload);
       document.body.prepend(shown);
     }, 1500);
@@ -175,7 +175,10 @@ PAGE_JS = """() => {
         event.target.closest("#chat-input")) guard(event);
   }, true);
   // Escape stops a streaming reply; after Stop (which hides itself), the message box has the focus.
-  const streaming = () => document.getElementById("chat-stop")?.checkVisibility();
+  const streaming = () => {  // Stop in Send's place: its own display, also while another tab of the page shows
+    const stop = document.getElementById("chat-stop");
+    return !!stop && !stop.closest(".hidden") && getComputedStyle(stop).display !== "none";
+  };
   const toBox = () => {  // once Send is back in Stop's place (the page re-renders the buttons as the turn ends)
     const started = performance.now();
     const tick = () => {
@@ -189,7 +192,10 @@ PAGE_JS = """() => {
     if (event.target instanceof Element && event.target.closest("#chat-stop")) toBox();
   }, true);
   document.addEventListener("keydown", (event) => {  // before any box's own handling of the key
-    if (event.key === "Escape" && streaming()) document.getElementById("chat-stop").click();
+    const target = event.target instanceof Element ? event.target : document.body;
+    const other = target.closest("input, textarea, select, [role=listbox], [contenteditable]") &&
+                  !target.closest("#chat-input");  // a dropdown, an edit box...: Escape is theirs
+    if (event.key === "Escape" && !other && streaming()) document.getElementById("chat-stop").click();
   }, true);
   // A message sent is kept in this tab's sessionStorage until its turn ends: leaving or reloading the page before
   // (the reply is not kept then) puts it back in the box when the page opens again, unless the chat shows it.
@@ -227,8 +233,7 @@ PAGE_JS = """() => {
     }, 1500);
   }
   window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
-    const stop = document.getElementById("chat-stop");
-    if ((stop && stop.checkVisibility()) || (held !== null && !leaving)) {
+    if (streaming() || (held !== null && !leaving)) {
       event.preventDefault();
       event.returnValue = "";
     }

@@ -796,18 +796,25 @@ def test_html_in_a_message_cannot_cover_the_page(page):
     expect(page.locator("#chatbot #cover")).to_have_count(0)
 
 
-def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, browser, monkeypatch):
-    # A reply ending, a setting changed or another chat chosen in a tab whose conversations another tab changed
-    # wrote its whole copy back, silently replacing the other tab's exchanges (UI pass: 3 of 3). Now they are held
-    # until the user keeps them.
-    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
-    context = browser.new_context(viewport={"width": 1280, "height": 900})  # two tabs: one localStorage
+def two_tabs(served, browser):
+    """A browser context (one localStorage) with two tabs of the app open, the store written by the first."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
     page, other = context.new_page(), context.new_page()
     for tab in (page, other):
         tab.set_default_timeout(TIMEOUT_MS)
         tab.goto(served[1])
         expect(tab.locator("#chat-input textarea")).to_be_visible()
+        # the first tab's new store written (the second reads it and writes nothing back)
         tab.wait_for_function(f"() => localStorage.getItem({json.dumps(ui.STORAGE_KEY)}) !== null")
+    return context, page, other
+
+
+def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, browser, monkeypatch):
+    # A reply ending, a setting changed or another chat chosen in a tab whose conversations another tab changed
+    # wrote its whole copy back, silently replacing the other tab's exchanges (UI pass: 3 of 3). Now they are held
+    # until the user keeps them.
+    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
+    context, page, other = two_tabs(served, browser)
     page.wait_for_timeout(3500)  # past the 3 s after a tab opens, in which a write is taken for its opening
     new_chat(page)
     send(page, "A long tale, please.")
@@ -822,6 +829,7 @@ def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, b
     other.locator("#chat-stop").dispatch_event("click")  # its reply is held open too
     expect(other.locator("#chat-stats")).to_contain_text("Stopped")
     wait_saved(other, before)
+    other.wait_for_timeout(1000)  # the turn's last writes landed (Stop's, then its end's)
     theirs = stored(other)
     note = page.locator("#other-tab-note")
     expect(note).to_contain_text("changed in another tab")
@@ -843,14 +851,7 @@ def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, b
 
 
 def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 900})  # two tabs: one localStorage
-    page, other = context.new_page(), context.new_page()
-    for tab in (page, other):
-        tab.set_default_timeout(TIMEOUT_MS)
-        tab.goto(served[1])
-        expect(tab.locator("#chat-input textarea")).to_be_visible()
-        # the first tab's new store written (the second reads it and writes nothing back)
-        tab.wait_for_function(f"() => localStorage.getItem({json.dumps(ui.STORAGE_KEY)}) !== null")
+    context, page, other = two_tabs(served, browser)
     other.reload()  # a tab opened or reloaded writes the store unchanged: that is not a change
     expect(other.locator("#chat-input textarea")).to_be_visible()
     page.wait_for_timeout(3500)  # past the 3 s after a tab opens, in which a write is taken for its opening

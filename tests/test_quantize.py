@@ -307,35 +307,30 @@ import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from llama_core import triton_products
+
+def cubin(config, int4, x, scales, out):
+    constants = {"INT4": int4, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+                 "GROUP": triton_products.GROUP, "ZERO_LEVEL": triton_products.ZERO_LEVEL}
+    signature = {"x_ptr": "*" + x, "w_ptr": "*u8" if int4 else "*i8", "scale_ptr": "*" + scales, "out_ptr": "*" + out,
+                 **{name: "i32" for name in ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn",
+                                             "stride_om", "stride_os")}, **{name: "constexpr" for name in constants}}
+    source = ASTSource(triton_products._rows_kernel, signature=signature, constexprs=constants)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    return "cubin" in kernel.asm
+
 compiled = []
 for kind in ("int8", "int4"):
     for dtype in ("bf16", "fp16"):
         for rows in (1, 2, 64):  # a reduction at one row, tensor cores from two
             for n, k in [(12288, 4096), (4096, 11008), (32000, 4096)]:
                 config = triton_products.config_for(rows, n, k, sms=132)
-                constants = {"INT4": kind == "int4", "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                             "BLOCK_K": config.block_k, "GROUP": triton_products.GROUP,
-                             "ZERO_LEVEL": triton_products.ZERO_LEVEL}
-                signature = {"x_ptr": "*" + dtype, "w_ptr": "*u8" if kind == "int4" else "*i8", "scale_ptr": "*fp32",
-                             "out_ptr": "*" + dtype, **{name: "i32" for name in (
-                                 "M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn", "stride_om",
-                                 "stride_os")}, **{name: "constexpr" for name in constants}}
-                source = ASTSource(triton_products._rows_kernel, signature=signature, constexprs=constants)
-                kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                        options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-                compiled.append([kind, dtype, rows, n, k, "cubin" in kernel.asm])
+                compiled.append([kind, dtype, rows, n, k, cubin(config, kind == "int4", dtype, "fp32", dtype)])
 # int8 scales in the activations' dtype (a layer quantized from a 16-bit model), and float32 partial sums (split)
 for dtype in ("bf16", "fp16"):
     for rows in (1, 2):
         config = triton_products.KernelConfig(1 if rows == 1 else 16, 8, 256, 2)
-        constants = {"INT4": False, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-                     "GROUP": triton_products.GROUP, "ZERO_LEVEL": triton_products.ZERO_LEVEL}
-        signature = {"x_ptr": "*" + dtype, "w_ptr": "*i8", "scale_ptr": "*" + dtype, "out_ptr": "*fp32",
-                     **{name: "i32" for name in ("M", "N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_sn",
-                                                 "stride_om", "stride_os")}, **{name: "constexpr" for name in constants}}
-        source = ASTSource(triton_products._rows_kernel, signature=signature, constexprs=constants)
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-        compiled.append(["int8 split", dtype, rows, 4096, 4096, "cubin" in kernel.asm])
+        compiled.append(["int8 split", dtype, rows, 4096, 4096, cubin(config, False, dtype, dtype, "fp32")])
 print(json.dumps(compiled))
 """
 

@@ -843,6 +843,7 @@ def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, b
     note.get_by_role("button", name="Keep this tab's").click()
     expect(note).to_have_count(0)
     wait_saved(other, theirs)
+    page.wait_for_timeout(1500)  # a setting's save that came back after Keep is written straight away: landed
     expect(other.locator("#other-tab-note")).to_contain_text("changed in another tab")  # now the other one is stale
     other.get_by_role("button", name="Reload").click()
     expect(other.locator("#chat-list")).to_contain_text("A long tale, please.")

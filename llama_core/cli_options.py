@@ -7,7 +7,9 @@ checkpoint's files, config and tokenizer (milliseconds, no torch), then the devi
 torch, loads nothing);
 `check_memory(plan, max_batch_size)` then asks whether a CPU model fits in the memory that is free. A value that
 cannot work raises `OptionError`, whose message names the flag and the fix; the command prints it as one
-line and exits with status 2 before any weight is read.
+line and exits before any weight is read: with status 2 (a usage error, as argparse's own) for the options
+themselves, 1 (`ResourceError`) where what they name cannot be used here: a checkpoint or file missing or
+unreadable, a device this machine lacks, too little memory (see `exit_status`).
 """
 
 from __future__ import annotations
@@ -31,15 +33,35 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_CHOICES = ("none", "int8", "int4")  # --quantize; llama_core.quantize.QUANTIZATIONS besides none
 
 
+EXIT_FAILURE = 1  # the command line was fine, running it failed: files, the machine, the model, the prompt
+EXIT_USAGE = 2  # the command line itself is wrong, as argparse's own errors
+EXIT_STATUS_EPILOG = ("exit status: 0 success; 1 a failure at run time (a checkpoint or file missing or unusable, a "
+                      "device this machine lacks, too little memory, weights that fail to load, a bad prompt); 2 a "
+                      "usage error (an unknown option, a bad value, options that exclude each other)")
+
+
 class OptionError(LlamaError, ValueError):
-    """A command-line option that cannot work; the message names the flag and what to do instead."""
+    """A command-line option that cannot work; the message names the flag and what to do instead. A usage
+    error: the command exits with status 2."""
+
+
+class ResourceError(OptionError):
+    """An option whose value is well formed but names what cannot be used here: a checkpoint, tokenizer or file
+    missing or unreadable, a device this machine lacks, too little free memory. A run-time failure: the command
+    exits with status 1."""
+
+
+def exit_status(error: LlamaError) -> int:
+    """A command's exit status for an error it stops on: 2 (EXIT_USAGE) for an option that cannot work whatever
+    the machine, 1 (EXIT_FAILURE) for any other: what the options name, loading the model, or the prompt."""
+    return EXIT_USAGE if isinstance(error, OptionError) and not isinstance(error, ResourceError) else EXIT_FAILURE
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with one-line errors like the checks' own (no usage block before them)."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE, f"error: {message} (see {self.prog} --help)\n")
 
 
 @dataclass(frozen=True)
@@ -134,7 +156,8 @@ def check_model_options(options: argparse.Namespace, device_map: Optional[str] =
     """Checks the model options without loading weights; with device_map, the device is accelerate's to place.
 
     Raises:
-        OptionError: a value that cannot work, named with its flag and the fix.
+        OptionError: a value that cannot work, named with its flag and the fix; a ResourceError where the value
+            names a checkpoint, tokenizer or device that cannot be used here.
     """
     ckpt_dir = check_checkpoint(options.ckpt_dir)
     tokenizer_path, vocab_size = check_tokenizer(ckpt_dir, options.tokenizer)
@@ -142,7 +165,7 @@ def check_model_options(options: argparse.Namespace, device_map: Optional[str] =
     if args.vocab_size == -1:
         args.vocab_size = vocab_size
     if not vocabulary_fits(vocab_size, args.vocab_size):
-        raise OptionError(f"--tokenizer {_shown(tokenizer_path)} has {vocab_size:,} pieces but the model in {_shown(ckpt_dir)} has "
+        raise ResourceError(f"--tokenizer {_shown(tokenizer_path)} has {vocab_size:,} pieces but the model in {_shown(ckpt_dir)} has "
                           f"vocab_size {args.vocab_size:,}: pass the tokenizer.model that came with these weights")
     max_seq_len, warnings = check_context(options.max_seq_len, options.allow_longer_context, args, ckpt_dir.name)
     warnings += thread_warnings(getattr(options, "threads", None))
@@ -173,7 +196,7 @@ def check_memory(plan: ModelPlan, max_batch_size: int, compile: bool = False) ->
     shortfall = cpu_shortfall(plan.args, plan.ckpt_dir, plan.dtype, plan.quantize, plan.kv_cache_dtype,
                               max_batch_size, plan.max_seq_len, compile)
     if shortfall is not None:
-        raise OptionError(shortfall.describe("flags"))
+        raise ResourceError(shortfall.describe("flags"))
 
 
 def _shown(path: object) -> str:
@@ -187,28 +210,28 @@ def check_checkpoint(ckpt_dir: Optional[Path]) -> Path:
     """The checkpoint folder to load (the embedded model for None), holding a config and weights."""
     if ckpt_dir is None:
         if not DEFAULT_CKPT_DIR.is_dir():
-            raise OptionError(f"the embedded default model is missing from {DEFAULT_CKPT_DIR}: reinstall llama_core, "
+            raise ResourceError(f"the embedded default model is missing from {DEFAULT_CKPT_DIR}: reinstall llama_core, "
                               "or pass --ckpt-dir")
         ckpt_dir = DEFAULT_CKPT_DIR
     ckpt_dir = ckpt_dir.expanduser()
     layouts = "params.json (Meta layout) or config.json (Hugging Face layout)"
     if ckpt_dir.is_file():
-        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)} is a file, not a directory: pass the folder holding {layouts} "
+        raise ResourceError(f"--ckpt-dir {_shown(ckpt_dir)} is a file, not a directory: pass the folder holding {layouts} "
                           f"and the weights, e.g. --ckpt-dir {ckpt_dir.parent}")
     if not ckpt_dir.is_dir():
-        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)}: no such directory; pass the folder holding {layouts} and the weights")
+        raise ResourceError(f"--ckpt-dir {_shown(ckpt_dir)}: no such directory; pass the folder holding {layouts} and the weights")
     try:
         checkpoint_layout(ckpt_dir)
     except CheckpointNotFoundError as exc:
-        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)} holds no {layouts}: pass the folder of a checkpoint") from exc
+        raise ResourceError(f"--ckpt-dir {_shown(ckpt_dir)} holds no {layouts}: pass the folder of a checkpoint") from exc
     try:
         read_model_args(ckpt_dir)
     except CheckpointError as exc:
-        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)}: {exc}") from exc
+        raise ResourceError(f"--ckpt-dir {_shown(ckpt_dir)}: {exc}") from exc
     try:
         weight_files(ckpt_dir)
     except (CheckpointNotFoundError, CheckpointError) as exc:
-        raise OptionError(f"--ckpt-dir {_shown(ckpt_dir)} has no weights: {exc}; put the weight files (consolidated.NN.pth, "
+        raise ResourceError(f"--ckpt-dir {_shown(ckpt_dir)} has no weights: {exc}; put the weight files (consolidated.NN.pth, "
                           "*.safetensors or pytorch_model*.bin) beside its config, or pass the folder that has them") from exc
     return ckpt_dir
 
@@ -218,20 +241,20 @@ def check_tokenizer(ckpt_dir: Path, tokenizer: Optional[Path]) -> tuple[Path, in
     if tokenizer is not None and tokenizer.expanduser().is_dir():
         inside = tokenizer.expanduser() / "tokenizer.model"
         hint = f"--tokenizer {inside}" if inside.is_file() else "the tokenizer.model file"
-        raise OptionError(f"--tokenizer {_shown(tokenizer)} is a directory: pass {hint}")
+        raise ResourceError(f"--tokenizer {_shown(tokenizer)} is a directory: pass {hint}")
     try:
         path = find_tokenizer(ckpt_dir, tokenizer)
     except CheckpointNotFoundError as exc:
         if tokenizer is not None:
-            raise OptionError(f"--tokenizer {_shown(tokenizer)}: no such file; pass the SentencePiece tokenizer.model that "
+            raise ResourceError(f"--tokenizer {_shown(tokenizer)}: no such file; pass the SentencePiece tokenizer.model that "
                               "came with the weights") from exc
-        raise OptionError(f"no tokenizer.model in {_shown(ckpt_dir)} or its parent: pass --tokenizer "
+        raise ResourceError(f"no tokenizer.model in {_shown(ckpt_dir)} or its parent: pass --tokenizer "
                           "PATH/tokenizer.model (the SentencePiece model that came with the weights)") from exc
     try:
         return path, Tokenizer(path).n_words
     except LlamaError as exc:
         flag = "--tokenizer" if tokenizer is not None else "the tokenizer"
-        raise OptionError(f"{flag} {_shown(path)} is not a SentencePiece model ({exc}): pass the tokenizer.model that came "
+        raise ResourceError(f"{flag} {_shown(path)} is not a SentencePiece model ({exc}): pass the tokenizer.model that came "
                           "with the weights") from exc
 
 
@@ -268,14 +291,14 @@ def check_device(device: str, dtype: str, device_map: Optional[str] = None, stor
     except LlamaError as exc:
         if device.startswith("cuda"):
             build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            raise OptionError(f"--device {device}: this machine has no CUDA GPU that torch can use (torch "
+            raise ResourceError(f"--device {device}: this machine has no CUDA GPU that torch can use (torch "
                               f"{torch.__version__}, {build}): use --device cpu, or auto") from exc
         raise OptionError(f"--device {device!r}: must be auto, cpu, cuda or cuda:N") from exc
     if resolved.type == "cuda" and (resolved.index or 0) >= torch.cuda.device_count():
         count = torch.cuda.device_count()
-        raise OptionError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+        raise ResourceError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     if resolved.type == "cuda" and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-        raise OptionError(f"--dtype bfloat16: {torch.cuda.get_device_name(resolved)} does not support it: use "
+        raise ResourceError(f"--dtype bfloat16: {torch.cuda.get_device_name(resolved)} does not support it: use "
                           "--dtype float16 (or auto, which picks it)")
     return str(resolved), str(resolve_dtype(dtype, resolved, stored)).removeprefix("torch.")
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from .checkpoint_files import check_vocabulary, checkpoint_layout, find_tokenizer, read_model_args
-from .cli_options import ArgumentParser, check_checkpoint, check_tokenizer, positive_int
+from .cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, ArgumentParser, check_checkpoint, check_tokenizer,
+                          exit_status, positive_int)
 from .errors import CheckpointError, LlamaError
 
 # What max_position_embeddings says when the checkpoint does not state its context (Meta's params.json):
@@ -183,7 +184,7 @@ def build_parser() -> ArgumentParser:
     """llama-export's arguments."""
     p = ArgumentParser(prog="llama-export", description="Write a Llama-2 checkpoint (Meta or Hugging Face layout) "
                        "in Hugging Face's layout: config.json, model.safetensors, generation_config.json, "
-                       "tokenizer.model.")
+                       "tokenizer.model.", epilog=EXIT_STATUS_EPILOG)
     p.add_argument("--to", required=True, choices=("hf",), help="the layout to write: hf (Hugging Face)")
     p.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write; new or empty, unless --force")
     p.add_argument("--ckpt-dir", type=Path, metavar="DIR", help="checkpoint to export, Meta or Hugging Face "
@@ -199,8 +200,9 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None, stdout: Optional[TextIO] = None) -> int:
-    """Exports once. Returns the exit status: 0; 2 for a bad argument (a missing checkpoint, a folder that is
-    not empty); 1 if writing failed."""
+    """Exports once. Returns the exit status: 0; 2 for a usage error (argparse's: an unknown option or a bad
+    value); 1 for a failure at run time (a checkpoint missing or unusable, an output folder that is taken, a
+    write that failed)."""
     stdout = stdout or sys.stdout
     options = build_parser().parse_args(argv)
     try:
@@ -208,12 +210,12 @@ def main(argv: Optional[list[str]] = None, stdout: Optional[TextIO] = None) -> i
         tokenizer_path, _ = check_tokenizer(ckpt_dir, options.tokenizer)
         exported = export_hf(ckpt_dir, options.out_dir, options.dtype, options.max_position_embeddings,
                              options.force, tokenizer_path)
-    except LlamaError as exc:  # OptionError, ExportError, or a checkpoint whose tensors do not fit its config
+    except LlamaError as exc:  # ResourceError, ExportError, or a checkpoint whose tensors do not fit its config
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(exc)
     except OSError as exc:
         print(f"error: could not write {options.out_dir}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     if exported.context_assumed:
         print(f"note: {ckpt_dir.name} does not state its context; config.json says max_position_embeddings "
               f"{ASSUMED_CONTEXT} (Llama-2's): pass --max-position-embeddings N if it was trained for another",

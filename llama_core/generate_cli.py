@@ -8,7 +8,9 @@
 The prompt is the argument, or stdin read whole when there is none (or it is -). Only the generated text
 goes to stdout; the model's summary, the loading bar and the closing figures go to stderr (none with
 --quiet). Arguments are checked before the model loads, as `llama-chat` checks them: a bad one prints a
-line naming the flag and the fix, and the exit status is 2.
+line naming the flag and the fix. The exit status is 0 when the text is written, 2 for a usage error (a bad
+option or value, as argparse's own), 1 for a failure at run time (a checkpoint or file missing or unreadable,
+bad weights, too little memory, a prompt the model cannot take), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import os
 import sys
 from typing import Optional, TextIO
 
-from .cli_options import (ArgumentParser, ModelPlan, OptionError, add_model_options, check_memory, check_model_options,
-                          plain_warnings, positive_int)
+from .cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, ArgumentParser, ModelPlan, OptionError, ResourceError,
+                          add_model_options, check_memory, check_model_options, exit_status, plain_warnings,
+                          positive_int)
 from .dialog import SPECIAL_TAGS, Dialog, has_special_tags
 from .errors import InvalidRequestError, LlamaError
 from .grammar import Grammar
@@ -30,7 +33,7 @@ from .serving.requests import SamplingParams
 def build_parser() -> ArgumentParser:
     """llama-generate's arguments: the prompt, the sampling controls and the model options."""
     p = ArgumentParser(prog="llama-generate", description="Complete a text, or answer one chat message, with a "
-                       "Llama-2 model; the text streams to stdout.")
+                       "Llama-2 model; the text streams to stdout.", epilog=EXIT_STATUS_EPILOG)
     p.add_argument("prompt", nargs="?", help="the text to continue, or with --chat the user's message "
                    "(default: stdin, read whole; - also reads stdin)")
     p.add_argument("--chat", action="store_true", help="answer the prompt as a chat message, in Llama-2's "
@@ -64,8 +67,8 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None, stdin: Optional[TextIO] = None, stdout: Optional[TextIO] = None) -> int:
-    """Generates once. Returns the exit status: 0; 2 for a bad argument or prompt (a chat message holding
-    the chat format's reserved tags included); 1 if generation failed; 130 on Ctrl-C."""
+    """Generates once. Returns the exit status: 0; 2 for a usage error (a bad option or value); 1 for a failure
+    at run time (what the options name, loading, the prompt, generating or writing the text); 130 on Ctrl-C."""
     plain_warnings()
     try:
         return _run(argv, stdin, stdout)
@@ -92,7 +95,7 @@ def _run(argv: Optional[list[str]], stdin: Optional[TextIO], stdout: Optional[Te
         max_new_tokens = check_max_new_tokens(args.max_new_tokens, plan.max_seq_len)
     except LlamaError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(exc)
     status = None if args.quiet else sys.stderr
     if status is not None:
         for line in [plan.summary(), *(f"warning: {w}" for w in plan.warnings)]:
@@ -121,14 +124,14 @@ def check_output_options(args: argparse.Namespace) -> Optional[Grammar]:
             text = args.json_schema
             if not text.lstrip().startswith("{"):
                 if not os.path.exists(text):
-                    raise OptionError(f"--json-schema: {text!r} is neither a JSON Schema (an object, in braces) "
-                                      "nor a file")
-                text = _read(text, "--json-schema")
+                    raise ResourceError(f"--json-schema: {text!r} is neither a JSON Schema (an object, in braces) "
+                                        "nor a file")
+                return _from_file(Grammar.json_text, _read(text, "--json-schema"), "--json-schema")
             return Grammar.json_text(text, name="--json-schema")
         if args.regex is not None:
             return Grammar.regex(args.regex, name="--regex")
         if args.grammar is not None:
-            return Grammar.lark(_read(args.grammar, "--grammar"), name="--grammar")
+            return _from_file(Grammar.lark, _read(args.grammar, "--grammar"), "--grammar")
     except OptionError:
         raise
     except LlamaError as exc:
@@ -141,7 +144,16 @@ def _read(path: str, flag: str) -> str:
         with open(path, encoding="utf-8") as file:
             return file.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise OptionError(f"{flag}: cannot read {path!r}: {exc}") from None
+        raise ResourceError(f"{flag}: cannot read {path!r}: {exc}") from None
+
+
+def _from_file(build, text: str, flag: str) -> Grammar:
+    """build(text, name=flag), where text is a file's: a file that does not hold a grammar is a failure at run
+    time (status 1), as a checkpoint that does not load is, not a usage error."""
+    try:
+        return build(text, name=flag)
+    except LlamaError as exc:
+        raise ResourceError(str(exc)) from exc
 
 
 def check_max_new_tokens(max_new_tokens: Optional[int], max_seq_len: int) -> Optional[int]:
@@ -163,17 +175,21 @@ def read_prompt(prompt: Optional[str], stdin: TextIO) -> str:
         text = stdin.read()
         text.encode("utf-8")  # undecodable bytes read as lone surrogates where the locale escapes them
     except UnicodeError:
-        raise OptionError("the prompt on stdin is not UTF-8 text") from None
+        raise InvalidRequestError("the prompt on stdin is not UTF-8 text") from None
     return text
 
 
 def check_request(prompt: str, chat: bool, system: Optional[str]) -> str | Dialog:
-    """The prompt (completion) or dialog (chat) to run, checked as the app checks its requests."""
+    """The prompt (completion) or dialog (chat) to run, checked as the app checks its requests.
+
+    Raises:
+        InvalidRequestError: an empty prompt, or a chat message or system prompt holding the reserved tags.
+    """
     if not chat:
         return requests.completion_prompt(prompt)
     dialog = requests.chat_dialog(prompt.strip(), [], system or "")
     if has_special_tags(dialog):
-        raise OptionError(f"the chat refuses a message or system prompt holding its reserved tags "
+        raise InvalidRequestError(f"the chat refuses a message or system prompt holding its reserved tags "
                           f"({', '.join(SPECIAL_TAGS)}): take them out")
     return dialog
 
@@ -216,10 +232,15 @@ def generate(plan: ModelPlan, args: argparse.Namespace, params: SamplingParams, 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush does not fail
         if not isinstance(exc.__cause__, BrokenPipeError):
             print(f"error: cannot write the text to standard output: {exc}", file=sys.stderr)
-        return 1
-    except LlamaError as exc:  # a prompt too long for the context, or a failure inside the engine
+        return EXIT_FAILURE
+    except LlamaError as exc:  # weights that fail to load, a prompt too long for the context, the engine failing
         print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, InvalidRequestError) else 1
+        return EXIT_FAILURE
+    except (MemoryError, torch.cuda.OutOfMemoryError) as exc:  # the CPU's, or the GPU's: one line, no traceback
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        print(f"error: out of memory on {plan.device}: {reason}; lower --max-seq-len, or add --quantize int8",
+              file=sys.stderr)
+        return EXIT_FAILURE
     finally:
         if engine is not None:
             engine.close()

@@ -1,6 +1,7 @@
 """The command lines, `llama-chat` (llama_core.app.cli, `python app.py`) and `llama-generate`
 (llama_core.generate_cli): help at once, every bad argument refused before a model loads with one line
-naming the flag and the fix (exit status 2), and llama-generate's streamed text.
+naming the flag and the fix (exit status 2 for a usage error, 1 where what the options name cannot be used),
+and llama-generate's streamed text.
 
 Each command runs in a subprocess that reports which heavy modules it imported: torch and gradio must not
 be, for anything but the device check, and llama_core.loader (through which every model loads) never is.
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_core import DEFAULT_CKPT_DIR, Llama
+from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama
 from llama_core.cli_options import DEFAULT_MAX_SEQ_LEN, OptionError, check_context, check_model_options, thread_warnings
 from llama_core.checkpoint_files import read_model_args
 from llama_core.cpu_kernels.build import expected
@@ -94,6 +95,15 @@ def test_help_of_each_command(module):
     assert result.imported == []
 
 
+@pytest.mark.parametrize("module", [CHAT, GENERATE, "llama_core.export"])
+def test_each_commands_help_says_what_its_exit_statuses_mean(module):
+    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=60)
+    said = " ".join(result.stdout.split())
+    assert result.returncode == 0 and "exit status: 0 success; 1 a failure at run time (a checkpoint or file" in said
+    assert "2 a usage error (an unknown option, a bad value, options that exclude each other)" in said
+
+
 # -- llama-chat: each bad argument, before anything loads ------------------------------------------------------
 BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what the one error line must say
     "port out of range": (["--port", "99999"], ["argument --port", "65535", "0 for any free port"]),
@@ -142,13 +152,19 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
         "tiny-shakespeare needs at least", f"of memory on the CPU (weights {7 if expected() else 12} MiB, KV cache 14",
         f"10000000 requests x {TRAINED_FOR} tokens in float32)", "is free: pass --max-batch-size "]),
 }
+# What the arguments name cannot be used here (files, the network, memory): a failure at run time, status 1;
+# the other cases are usage errors, status 2, as argparse's own.
+CHAT_RUN_TIME_FAILURES = {"host not of this machine", "host unknown", "checkpoint missing", "checkpoint is a file",
+                          "checkpoint without a config", "checkpoint without weights", "tokenizer missing",
+                          "tokenizer is a folder", "tokenizer not a tokenizer", "no tokenizer beside the checkpoint",
+                          "more slots than memory"}
 
 
 @pytest.mark.parametrize("case", BAD_CHAT_ARGUMENTS)
 def test_a_bad_app_argument_gets_one_line_naming_it_before_anything_loads(case, checkpoints):
     arguments, expected = BAD_CHAT_ARGUMENTS[case]
     result = run(CHAT, *(a.format(root=checkpoints) for a in arguments))
-    assert result.status == 2
+    assert result.status == (1 if case in CHAT_RUN_TIME_FAILURES else 2)
     assert len(result.errors) == 1 and result.errors[0].startswith("error: "), result.errors
     for part in expected:
         assert part.format(root=checkpoints) in result.errors[0]
@@ -181,7 +197,7 @@ def test_a_load_that_fails_is_called_too_large_only_when_memory_ran_out(monkeypa
         raise failure
 
     monkeypatch.setattr(launch, "open_engine", fails)
-    assert cli.main(["--port", "0", "--device", "cpu"]) == 2
+    assert cli.main(["--port", "0", "--device", "cpu"]) == 1
     assert said in capsys.readouterr().err
 
 
@@ -196,7 +212,7 @@ def test_listening_on_the_network_with_a_half_open_warns():
 
 def test_a_tokenizer_of_another_model_is_refused(tokenizer_path):
     result = run(CHAT, "--tokenizer", str(tokenizer_path))
-    assert result.status == 2 and result.imported == []
+    assert result.status == 1 and result.imported == []
     assert f"--tokenizer {tokenizer_path} has 384 pieces but the model" in result.errors[0]
     assert "vocab_size 2,048" in result.errors[0]
 
@@ -207,7 +223,7 @@ def test_a_port_in_use_is_refused_naming_its_holder():
         holder.listen()
         port = holder.getsockname()[1]
         result = run(CHAT, "--port", str(port))
-    assert result.status == 2 and result.imported == []
+    assert result.status == 1 and result.imported == []
     [error] = result.errors
     assert f"--port {port}: the port is already in use on 127.0.0.1" in error and "--port 0" in error
     try:
@@ -222,7 +238,7 @@ def test_a_port_in_use_is_refused_naming_its_holder():
 def test_cuda_asked_for_on_a_machine_without_it_is_refused_before_loading(module):
     args = ["--device", "cuda"] + (["ROMEO:"] if module == GENERATE else [])
     result = run(module, *args)
-    assert result.status == 2
+    assert result.status == 1
     [error] = result.errors
     assert error.startswith("error: --device cuda: this machine has no CUDA GPU") and "--device cpu" in error
     assert "llama_core.loader" not in result.imported and "gradio" not in result.imported  # torch only: it knows
@@ -233,7 +249,7 @@ def test_the_app_without_its_packages_says_how_to_install_them_before_loading():
     result = subprocess.run([sys.executable, "-c", probe.format(module=CHAT, heavy=HEAVY)], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=300)
     *errors, imported = result.stderr.splitlines()
-    assert result.returncode == 2
+    assert result.returncode == 1
     assert errors == ['error: the web app needs gradio, which this Python does not have: pip install '
                       '"llama-core[app]" (in a checkout: pip install ".[app]", or pip install -r requirements.txt)']
     assert json.loads(imported.removeprefix("IMPORTED ")) == ["gradio"]  # the stand-in: no torch, nothing loaded
@@ -557,12 +573,16 @@ BAD_GENERATE_ARGUMENTS = {
     "grammar broken": (["x", "--grammar", str(DEFAULT_CKPT_DIR / "params.json")], ["--grammar is not valid"]),
     "two formats": (["x", "--json", "--regex", "a"], ["argument --regex: not allowed with argument --json"]),
 }
+# The prompt, or what the arguments name (files, memory), cannot be used: a failure at run time, status 1; the
+# other cases are usage errors, status 2.
+GENERATE_RUN_TIME_FAILURES = {"empty prompt", "chat tags", "checkpoint is a file", "more context than memory",
+                              "schema file missing", "schema neither", "schema file unreadable", "grammar broken"}
 
 
 @pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # how the locale may have stdin decode
 def test_a_prompt_on_stdin_that_is_not_utf8_is_named(errors):
     stdin = io.TextIOWrapper(io.BytesIO(b"ROMEO: \xff\xfe"), encoding="utf-8", errors=errors)
-    with pytest.raises(OptionError, match="^the prompt on stdin is not UTF-8 text$"):
+    with pytest.raises(InvalidRequestError, match="^the prompt on stdin is not UTF-8 text$"):
         generate_cli.read_prompt(None, stdin)
 
 
@@ -570,7 +590,7 @@ def test_a_prompt_on_stdin_that_is_not_utf8_is_named(errors):
 def test_a_bad_generate_argument_gets_one_line_naming_it_before_anything_loads(case):
     arguments, expected = BAD_GENERATE_ARGUMENTS[case]
     result = run(GENERATE, *arguments)  # stdin: empty
-    assert result.status == 2
+    assert result.status == (1 if case in GENERATE_RUN_TIME_FAILURES else 2)
     assert len(result.errors) == 1 and result.errors[0].startswith("error: "), result.errors
     for part in expected:
         assert part in result.errors[0]
@@ -751,7 +771,8 @@ _ARGUMENTS = st.lists(st.one_of(st.tuples(st.sampled_from(_VALUED), _VALUES).map
 @given(arguments=_ARGUMENTS, prompt=st.one_of(st.none(), _VALUES))
 def test_any_generate_arguments_run_or_get_one_line_naming_the_problem(monkeypatch, capsys, arguments, prompt):
     """llama-generate with any flags and values, before a model loads: it goes on to generate, or exits with
-    status 2 and one line on stderr; never a traceback."""
+    status 2 (usage) or 1 (a checkpoint or device that cannot be used, a prompt with the chat's tags) and one
+    line on stderr; never a traceback."""
     import io
 
     reached = []
@@ -762,7 +783,7 @@ def test_any_generate_arguments_run_or_get_one_line_naming_the_problem(monkeypat
     if status == 0:
         assert reached
     else:
-        assert status == 2 and len(errors) == 1 and errors[0].startswith("error: "), (argv, errors)
+        assert status in (1, 2) and len(errors) == 1 and errors[0].startswith("error: "), (argv, errors)
 
 
 @pytest.mark.parametrize("device, compile, noted", [("cuda:0", False, True), ("cuda:0", True, False),
@@ -784,6 +805,6 @@ def test_the_app_on_a_gpu_without_compile_says_what_compile_gives(monkeypatch, c
 
     monkeypatch.setattr(launch, "open_engine", stop)
     monkeypatch.delenv("RANK", raising=False)
-    assert cli.main(["--port", "0", "--device", "cpu"] + (["--compile"] if compile else [])) == 2
+    assert cli.main(["--port", "0", "--device", "cpu"] + (["--compile"] if compile else [])) == 1
     out = capsys.readouterr().out
     assert ("note: --compile decodes with CUDA graphs" in out) == noted, out

@@ -8,7 +8,7 @@ import errno
 import socket
 from typing import Optional
 
-from ..cli_options import OptionError
+from ..cli_options import ResourceError
 
 HOST_FIX = "use 127.0.0.1 (this machine only) or 0.0.0.0 (every network it is on)"
 
@@ -26,12 +26,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
     take it in the meantime (connections wait in its backlog until the server runs).
 
     Raises:
-        OptionError: host is not an address of this machine, or the port is taken or needs privileges.
+        ResourceError: host is not an address of this machine, or the port is taken or needs privileges.
     """
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as exc:
-        raise OptionError(f"--host {host}: no such address ({exc}); {HOST_FIX}") from exc
+        raise ResourceError(f"--host {host}: no such address ({exc}); {HOST_FIX}") from exc
     # IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of a socket
     # made so; without it a response's second write waits for the client's delayed ACK, 40 ms.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -45,18 +45,18 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _bind_error(host: str, port: int, exc: OSError) -> OptionError:
+def _bind_error(host: str, port: int, exc: OSError) -> ResourceError:
     if exc.errno == errno.EADDRINUSE:
         holder = port_holder(port)
         by = f" by {holder}" if holder else ""
-        return OptionError(f"--port {port}: the port is already in use on {host}{by}; stop that program, pick "
+        return ResourceError(f"--port {port}: the port is already in use on {host}{by}; stop that program, pick "
                            "another port, or pass --port 0 to take any free one")
     if exc.errno == errno.EADDRNOTAVAIL:
-        return OptionError(f"--host {host}: not an address of this machine, so the app cannot listen there; {HOST_FIX}")
+        return ResourceError(f"--host {host}: not an address of this machine, so the app cannot listen there; {HOST_FIX}")
     if exc.errno == errno.EACCES:
-        return OptionError(f"--port {port}: listening on a port below 1024 needs administrator rights; pick a port "
+        return ResourceError(f"--port {port}: listening on a port below 1024 needs administrator rights; pick a port "
                            "from 1024 up (the default is 7860), or --port 0 for any free one")
-    return OptionError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); {HOST_FIX}, and a free port")
+    return ResourceError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); {HOST_FIX}, and a free port")
 
 
 def port_holder(port: int) -> Optional[str]:

@@ -4,7 +4,10 @@ Order of work, so that a mistake is reported in a second rather than after the m
 parse the arguments (no torch or gradio imported: `--help` answers at once), check the address, the
 checkpoint, the tokenizer, the context and the prompts (files only), then the device and dtype (imports
 torch), and only then load the model, with a progress bar, and start the web server. A bad argument
-prints one line naming the flag and the fix, and the exit status is 2.
+prints one line naming the flag and the fix. The exit status is 0 after a clean stop, 2 for a usage error (a bad
+option or value, options that exclude each other), 1 for a failure at run time (a checkpoint, tokenizer or
+prompts file missing or unusable, a port in use, too little memory, a model that fails to load or a model
+process that fails), 130 on Ctrl-C before serving.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import os
 import sys
 from typing import Optional
 
-from ..cli_options import (ArgumentParser, OptionError, add_model_options, check_memory, check_model_options,
-                           non_negative_int, non_negative_seconds, plain_warnings, positive_int)
+from ..cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, ArgumentParser, OptionError, ResourceError,
+                           add_model_options, check_memory, check_model_options, exit_status, non_negative_int,
+                           non_negative_seconds, plain_warnings, positive_int)
 from ..errors import LlamaError
 from ..prompt_library import load_prompts
 from .address import listen_socket, port_number
@@ -27,7 +31,7 @@ AUTH_VARIABLE = "LLAMA_AUTH"  # comma-separated user:password pairs, beside any 
 def build_parser() -> ArgumentParser:
     """llama-chat's arguments: the model options, the engine's, and where to serve."""
     p = ArgumentParser(prog="llama-chat", description="Serve a Llama-2 model in a web app: chat, completion, "
-                       "the model's facts, and a streaming API.")
+                       "the model's facts, and a streaming API.", epilog=EXIT_STATUS_EPILOG)
     add_model_options(p)
     p.add_argument("--max-batch-size", type=positive_int, default=8,
                    help="most requests decoded together; more wait in a queue (default: 8)")
@@ -117,18 +121,19 @@ APP_PACKAGES = ("gradio", "fastapi", "uvicorn", "pydantic")  # the app extra's (
 
 
 def check_app_packages() -> None:
-    """Raises OptionError, before anything loads, where the app's packages are not installed (`pip install .`
+    """Raises ResourceError, before anything loads, where the app's packages are not installed (`pip install .`
     installs the library alone)."""
     missing = [name for name in APP_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
-        raise OptionError(f"the web app needs {', '.join(missing)}, which this Python does not have: "
+        raise ResourceError(f"the web app needs {', '.join(missing)}, which this Python does not have: "
                           "pip install \"llama-core[app]\" (in a checkout: pip install \".[app]\", or "
                           "pip install -r requirements.txt)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Runs the app until Ctrl-C. Returns the exit status: 0, or 2 for a bad argument (before anything
-    loads) or a model that does not fit its device."""
+    """Runs the app until Ctrl-C. Returns the exit status: 0; 2 for a usage error (before anything loads); 1 for
+    a failure at run time (what the options name, a model that does not fit its device or fails to load, a
+    model process that fails); 130 for Ctrl-C before serving."""
     plain_warnings()
     try:
         return _run(argv)
@@ -162,7 +167,7 @@ def _run(argv: Optional[list[str]]) -> int:
             check_max_memory(args.max_memory)
     except LlamaError as exc:  # OptionError, or a prompts file that cannot be used
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(exc)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         parallel = f", tensor parallel over {os.environ['WORLD_SIZE']} processes" if under_torchrun else ""
         print(f"{plan.summary()}{parallel}, {args.max_batch_size} requests at a time", flush=True)
@@ -180,9 +185,9 @@ def _run(argv: Optional[list[str]]) -> int:
                              args.single_process, progress=True, prefix_caching=not args.no_prefix_caching,
                              max_waiting=args.max_waiting, quantize=plan.quantize,
                              kv_cache_dtype=plan.kv_cache_dtype, prompt_lookup=args.prompt_lookup, fixes_as="flags")
-    except LlamaError as exc:
+    except LlamaError as exc:  # a checkpoint that fails to load, or a model too large for the GPU's free memory
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_FAILURE
     except KeyboardInterrupt:  # Ctrl-C while the model loads
         return 130
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
@@ -193,7 +198,7 @@ def _run(argv: Optional[list[str]]) -> int:
                   file=sys.stderr)
         else:  # a failure of another kind (not the sizes: lowering them would not help)
             print(f"error: the model could not be loaded: {reason}", file=sys.stderr)
-        return 2
+        return EXIT_FAILURE
     from .server import EngineFailedError, serve
     from .ui import build_demo
 
@@ -202,7 +207,7 @@ def _run(argv: Optional[list[str]]) -> int:
               args.stop_grace, args.access_log)
     except EngineFailedError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     finally:
         engine.shutdown()
         if sock is not None:

@@ -247,6 +247,22 @@ def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
 
 
 @needs_kernels
+def test_a_build_says_so_in_one_line_on_stderr_and_a_load_from_the_cache_says_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
+    monkeypatch.setattr(build.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv("CC", "cc")
+    monkeypatch.setattr(build, "_loaded", {})
+    assert build.load() is not None
+    said = capsys.readouterr()
+    kept = tmp_path / "kernels"
+    assert said.err == f"llama_core: compiling its CPU kernels for this machine (once; kept in {kept})\n"
+    assert said.out == ""
+    monkeypatch.setattr(build, "_loaded", {})  # a new process: the library is in the cache
+    assert build.load() is not None
+    assert capsys.readouterr() == ("", "")
+
+
+@needs_kernels
 def test_a_cache_that_cannot_be_written_falls_back_to_a_temporary_directory(monkeypatch, tmp_path):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path / "a-file" / "cache"))  # no directory can be made there

@@ -6,8 +6,8 @@ directory (`$LLAMA_CORE_CACHE`, else `~/.cache/llama_core`) under a name that ha
 compiler, its flags and the CPU's features, so an upgrade or another machine builds afresh. The kernels are
 written for x86's AVX-512 and AVX2 (with FMA); a target with neither gets torch's products. It links against
 the OpenMP runtime torch has already loaded (GNU libgomp in torch's builds), so the two share one pool of
-threads. Where nothing can be built (no compiler), `load` returns None and the caller keeps torch's own
-products.
+threads. A build (a first start, a few seconds) says so in one line on stderr; a load from the cache says nothing.
+Where nothing can be built (no compiler), `load` returns None and the caller keeps torch's own products.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -115,12 +116,16 @@ def _build_and_load(compiler: str, target_name: str) -> Optional[ctypes.CDLL]:
         return None
     source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     version = _run([compiler, "--version"]) or ""
-    last_error = ""
+    last_error, announced = "", False
     for openmp in (("-fopenmp",), ()):  # without OpenMP (e.g. Apple's clang) the product runs on one thread
         flags = FLAGS + (f"-march={target_name}",) + openmp
         key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode(),
                                          platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
         target, last_error = next((d / f"kernels-{key}.so" for d in _cache_dirs() if (d / f"kernels-{key}.so").exists()), None), ""
+        if target is None and not announced:  # the seconds a first start spends here, said once
+            print(f"llama_core: compiling its CPU kernels for this machine (once; kept in {_cache_dirs()[0]})",
+                  file=sys.stderr, flush=True)
+            announced = True
         for directory in ([] if target else _cache_dirs()):  # the cache, else a temporary directory
             target = directory / f"kernels-{key}.so"
             last_error = _compile(compiler, flags, target)

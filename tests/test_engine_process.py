@@ -98,6 +98,16 @@ def test_cancelling_reaches_the_child_and_frees_the_slot(prompts):  # noqa: F811
         assert list(chunks) == [] or first.finish_reason == "cancelled"
 
 
+def test_a_stream_dropped_unread_is_cancelled_in_the_child(prompts):  # noqa: F811
+    """A reader that goes away without reading (a closed page, an abandoned call) leaves its stream to the
+    garbage collector: its request must not hold the child's slot until its last token."""
+    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=1, **BUILD), threads=1) as process:
+        steps = process.steps
+        process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)  # the only slot, for 200 tokens; dropped at once
+        assert len(_collect(process.submit(prompts[1], 3, temperature=0))) == 3
+        assert process.steps - steps <= 10 and process.active_count == 0
+
+
 def test_cancelling_a_finished_request_sends_the_child_nothing(served, prompts, monkeypatch):  # noqa: F811
     """The app cancels every stream it leaves, finished or not (Stop, a closed page): a finished one's cancel
     would be a message over the pipe, and a wake-up of the child's reader, for nothing."""

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import itertools
 import multiprocessing
+import queue
 import signal
 import sys
 import threading
@@ -75,6 +76,7 @@ class EngineProcess:
         self._channels: dict[int, Channel] = {}
         self._replies: dict[int, list] = {}  # request id -> [threading.Event, reply]
         self._lock = threading.Lock()
+        self._dropped: queue.SimpleQueue = queue.SimpleQueue()  # ids of requests whose streams were dropped unread
         self._stopped = False
         self._shut = False  # shutdown() was called: a child a restart loads meanwhile is stopped, not served
 
@@ -90,6 +92,9 @@ class EngineProcess:
             self.state = "stopped"
             raise
         self.tokenizer = Tokenizer(self.info.tokenizer_path)
+        self._dropped = queue.SimpleQueue()
+        threading.Thread(target=self._cancel_dropped, args=(self._dropped,), name="llama-engine-canceller",
+                         daemon=True).start()
         atexit.register(self.shutdown)
         return self
 
@@ -134,6 +139,7 @@ class EngineProcess:
             self._shut = True
         if self._process is None:
             return
+        self._dropped.put(None)
         self.state = "stopped"
         try:
             self._send(("stop",))
@@ -236,7 +242,8 @@ class EngineProcess:
             GrammarMatcher(request.params.grammar, self.tokenizer).check_start(self.info.args.vocab_size)  # here,
             # not an error in the stream from the child
         rid = next(self._ids)
-        channel = Channel(cancelled=_Cancel(lambda: self._send(("cancel", rid))))
+        channel = Channel(cancelled=_Cancel(lambda: self._send(("cancel", rid))),
+                          on_drop=lambda: self._dropped.put(rid))
         slots = self.info.max_batch_size
         with self._lock:
             in_flight = len(self._channels)
@@ -321,6 +328,14 @@ class EngineProcess:
         return reply[1]
 
     # -- the pipe -----------------------------------------------------------------------------
+    def _cancel_dropped(self, dropped: queue.SimpleQueue) -> None:
+        """Tells the child to cancel the requests whose streams were dropped unread, until shutdown() puts
+        None. Their finalizers only queue the ids (SimpleQueue.put may run inside anything): one may run
+        inside a send that holds the pipe's lock, which a send of its own would wait for forever."""
+        while (rid := dropped.get()) is not None:
+            with contextlib.suppress(LlamaError):  # the child is gone: nothing left to cancel
+                self._send(("cancel", rid))
+
     def _send(self, message: tuple) -> None:
         try:
             with self._send_lock:

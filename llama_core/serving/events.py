@@ -84,3 +84,6 @@ class Channel:
     events: Any = field(default_factory=EventQueue)  # an EventSink; an EventQueue where a reader gets them
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
+    # Called by the finalizer of a stream dropped unread, once it has set `cancelled` alone: for an engine that
+    # the flag does not reach by itself (in another process). It may run inside anything: it must take no lock.
+    on_drop: Optional[Callable[[], None]] = None

@@ -51,8 +51,7 @@ class Driver(Protocol):
 class TokenStream:
     """The tokens of one request, as they are produced. Iterate to receive `StreamChunk`s (text empty);
     iteration raises RequestFailedError if the request failed. Leaving the iteration early cancels it, as
-    does dropping the stream unread where the engine runs in this process (its request would otherwise
-    hold a slot until its last token).
+    does dropping the stream unread (its request would otherwise hold a slot until its last token).
 
     With a driver whose loop is not running, reading runs the engine's turns in the reader's thread."""
 
@@ -160,10 +159,14 @@ class TokenStream:
 
 
 def _cancel_dropped(channel: Channel) -> None:
-    """Cancels the request of a stream dropped unread, in the engine of this process: sets the flag alone
-    (a finalizer may run inside anything, a send to a model process holding its pipe's lock included)."""
-    if not channel.finished.is_set():
-        threading.Event.set(channel.cancelled)
+    """Cancels the request of a stream dropped unread: sets the flag alone (a finalizer may run inside
+    anything, a send to a model process holding its pipe's lock included), and leaves telling an engine in
+    another process to the channel's on_drop."""
+    if channel.finished.is_set() or channel.cancelled.is_set():
+        return
+    threading.Event.set(channel.cancelled)
+    if channel.on_drop is not None:
+        channel.on_drop()
 
 
 def _drained(events: Any) -> list[Any]:

@@ -6,6 +6,7 @@ of the model is assigned as soon as its weights are in, so loading holds little 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -67,9 +68,9 @@ def load_model(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtype: tor
 
     def place(name: str, tensor: torch.Tensor) -> torch.Tensor:
         keep = projections_as_stored and tensor.dtype in (torch.bfloat16, torch.float16) and _is_projection(name)
-        return bar.placed(tensor.to(device=device, dtype=tensor.dtype if keep else dtype))
+        return bar.placed(name, tensor.to(device=device, dtype=tensor.dtype if keep else dtype))
 
-    with WeightsProgress(model, dtype, progress) as bar:
+    with WeightsProgress(model, ckpt_dir, progress) as bar:
         assign_weights(model, iter_rank_tensors(ckpt_dir, args), ckpt_dir, place, assigned)
     return model.requires_grad_(False).eval()
 
@@ -133,18 +134,45 @@ def _natural_order(name: str) -> list:
 
 
 class WeightsProgress(tqdm):
-    """A progress bar over the bytes of a meta-device model's weights in dtype, advanced by `placed(tensor)`
-    as each arrives on its device; silent unless enabled."""
+    """A progress bar over the bytes the checkpoint's files hold for a meta-device model's weights (the whole
+    model, or one rank's shard), as stored: 2 per element of a bfloat16 or float16 file, whatever dtype they
+    load in, so its size is the files' on disk. Advanced by `placed(name, tensor)` as each weight arrives on its
+    device; silent unless enabled (the files' indexes are then not read)."""
 
-    def __init__(self, model: Transformer, dtype: torch.dtype, enabled: bool) -> None:
-        self.itemsize = dtype.itemsize
-        total = sum(t.numel() for t in model.state_dict().values()) * dtype.itemsize
+    def __init__(self, model: Transformer, ckpt_dir: Path, enabled: bool) -> None:
+        self.itemsizes = stored_itemsizes(ckpt_dir) if enabled else {}
+        total = sum(t.numel() * self.itemsizes.get(name, 0) for name, t in model.state_dict().items())
         super().__init__(total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024,
                          disable=not enabled)
 
-    def placed(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.update(tensor.numel() * self.itemsize)  # in dtype's bytes, whatever a tensor is kept in
+    def placed(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        self.update(tensor.numel() * self.itemsizes.get(name, 0))  # as stored, whatever it is cast to
         return tensor
+
+
+def stored_itemsizes(ckpt_dir: Path) -> dict[str, int]:
+    """Each weight's bytes per element in the checkpoint's files (Meta's names), from the files' indexes alone;
+    an output layer tied to the embeddings and not stored has none (it is not read)."""
+    if checkpoint_layout(ckpt_dir) == "meta":  # the shards store a tensor alike
+        return {name: t.element_size() for name, t in load_torch_file(meta_shard_paths(ckpt_dir)[0]).items()}
+    itemsizes = {}
+    for path in hf_weight_files(ckpt_dir):
+        stored = ({key: t.element_size() for key, t in load_torch_file(path).items()} if path.suffix == ".bin"
+                  else _safetensors_itemsizes(path))
+        itemsizes.update((hf_to_meta_name(key), size) for key, size in stored.items() if hf_to_meta_name(key))
+    return itemsizes
+
+
+def _safetensors_itemsizes(path: Path) -> dict[str, int]:
+    """Bytes per element of each tensor of a safetensors file, from its header: an 8-byte length, then JSON
+    giving each tensor's shape and byte range."""
+    try:
+        with open(path, "rb") as file:
+            header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+        return {key: (entry["data_offsets"][1] - entry["data_offsets"][0]) // max(1, math.prod(entry["shape"]))
+                for key, entry in header.items() if key != "__metadata__"}
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise CheckpointError(f"cannot read weight shard {path}: its header is not safetensors' ({exc})") from exc
 
 
 def hf_to_meta(ckpt_dir: Path, key: str, tensor: torch.Tensor, n_heads: int, n_kv_heads: int):

@@ -302,3 +302,24 @@ def test_a_bin_file_that_would_run_code_is_refused_and_runs_none(tmp_path, hf_bi
     with pytest.raises(CheckpointError, match=rf"cannot read weight shard .*{shard.name}"):
         build_llama(ckpt)
     assert not _RunsCodeWhenUnpickled.marker.exists()
+
+
+@pytest.mark.parametrize("layout", ["meta bfloat16", "hf float16 safetensors", "hf float32 safetensors"])
+def test_the_load_bar_counts_the_bytes_the_files_store_not_the_loaded_dtypes(tmp_path, monkeypatch, layout):
+    """The embedded model (Meta's layout, bfloat16) and its export to safetensors, loaded in float32: the bar's
+    size is the files' weights as stored, within the files' headers of their size on disk."""
+    from llama_core import DEFAULT_CKPT_DIR
+    from llama_core.checkpoint_files import weight_files
+    from llama_core.export import export_hf
+
+    ckpt_dir = DEFAULT_CKPT_DIR
+    if layout.startswith("hf"):
+        ckpt_dir = tmp_path / "hf"
+        export_hf(DEFAULT_CKPT_DIR, ckpt_dir, dtype=layout.split()[1])
+    seen = []
+    close = checkpoint.WeightsProgress.close
+    monkeypatch.setattr(checkpoint.WeightsProgress, "close", lambda bar: seen.append((bar.n, bar.total)) or close(bar))
+    load_model(ckpt_dir, read_model_args(ckpt_dir), torch.device("cpu"), torch.float32, progress=True)
+    read, total = seen[0]
+    on_disk = sum(path.stat().st_size for path in weight_files(ckpt_dir))
+    assert read == total and on_disk - 64 * 1024 < total <= on_disk, (read, total, on_disk)

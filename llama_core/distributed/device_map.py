@@ -68,9 +68,9 @@ def load_dispatched(
     placement = resolve_device_map(model, device_map, max_memory, max_batch_size, max_seq_len, kv_cache_dtype)
 
     # Whole tensors one at a time, each straight to its device: host memory holds only the offloaded part.
-    with WeightsProgress(model, dtype, progress) as bar:
+    with WeightsProgress(model, ckpt_dir, progress) as bar:
         assign_weights(model, iter_rank_tensors(ckpt_dir, args), ckpt_dir, lambda name, tensor: bar.placed(
-            tensor.to(device=_storage_device(placement.get(model_part(name), "cpu")), dtype=dtype).contiguous()))
+            name, tensor.to(device=_storage_device(placement.get(model_part(name), "cpu")), dtype=dtype).contiguous()))
     model.requires_grad_(False).eval()
     model.fuse_projections()  # before dispatch, so offloaded layers keep their fused weights in accelerate's map
     return dispatch(model, placement)

@@ -103,9 +103,9 @@ def load_model_shard(ckpt_dir: Path, args: ModelArgs, device: torch.device, dtyp
     with torch.device("meta"):
         model = Transformer(args)
     shard_transformer(model, world)
-    with WeightsProgress(model, dtype, progress and rank == 0) as bar:
+    with WeightsProgress(model, ckpt_dir, progress and rank == 0) as bar:
         assign_weights(model, iter_rank_tensors(ckpt_dir, args, rank, world), ckpt_dir,
-                       lambda name, tensor: bar.placed(tensor.to(device=device, dtype=dtype).contiguous()))
+                       lambda name, tensor: bar.placed(name, tensor.to(device=device, dtype=dtype).contiguous()))
     return model.requires_grad_(False).eval()
 
 

@@ -3,11 +3,12 @@ over several by accelerate (device_map), or split over torchrun's processes (ten
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -100,6 +101,7 @@ def load(
     quantize: Optional[str] = None,
     kv_cache_dtype: str | torch.dtype = "auto",
     fixes_as: str = "arguments",
+    warm_up: bool = True,
 ) -> LoadedModel:
     """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`, and
     progress shows a bar on stderr while the weights load (on rank 0 only under tensor parallelism).
@@ -108,6 +110,8 @@ def load(
     kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
     fixes_as: how a model that would not fit in its device's free memory is told what would: as these
     keyword arguments ("arguments"), or as the command lines' flags ("flags").
+    warm_up: compile a compiled decode step here, in this thread; False where another thread will run the steps
+    (a serving engine's `start()` compiles it there: see ModelRunner.warm_up).
 
     Under tensor parallelism, ranks > 0 serve rank 0's forwards inside this call and then exit the process.
 
@@ -168,18 +172,26 @@ def load(
         model = load_model(ckpt_dir, args, torch_device, model_dtype, progress,
                            assigned=_prepare_part(quantize, cpu_eager, model_dtype == torch.float32),
                            projections_as_stored=as_stored)
-    if compile and progress:  # the weights' bar is done; compiling takes a while with nothing else to show
-        print("Compiling the decode step (torch.compile; on the first start of a large model this takes minutes, "
-              "inductor caches it for the next)...", file=sys.stderr, flush=True)
-    compiling = time.perf_counter()
-    runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel,
-                         kv_cache_dtype=kv_dtype)
-    if compile and progress:
-        print(f"Compiled the decode step in {time.perf_counter() - compiling:.1f} s", file=sys.stderr, flush=True)
+    with compiling_notice(compile and warm_up and progress):
+        runner = ModelRunner(model, max_batch_size, max_seq_len, compile, tensor_parallel=tensor_parallel,
+                             kv_cache_dtype=kv_dtype, warm_up=warm_up)
     if tensor_parallel:
         parallel.lead_or_serve(runner.model, runner.device)  # returns on rank 0 only
     return LoadedModel.from_runner(runner, tokenizer, ckpt_dir, time.perf_counter() - start)
 
+
+@contextlib.contextmanager
+def compiling_notice(shown: bool) -> Iterator[None]:
+    """Where shown, says on stderr that the decode step compiles (after the weights' bar, a while with nothing
+    else to show), and then how long it took."""
+    if not shown:
+        yield
+        return
+    print("Compiling the decode step (torch.compile; on the first start of a large model this takes minutes, "
+          "inductor caches it for the next)...", file=sys.stderr, flush=True)
+    compiling = time.perf_counter()
+    yield
+    print(f"Compiled the decode step in {time.perf_counter() - compiling:.1f} s", file=sys.stderr, flush=True)
 
 
 def _check_memory(args: ModelArgs, ckpt_dir: Path, device: torch.device, device_option: str, dtype: torch.dtype,

@@ -48,10 +48,13 @@ class ModelRunner:
     """
 
     def __init__(self, model: Transformer, max_batch_size: int, max_seq_len: int, compile: bool = False,
-                 tensor_parallel: bool = False, kv_cache_dtype: Optional[torch.dtype] = None) -> None:
+                 tensor_parallel: bool = False, kv_cache_dtype: Optional[torch.dtype] = None,
+                 warm_up: bool = True) -> None:
         """model: loaded weights in eval mode. compile: decode with a compiled step (static on CUDA, leading rows on CPU: see the module docstring).
         tensor_parallel: every forward is replayed on the other ranks (see llama_core.distributed.parallel),
         so only model.forward may run it. kv_cache_dtype: the KV cache's, None for the model's.
+        warm_up: compile the step here, in this thread (see warm_up); False leaves it to the thread that will
+        run the steps (a serving engine's, as it starts).
 
         Raises:
             InvalidRequestError: max_batch_size or max_seq_len not a positive integer.
@@ -80,10 +83,18 @@ class ModelRunner:
         self._first_kv_cache = model.layers[0].attention.kv_cache  # every forward and copy writes it
         self.kv_cache_dtype = self._first_kv_cache.k_cache.dtype
         self.decode_step = DecodeStep(model, max_batch_size, compile, context=max_seq_len)
-        if self.decode_step.compiled:
-            self.decode_step.warm_up()
+        if warm_up:
+            self.warm_up()
         self._owner: Optional[object] = None
         self._owner_lock = threading.Lock()
+
+    def warm_up(self) -> None:
+        """Compiles a compiled decode step now, for the calling thread, rather than in the first request;
+        nothing for an eager one. Run it in the thread that will run the steps: torch.compile's CUDA graphs
+        are recorded per thread, so a step first run in another thread captures them again (on that thread's
+        first request, in a memory pool of its own)."""
+        if self.decode_step.compiled:
+            self.decode_step.warm_up()
 
     @property
     def parameter_count(self) -> int:

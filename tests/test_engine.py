@@ -662,3 +662,37 @@ def _read_one(entry) -> None:
         return
     if cancel_after is not None and len(chunks) == cancel_after:
         stream.cancel()
+
+
+def test_a_compiled_step_is_warmed_up_on_the_engines_own_thread_as_it_starts(meta_ckpt_dir, monkeypatch):
+    """torch.compile's CUDA graphs are recorded per thread: warmed up in the loading thread, the step would be
+    captured again in the engine's, on the first request. The engine warms it up on its own thread, and
+    start() waits for that and raises what it raised."""
+    import shutil
+    import threading
+
+    from llama_core.loader import load
+
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    loaded = load(meta_ckpt_dir, max_seq_len=64, max_batch_size=2, device="cpu", dtype="float32", compile=True,
+                  warm_up=False)
+    step = loaded.runner.decode_step
+    threads = []  # the thread of each call of the compiled step
+    compiled = step._step
+    monkeypatch.setattr(step, "_step", lambda *args: (threads.append(threading.get_ident()), compiled(*args))[1])
+    engine = Engine(loaded, seed=0)
+    assert threads == []  # not warmed up as it loaded
+    with engine:
+        warmed_up_on = list(threads)  # the calls within start()
+        assert len(_collect(engine.submit([1, 5, 9], 4, temperature=0))) == 4
+    assert len(warmed_up_on) == 1 and warmed_up_on[0] != threading.get_ident()
+    assert len(threads) > 1 and set(threads) == set(warmed_up_on)  # every step ran on the thread it warmed up on
+
+    def fails() -> None:
+        raise RuntimeError("the step does not compile")
+
+    monkeypatch.setattr(step, "warm_up", fails)
+    with pytest.raises(RuntimeError, match="the step does not compile"):
+        engine.start()
+    assert not engine.running and not engine.alive

@@ -29,6 +29,7 @@ import itertools
 import math
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -249,7 +250,15 @@ class Engine:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Engine":
-        """Runs turns in a thread of the engine's own until shutdown()."""
+        """Runs turns in a thread of the engine's own until shutdown(). That thread first warms up the model's
+        compiled step, if it has one (ModelRunner.warm_up: its CUDA graphs are the thread's own), and start()
+        waits for it.
+
+        Raises:
+            LlamaError: the engine is closed.
+            Exception: what warming the step up raised; the engine's thread has then stopped, and requests
+                submitted meanwhile have ended with the error.
+        """
         if self._closed:
             raise LlamaError("the engine is closed")
         self._draining = False
@@ -259,8 +268,18 @@ class Engine:
         self._running = True
         if self.runner.device.type == "cpu":  # the model's work moves to the engine's thread from here
             cpu_threads.release_workers()  # (a second pool of OpenMP workers would slow every step)
-        self._thread = threading.Thread(target=self._loop, name="llama-engine", daemon=True)
+        warmed_up: Future = Future()
+        self._thread = threading.Thread(target=self._loop, args=(warmed_up,), name="llama-engine", daemon=True)
         self._thread.start()
+        try:
+            warmed_up.result()
+        except BaseException:  # its failure, or Ctrl-C while it compiles: the thread stops once warmed up
+            with self._wakeup:
+                self._running = False
+                self._wakeup.notify_all()
+            self._thread.join()
+            self._thread = None
+            raise
         atexit.register(self.shutdown)  # stop the loop before the interpreter tears torch down
         return self
 
@@ -430,7 +449,14 @@ class Engine:
                 return False
             return self._turn()
 
-    def _loop(self) -> None:
+    def _loop(self, warmed_up: Future) -> None:
+        try:
+            self._warm_up()
+        except BaseException as exc:  # start() raises it
+            self._abandon(exc)
+            warmed_up.set_exception(exc)
+            return
+        warmed_up.set_result(None)
         try:
             while True:
                 with self._wakeup:
@@ -443,6 +469,13 @@ class Engine:
         except BaseException as exc:  # the loop itself failed (after_turn raised, say): no reader may wait
             self._abandon(exc)  # on a thread that is gone
             raise
+
+    def _warm_up(self) -> None:
+        """Warms the runner up in the engine's thread, the one that will run its steps (see ModelRunner.warm_up)."""
+        with self._turn_lock:
+            self._forget_foreign_writes()
+            self.runner.warm_up()
+            self._cache_version = self.runner.kv_cache_version  # it wrote only the spare position, no slot's
 
     def _abandon(self, exc: BaseException) -> None:
         """Ends every request, waiting or running, with the error that stopped the engine's thread; later

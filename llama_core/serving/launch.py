@@ -14,7 +14,7 @@ from ..config import default_context
 from ..devices import resolve_device
 from ..distributed.device_map import parse_max_memory
 from ..distributed.parallel import launched_by_torchrun
-from ..loader import load
+from ..loader import compiling_notice, load
 from ..resources import DEFAULT_CKPT_DIR
 from .engine import Engine
 from .engine_process import EngineProcess
@@ -76,9 +76,12 @@ def open_engine(
                  max_memory=parse_max_memory(max_memory) if max_memory else None, compile=compile, progress=progress,
                  quantize=quantize, kv_cache_dtype=kv_cache_dtype, fixes_as=fixes_as)
     if single_process or launched_by_torchrun():
-        # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit.
-        return Engine(load(**build, tensor_parallel=launched_by_torchrun()), seed=seed,
-                      prefix_caching=prefix_caching, max_waiting=max_waiting, prompt_lookup=prompt_lookup).start()
+        # Under `torchrun --nproc_per_node N`, ranks > 0 serve rank 0's steps inside load and exit. A compiled
+        # step is compiled by the engine's thread as it starts, where its CUDA graphs will be replayed.
+        engine = Engine(load(**build, tensor_parallel=launched_by_torchrun(), warm_up=False), seed=seed,
+                        prefix_caching=prefix_caching, max_waiting=max_waiting, prompt_lookup=prompt_lookup)
+        with compiling_notice(compile and progress):
+            return engine.start()
     return EngineProcess(dict(build, seed=seed), threads=threads, prefix_caching=prefix_caching,
                          max_waiting=max_waiting, prompt_lookup=prompt_lookup).start()
 

@@ -16,6 +16,7 @@ bad weights, too little memory, a prompt the model cannot take), 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Optional, TextIO
@@ -25,6 +26,7 @@ from .cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, ArgumentParser, Mode
                           positive_int)
 from .dialog import SPECIAL_TAGS, Dialog, has_special_tags
 from .errors import InvalidRequestError, LlamaError
+from .generation_config import GenerationConfig, read_generation_config
 from .grammar import Grammar
 from .serving import requests  # the request checks: no torch
 from .serving.requests import SamplingParams
@@ -42,9 +44,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--echo", action="store_true", help="print the prompt before its completion (not with --chat)")
     p.add_argument("-q", "--quiet", action="store_true", help="only the generated text: nothing on stderr but errors")
     sampling = p.add_argument_group("sampling")
-    sampling.add_argument("--temperature", type=float, default=0.6, help="0 is greedy (default: 0.6)")
-    sampling.add_argument("--top-p", type=float, default=0.9, help="keep the most likely tokens holding this much "
-                          "probability (default: 0.9)")
+    sampling.add_argument("--temperature", type=float, help="0 is greedy (default: the checkpoint's "
+                          "generation_config.json, else 0.6)")
+    sampling.add_argument("--top-p", type=float, help="keep the most likely tokens holding this much probability "
+                          "(default: the checkpoint's generation_config.json, else 0.9)")
     sampling.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 is off")
     sampling.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this share of the "
                           "most likely one; 0 is off")
@@ -91,6 +94,7 @@ def _run(argv: Optional[list[str]], stdin: Optional[TextIO], stdout: Optional[Te
         params = check_sampling_options(args)
         request = check_request(read_prompt(args.prompt, stdin), args.chat, args.system)
         plan = check_model_options(args)  # the device last: it imports torch
+        params = checkpoint_sampling(params, args, read_generation_config(plan.ckpt_dir))
         check_memory(plan, 1)
         max_new_tokens = check_max_new_tokens(args.max_new_tokens, plan.max_seq_len)
     except LlamaError as exc:
@@ -104,15 +108,24 @@ def _run(argv: Optional[list[str]], stdin: Optional[TextIO], stdout: Optional[Te
 
 
 def check_sampling_options(args: argparse.Namespace) -> SamplingParams:
-    """The sampling flags as one SamplingParams, each judged by llama_core's own checks."""
+    """The sampling flags as one SamplingParams, each judged by llama_core's own checks; SamplingParams' own
+    defaults for --temperature and --top-p where not given (see checkpoint_sampling)."""
     given = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                  repetition_penalty=args.repetition_penalty, stop=args.stop, seed=args.seed)
+    given = {name: value for name, value in given.items() if name not in ("temperature", "top_p") or value is not None}
     for name, value in given.items():
         try:
             SamplingParams(**{name: value})
         except LlamaError as exc:
             raise OptionError(f"--{name.replace('_', '-')}: {exc}") from exc
     return SamplingParams(**given, grammar=check_output_options(args))
+
+
+def checkpoint_sampling(params: SamplingParams, args: argparse.Namespace, config: GenerationConfig) -> SamplingParams:
+    """params with the checkpoint's generation_config.json temperature and top_p (greedy where its do_sample is
+    false) for those of --temperature and --top-p not given."""
+    stated = {name: value for name, value in config.sampling().items() if getattr(args, name) is None}
+    return dataclasses.replace(params, **stated) if stated else params
 
 
 def check_output_options(args: argparse.Namespace) -> Optional[Grammar]:

@@ -18,6 +18,7 @@ from .checkpoint_files import check_vocabulary, checkpoint_layout, find_tokenize
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from .generation_config import GenerationConfig, read_generation_config
 from .memory_plan import cpu_shortfall, shortfall
 from .int4 import quantize_int4
 from .quantize import QUANTIZATIONS, quantization_of, quantize_int8
@@ -46,6 +47,9 @@ class ModelInfo:
     kv_cache_bytes: int = 0
     kv_cache_dtype: Optional[str] = None  # where it differs from dtype
     cpu_products: Optional[str] = None  # on the CPU: "llama_core's kernels (AVX2, built for native)" or "torch's own"
+    # The checkpoint's generation_config.json: its sampling defaults (temperature, top_p; None where unstated)
+    # and end-of-sequence ids, for a front end's defaults where its user gave none
+    generation_config: GenerationConfig = GenerationConfig()
 
     @property
     def weights(self) -> str:
@@ -82,6 +86,7 @@ class LoadedModel:
             weights_bytes=weights_bytes, kv_cache_bytes=kv_cache_bytes,
             kv_cache_dtype=(None if runner.kv_cache_dtype == runner.dtype
                             else str(runner.kv_cache_dtype).removeprefix("torch.")),
+            generation_config=read_generation_config(ckpt_dir),
         )
         return cls(runner, tokenizer, info)
 

@@ -29,9 +29,12 @@ the weight is converted before cuBLAS multiplies it.
 
 from __future__ import annotations
 
+import inspect
 import os
+import sys
+import traceback
 import warnings
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -300,6 +303,51 @@ def triton_failed(exc: BaseException) -> None:
         _TRITON_ROWS = None
         warnings.warn(f"llama_core: the Triton int8/int4 products failed ({type(exc).__name__}: "
                       f"{str(exc)[:300]}); the dequantized product is used instead", RuntimeWarning, stacklevel=2)
+
+
+def failed_in_triton(exc: BaseException) -> bool:
+    """Whether exc, or an exception it wraps, is a failure of the Triton products in use: one of Triton's own
+    exception types (its compiler's or its runtime's, whatever the traceback shows), or one raised in the
+    products' code, in Triton's, or in torch's for user-defined Triton kernels (by the frames of its traceback,
+    or, for code torch.compile traced rather than ran, of its real_stack). Wrapped: its __cause__ and
+    __context__ (torch.compile's BackendCompilerFailed and InductorError are raised `from None`, which keeps
+    the context), and their inner_exception."""
+    code = _triton_code()
+    for error in _wrapped(exc):
+        if type(error).__module__.partition(".")[0] == "triton":
+            return True
+        frames = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)]
+        frames += [summary.filename for summary in getattr(error, "real_stack", None) or ()]
+        if any(path.startswith(code) for path in frames):
+            return True
+    return False
+
+
+def _triton_code() -> tuple[str, ...]:
+    """The files, or folders, of the code that runs the Triton products: the products' module in use,
+    Triton's package, and torch's handling of user-defined Triton kernels (only the products' in a step)."""
+    code = []
+    if _TRITON_ROWS is not None:
+        code.append(inspect.getsourcefile(_TRITON_ROWS) or "")
+    triton = sys.modules.get("triton")
+    if getattr(triton, "__file__", None):
+        code.append(os.path.dirname(triton.__file__) + os.sep)
+    wrap = sys.modules.get("torch._higher_order_ops.triton_kernel_wrap")
+    if getattr(wrap, "__file__", None):
+        code.append(wrap.__file__)
+    return tuple(path for path in code if path)
+
+
+def _wrapped(exc: BaseException) -> Iterator[BaseException]:
+    """exc and every exception it wraps, each once."""
+    seen, pending = set(), [exc]
+    while pending:
+        error = pending.pop()
+        if not isinstance(error, BaseException) or id(error) in seen:
+            continue
+        seen.add(id(error))
+        yield error
+        pending += [error.__cause__, error.__context__, getattr(error, "inner_exception", None)]
 
 
 def triton_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,

@@ -36,7 +36,7 @@ from .cpu_kernels import PanelLinear, available as cpu_kernels_available, kernel
 from .cpu_kernels import build as cpu_kernels_build
 from .packed_linear import PackedLinear, pack_linears, unpack_linears
 from .int4 import Int4Linear, keep_int4_in_panels
-from .quantize import Int8Linear, keep_int8_in_panels, triton_failed, triton_rows
+from .quantize import Int8Linear, failed_in_triton, keep_int8_in_panels, triton_failed, triton_rows
 
 CacheRows = torch.Tensor | slice
 
@@ -324,13 +324,14 @@ class DecodeStep:
         """Compiles the step now rather than in the first request: throw-away tokens at the spare last position,
         for two rows (leading rows), or for one row and for every row at the shortest context (static),
         where the static step's CUDA graphs are also captured. Where llama_core.triton_products' kernels are
-        in the step and it fails to compile, it is compiled again without them (quantize.triton_failed)."""
+        in the step and they are what failed (quantize.failed_in_triton), it is compiled again without them
+        (quantize.triton_failed); any other failure is raised as it is."""
         try:
             self._warm_up()
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            if not self._triton_products():
+            if not self._triton_products() or not failed_in_triton(exc):
                 raise
             triton_failed(exc)
             torch._dynamo.reset()

@@ -22,6 +22,7 @@ from llama_core.quantize import Int8Linear, Int8PanelLinear, quantization_of, qu
 from llama_core.runner import DecodeStep
 from llama_core.serving.engine_process import EngineProcess
 
+import failing_triton_products
 from conftest import STORIES_DIR, build_llama, needs_stories
 
 # Largest |int8 logprob - float32 logprob| over the whole vocabulary, at every position of the float model's
@@ -366,22 +367,10 @@ def test_a_cuda_kernel_launched_now_runs_on_its_tensors_gpu():
     assert not isinstance(triton_products.launch_device(torch.zeros(1), triton_products._direct), torch.cuda.device)
 
 
-class _FailingTritonProducts:
-    """Stands for llama_core.triton_products where its kernels cannot be built (a triton too old, say)."""
-
-    MAX_ROWS = 64
-
-    @staticmethod
-    def int8_product(x, weight, scales):
-        raise RuntimeError("the kernel could not be built")
-
-    int8_rows_product = int8_product
-
-
 @pytest.fixture
 def failing_triton(monkeypatch):
     # The CUDA path's dispatch on CPU tensors in bfloat16 (no CUDA here): the kernels are "there" and fail.
-    monkeypatch.setattr(quantize, "_TRITON_ROWS", _FailingTritonProducts)
+    monkeypatch.setattr(quantize, "_TRITON_ROWS", failing_triton_products)
     monkeypatch.setattr(quantize, "fits_triton", lambda x, weight: quantize._TRITON_ROWS is not None)
 
 
@@ -398,10 +387,83 @@ def test_a_compiled_step_whose_triton_kernels_fail_compiles_again_without_them(f
     llama = build_llama(meta_ckpt_dir, dtype="bfloat16", quantize="int8")
     with pytest.warns(RuntimeWarning, match="Triton int8/int4 products failed"):  # eager: at the first product
         expected = llama.generate([[1, 5, 9]], 6, temperature=0)[0]
-    quantize._TRITON_ROWS = _FailingTritonProducts  # there again, for the compiled step to meet
+    quantize._TRITON_ROWS = failing_triton_products  # there again, for the compiled step to meet
     step = DecodeStep(llama.model, llama.max_batch_size, compile=True, static=True, smallest_context=16)
     with pytest.warns(RuntimeWarning, match="Triton int8/int4 products failed"):
         step.warm_up()
     assert quantize._TRITON_ROWS is None
     llama.runner.decode_step = step
     assert llama.generate([[1, 5, 9]], 6, temperature=0)[0] == expected
+
+
+class _TritonCompilationError(Exception):
+    """Stands for triton.compiler.errors.CompilationError (Triton is not installed here)."""
+
+
+_TritonCompilationError.__module__ = "triton.compiler.errors"
+
+
+def _raised_by_inductor(inner: Exception) -> Exception:
+    """inner, raised, as torch.compile's inductor raises what failed in it: InductorError `from None`, which
+    keeps inner as the context and the inner_exception."""
+    from torch._inductor.exc import InductorError
+
+    try:
+        try:
+            raise inner
+        except Exception as exc:
+            raise InductorError(exc, None).with_traceback(exc.__traceback__) from None
+    except InductorError as wrapped:
+        return wrapped
+
+
+def _caught(call) -> Exception:
+    try:
+        call()
+    except Exception as exc:
+        return exc
+    raise AssertionError("nothing was raised")
+
+
+@pytest.fixture
+def quantized_step(meta_ckpt_dir) -> DecodeStep:
+    model = build_llama(meta_ckpt_dir, dtype="bfloat16", quantize="int8").model
+    return DecodeStep(model, 2, compile=True, static=True, smallest_context=16)
+
+
+@pytest.mark.parametrize("failure", [
+    lambda: _raised_by_inductor(_TritonCompilationError("at 12:4: NameError('GROUP is not defined')")),
+    lambda: _raised_by_inductor(_caught(lambda: failing_triton_products.int8_product(None, None, None))),
+], ids=["a Triton error", "raised in the products"])
+def test_a_warm_up_that_failed_in_the_triton_kernels_compiles_again_without_them(failing_triton, quantized_step,
+                                                                                 monkeypatch, failure):
+    calls = []
+
+    def warm_up() -> None:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise failure()
+
+    monkeypatch.setattr(quantized_step, "_warm_up", warm_up)
+    with pytest.warns(RuntimeWarning, match="Triton int8/int4 products failed"):
+        quantized_step.warm_up()
+    assert calls == [0, 1] and quantize._TRITON_ROWS is None
+
+
+@pytest.mark.parametrize("failure", [
+    lambda: RuntimeError("shape '[2, 1, 64]' is invalid for input of size 96"),
+    lambda: _raised_by_inductor(_caught(lambda: torch.zeros(2, 3) @ torch.zeros(2, 3))),
+], ids=["a bug in the step", "a shape error inductor wrapped"])
+def test_a_warm_up_failure_not_of_the_triton_kernels_is_raised_as_it_is_and_keeps_them(failing_triton,
+                                                                                       quantized_step, monkeypatch,
+                                                                                       recwarn, failure):
+    error = failure()
+
+    def warm_up() -> None:
+        raise error
+
+    monkeypatch.setattr(quantized_step, "_warm_up", warm_up)
+    with pytest.raises(type(error)) as raised:
+        quantized_step.warm_up()
+    assert raised.value is error and quantize._TRITON_ROWS is failing_triton_products
+    assert not [w for w in recwarn if "Triton" in str(w.message)]

@@ -53,6 +53,18 @@ def test_the_store_keeps_good_conversations_and_leaves_out_bad_ones():
     assert c.choices(store) == [("hi", good["id"])] and store["active"] == good["id"]
 
 
+def test_a_store_read_back_as_the_page_saved_it_is_unchanged():
+    # The page writes the store back only where reading it changed it, and any write tells the app's other tabs
+    # theirs is stale. Empty text boxes are saved as none: reading them dropped those settings, so every tab that
+    # opened wrote the store again.
+    settings = dict(SETTINGS, stop=None, output_grammar=None, output_format="text", top_k=0)
+    stored = json.loads(json.dumps(c.with_conversation(c.new_store("sys", settings), chat(("hi", "ho")))))
+    assert c.loaded_store(stored, "sys", settings) == stored
+    odd = json.loads(json.dumps(c.new_store("sys", dict(settings, output_format=None, temperature=None))))
+    assert c.active(c.loaded_store(odd, "sys", settings))["settings"].keys() == settings.keys() - {
+        "output_format", "temperature"}  # only the text boxes may be empty
+
+
 def test_only_an_untouched_chat_counts_as_new():
     assert c.is_new(c.new_conversation("", SETTINGS))
     assert not c.is_new(chat(("hi", "ho")))

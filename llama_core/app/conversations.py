@@ -401,12 +401,12 @@ def _checked_conversation(value: Any, where: str) -> dict:
 
 def _holdable(name: str, value: Any) -> bool:
     """Whether a saved setting is one its control can hold: a slider's a finite number, the seed's a whole
-    number from 0 to MAX_SEED or none, the others' text."""
+    number from 0 to MAX_SEED or none, the reply format's a name, the text boxes' text or none (left empty)."""
     if name == "seed":
         return value is None or (type(value) is int and 0 <= value <= requests.MAX_SEED)
     if name in SLIDERS:
         return type(value) in (int, float) and math.isfinite(value) and abs(value) <= requests.MAX_SEED
-    return type(value) is str
+    return type(value) is str or (value is None and name in ("stop", "output_grammar"))
 
 
 def _quoted(text: str) -> str:

@@ -815,13 +815,11 @@ def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, b
     # until the user keeps them.
     monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
     context, page, other = two_tabs(served, browser)
-    page.wait_for_timeout(3500)  # past the 3 s after a tab opens, in which a write is taken for its opening
     new_chat(page)
     send(page, "A long tale, please.")
     expect(page.locator("#chat-stop")).to_be_visible()
     other.reload()  # up to date with the first tab's new chat
     expect(other.locator("#chat-input textarea")).to_be_visible()
-    other.wait_for_timeout(3500)
     before = stored(other)
     new_chat(other)
     send(other, "From the other tab.")
@@ -855,7 +853,7 @@ def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
     context, page, other = two_tabs(served, browser)
     other.reload()  # a tab opened or reloaded writes the store unchanged: that is not a change
     expect(other.locator("#chat-input textarea")).to_be_visible()
-    page.wait_for_timeout(3500)  # past the 3 s after a tab opens, in which a write is taken for its opening
+    page.wait_for_timeout(1000)
     expect(page.locator("#other-tab-note")).to_have_count(0)
     expect(other.locator("#other-tab-note")).to_have_count(0)
     send(other, "From the other tab.")
@@ -880,13 +878,65 @@ def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
     note.get_by_role("button", name="Reload").click()
     expect(page.locator("#chat-list")).to_contain_text("From the other tab.")
     expect(page.locator("#other-tab-note")).to_have_count(0)
-    page.wait_for_timeout(3500)  # past the reload's own write
     send(other, "Again from the other tab.")
     expect(note).to_contain_text("changed in another tab")
     page.once("dialog", lambda dialog: dialog.accept())  # going on: this tab's copy is kept, the note goes
     send(page, "Sent anyway.")
     expect(page.locator('#chatbot [data-testid="user"]').last).to_have_text("Sent anyway.")
     expect(note).to_have_count(0)
+    context.close()
+
+
+def test_a_change_made_as_another_tab_opens_makes_that_tab_stale_and_what_it_writes_next_is_held(served, browser):
+    # A tab's opening was told from a change by timing: a change within 3 s of another tab opening did not make
+    # that tab stale, and what a tab wrote in the 1.5 s before its note showed replaced the other tab's changes
+    # (UI pass: 1 of 1 and 2 of 2). Changes are marked now, and the note shows at once.
+    context, page, other = two_tabs(served, browser)
+    other.reload()
+    expect(other.locator("#chat-input textarea")).to_be_visible()
+    set_number(other, "#chat-temperature", 1.3)  # at once
+    expect(page.locator("#other-tab-note")).to_contain_text("changed in another tab")
+    other.wait_for_timeout(500)
+    theirs = stored(other)
+    set_number(page, "#chat-top-p", 0.5)  # the stale tab's own change, straight after: held
+    expect(page.locator("#other-tab-keep")).to_be_visible()
+    page.wait_for_timeout(500)
+    assert stored(page) == theirs
+    expect(other.locator("#other-tab-note")).to_have_count(0)
+    context.close()
+
+
+def test_a_full_browser_storage_is_said_and_the_note_goes_once_a_save_succeeds(served, browser):
+    # Near localStorage's quota the store's writes failed in silence (Gradio logs them to the console only), and
+    # every change from then on was lost at the next reload.
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(served[1])
+    expect(page.locator("#chat-input textarea")).to_be_visible()
+    page.wait_for_function(f"() => localStorage.getItem({json.dumps(ui.STORAGE_KEY)}) !== null")
+    before = stored(page)
+    page.evaluate("""() => {  // fill the rest of the origin's storage, leaving less room than one more write
+      let size = 1 << 24;
+      while (size > 16) {
+        try { localStorage.setItem("filler", "x".repeat(size)); break; } catch { size >>= 1; }
+      }
+      for (let step = size >> 1; step > 16; step >>= 1) {
+        try { localStorage.setItem("filler", "x".repeat(size + step)); size += step; } catch {}
+      }
+    }""")
+    title = page.locator("#chat-title input")
+    title.fill("A title long enough to need more room than is left")  # renaming makes the store longer
+    title.press("Enter")
+    note = page.locator("#storage-full-note")
+    expect(note).to_contain_text("storage for the app is full")
+    assert stored(page) == before
+    page.evaluate('() => localStorage.removeItem("filler")')
+    set_number(page, "#chat-temperature", 0.8)
+    expect(note).to_have_count(0)
+    wait_saved(page, before)
+    page.reload()
+    expect(page.locator("#chat-temperature input[type=number]")).to_have_value("0.8")
     context.close()
 
 

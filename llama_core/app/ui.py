@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import uuid
+from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Optional
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no telemetry or version checks
@@ -48,6 +49,7 @@ from ..serving.streams import TextEngine, TextStream, stream_chat, stream_comple
 from ..tokenizer import StreamDecoder  # noqa: E402
 from . import branches, conversations  # noqa: E402
 
+APP_DIR = Path(__file__).resolve().parent  # page.css and page.js: package data beside this file
 THEME = gr.themes.Default(primary_hue="amber", secondary_hue="stone")  # local fonts only: works offline
 # Least time between two updates of a streamed reply, on the page and through the API: each update costs the
 # server about as much as a decode step, and the thread streaming a reply sleeps in between instead of waking
@@ -71,174 +73,11 @@ ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequen
             "output_format", "output_grammar")
 OUTPUT_FORMATS = [("Text", "text"), ("JSON", "json"), ("JSON schema", "json_schema"), ("Regular expression", "regex"),
                   ("Lark grammar", "lark")]
-CSS = """#completion-tokens .text { font-family: var(--font-mono); }
-#chat-prompt pre { max-height: 360px; overflow-y: auto; }
-#chat-prompt pre code { white-space: pre-wrap; overflow-wrap: anywhere; }
-#chat-prompt del { opacity: 0.7; }
-#chat-list label { min-width: 0; max-width: 100%; overflow-wrap: anywhere; }  /* a long title wraps in its item */
-#chat-branch { align-items: center; }
-#chat-branch-label { flex: 0 1 auto !important; width: auto !important; min-width: 0 !important; }
-#chat-branch-label p { margin: 0; }
-#chat-branch > button { flex: 0 0 auto !important; white-space: nowrap; }
-#chat-branch-retry { margin-left: auto; }
-/* Flex items: the blanks between Gradio's spans take no room, so no gap where the prompt ends mid-word. */
-#completion-marked .textfield { display: flex; flex-wrap: wrap; align-items: baseline; }
-#completion-marked .token-container, #completion-marked .token { display: inline-flex; margin: 0; }
-#completion-marked .line-break { flex-basis: 100%; }
-#completion-marked .line-break + .line-break { height: 1lh; }  /* a blank line keeps its height */
-/* Each message is the containing block of what it holds, clipped to it: Gradio keeps a message's inline styles, and
-   a fixed or absolute element there (!important or not) would otherwise cover the page and take its clicks. */
-#chatbot [data-testid="user"], #chatbot [data-testid="bot"] { contain: paint; }
-/* A table wider than its bubble scrolls within it (on a phone its columns wrapped a letter a line). */
-#chatbot [data-testid="bot"] table, #chatbot [data-testid="user"] table { display: block; max-width: 100%;
-  overflow-x: auto; }
-#chatbot [data-testid="bot"] :is(th, td), #chatbot [data-testid="user"] :is(th, td) { word-break: normal;
-  overflow-wrap: normal; }
-#other-tab-note { position: sticky; top: 0; z-index: 1000; padding: 8px 12px; background: #fef3c7; color: #78350f;
-  border-bottom: 1px solid #f59e0b; font-size: var(--text-md); }
-#other-tab-note button { margin-left: 8px; text-decoration: underline; font-weight: 600; }
-@media (max-width: 640px) {  /* a phone: the chat first, its buttons side by side, the sidebar below */
-  #chat-main { order: -1; }
-  #chatbot { height: min(420px, 52vh) !important; }
-  #chat-tools > * { min-width: 0 !important; }
-  #chat-tools { flex-wrap: nowrap; }
-}"""
-# Run once the page loads. Each tab holds the conversations as they were when it opened, and writes them all back
-# when anything changes: another tab of the app changing them (the browser then fires "storage" here) makes
-# this one's copy stale, so it says so, offering a reload. From then on this tab writes nothing by itself: what
-# it would write (a reply ending, a setting changed, another chat chosen) is held, and the note offers to keep
-# it, replacing the other tab's; a change the user makes here (sending, a new chat, retry, undo...) asks first.
-# A tab also writes them once as it opens (gr.BrowserState, unchanged but encrypted anew): each tab says it
-# opened under a key of its own, and a write within 3 s of that is not taken for a change.
-# Leaving or reloading the page while a chat reply streams, or with changes held, asks first.
-PAGE_JS = """() => {
-  const key = %s, opened = key + "-opened";
-  const write = Storage.prototype.setItem;
-  let openedAt = -1e9, held = null, leaving = false;
-  const note = () => document.getElementById("other-tab-note");
-  const keep = () => {  // this tab's copy replaces the other tab's
-    note()?.remove();
-    if (held !== null) write.call(localStorage, key, held);
-    held = null;
-  };
-  Storage.prototype.setItem = function (name, value) {
-    if (this !== localStorage || name !== key || !note()) return write.call(this, name, value);
-    held = value;  // the other tab's changes stay until the user chooses
-    const shown = note();
-    if (!shown.querySelector("#other-tab-keep")) {
-      shown.firstChild.textContent = "Your conversations were changed in another tab of this app. What changed " +
-        "here since is not saved: Reload to see the other tab's (this tab's changes are lost), or keep this " +
-        "tab's (the other tab's are lost).";
-      const button = document.createElement("button");
-      button.id = "other-tab-keep";
-      button.textContent = "Keep this tab's";
-      button.onclick = keep;
-      shown.append(button);
-    }
-  };
-  write.call(localStorage, opened, String(Math.random()));
-  window.addEventListener("storage", (event) => {
-    if (event.key === opened) openedAt = performance.now();
-    if (event.key !== key) return;
-    const changedAt = performance.now();
-    setTimeout(() => {
-      if (Math.abs(changedAt - openedAt) < 3000 || note()) return;
-      const shown = document.createElement("div");
-      shown.id = "other-tab-note";
-      shown.setAttribute("role", "alert");
-      shown.append(document.createElement("span"));
-      shown.firstChild.textContent = "Your conversations were changed in another tab of this app. Reload to see " +
-        "them here: a change made here first would replace them.";
-      const reload = document.createElement("button");
-      reload.textContent = "Reload";
-      reload.onclick = () => { leaving = true; setTimeout(() => { leaving = false; }, 0); location.reload(); };
-      shown.append(reload);
-      document.body.prepend(shown);
-    }, 1500);
-  });
-  // While the note shows, a change here (sending, a new chat, retry, undo...) asks first: it would replace the
-  // other tab's. Going on makes this tab's copy the one kept, so the note goes.
-  const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-undo, #chat-clear, #chat-branch-retry";
-  const goOn = () => {
-    if (!note()) return true;
-    if (!confirm("Your conversations were changed in another tab of this app. Going on here replaces those " +
-                 "changes with this tab's. Go on? (Cancel, then Reload, to see them.)")) return false;
-    keep();
-    return true;
-  };
-  const guard = (event) => { if (!goOn()) { event.preventDefault(); event.stopImmediatePropagation(); } };
-  document.addEventListener("click", (event) => {
-    if (event.target instanceof Element && event.target.closest(changes)) guard(event);
-  }, true);
-  document.addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&
-        event.target.closest("#chat-input")) guard(event);
-  }, true);
-  // Escape stops a streaming reply; after Stop (which hides itself), the message box has the focus.
-  const streaming = () => {  // Stop in Send's place: its own display, also while another tab of the page shows
-    const stop = document.getElementById("chat-stop");
-    return !!stop && !stop.closest(".hidden") && getComputedStyle(stop).display !== "none";
-  };
-  const toBox = () => {  // once Send is back in Stop's place (the page re-renders the buttons as the turn ends)
-    const started = performance.now();
-    const tick = () => {
-      if (document.getElementById("chat-send")?.checkVisibility() || performance.now() - started > 5000) {
-        document.querySelector("#chat-input textarea")?.focus();
-      } else setTimeout(tick, 50);
-    };
-    setTimeout(tick, 0);
-  };
-  document.addEventListener("click", (event) => {
-    if (event.target instanceof Element && event.target.closest("#chat-stop")) toBox();
-  }, true);
-  document.addEventListener("keydown", (event) => {  // before any box's own handling of the key
-    const target = event.target instanceof Element ? event.target : document.body;
-    const other = target.closest("input, textarea, select, [role=listbox], [contenteditable]") &&
-                  !target.closest("#chat-input");  // a dropdown, an edit box...: Escape is theirs
-    if (event.key === "Escape" && !other && streaming()) document.getElementById("chat-stop").click();
-  }, true);
-  // A message sent is kept in this tab's sessionStorage until its turn ends: leaving or reloading the page before
-  // (the reply is not kept then) puts it back in the box when the page opens again, unless the chat shows it.
-  const unsent = key + "-unsent";
-  let sentSeen = false;
-  const sending = (event) => {
-    if (event.defaultPrevented || streaming()) return;
-    const box = document.querySelector("#chat-input textarea");
-    if (box && box.value.trim()) { sessionStorage.setItem(unsent, box.value); sentSeen = false; }
-  };
-  document.addEventListener("click", (event) => {
-    if (event.target instanceof Element && event.target.closest("#chat-send")) sending(event);
-  });
-  document.addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&
-        event.target.closest("#chat-input")) sending(event);
-  });
-  setInterval(() => {  // the turn ended: the message is in the chat (or back in the box)
-    if (sessionStorage.getItem(unsent) === null) return;
-    if (streaming()) sentSeen = true;
-    else if (sentSeen) sessionStorage.removeItem(unsent);
-  }, 250);
-  window.addEventListener("pagehide", () => {  // kept only where the page goes while its turn runs
-    if (!streaming()) sessionStorage.removeItem(unsent);
-  });
-  const left = sessionStorage.getItem(unsent);
-  if (left !== null) {
-    sessionStorage.removeItem(unsent);
-    setTimeout(() => {  // once the saved conversation is shown
-      const users = document.querySelectorAll('#chatbot [data-testid="user"]');
-      const box = document.querySelector("#chat-input textarea");
-      if (!box || box.value || (users.length && users[users.length - 1].innerText.trim() === left.trim())) return;
-      box.value = left;
-      box.dispatchEvent(new Event("input", {bubbles: true}));
-    }, 1500);
-  }
-  window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
-    if (streaming() || (held !== null && !leaving)) {
-      event.preventDefault();
-      event.returnValue = "";
-    }
-  });
-}""" % json.dumps(STORAGE_KEY)
+CSS = (APP_DIR / "page.css").read_text(encoding="utf-8")
+
+# Run once the page loads: two tabs of the app, leaving mid-reply, Escape, a message a reload cut off (page.js).
+PAGE_JS = (APP_DIR / "page.js").read_text(encoding="utf-8").replace("STORAGE_KEY", json.dumps(STORAGE_KEY))
+
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
     label: "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hls_to_rgb(float(label) / 3, 0.78, 0.75))

@@ -1,0 +1,158 @@
+// The app page's script (llama_core.app.ui.PAGE_JS), run once the page loads (ui.py puts in its storage key).
+// Each tab holds the conversations as they were when it opened, and writes them all back when anything changes.
+// Another tab's change (the browser then fires "storage" here) makes this tab's copy stale: it says so at once,
+// offering a reload, and from then on writes nothing by itself. What it would write (a reply ending, a setting
+// changed, another chat chosen) is held, and the note offers to keep it, replacing the other tab's; a change the
+// user makes here (sending, a new chat, retry, undo...) asks first.
+// A change is told from a tab opening by a mark: this script writes one under key + "-by" before each write of
+// the store, so the other tabs see the mark, then the store. The one write a tab makes as it opens
+// (gr.BrowserState: the store unchanged, encrypted anew) comes before its script runs, unmarked.
+// A write the browser refuses (its storage for the app is full) is said in a note until a write succeeds.
+// Leaving or reloading the page while a chat reply streams, or with changes held, asks first.
+() => {
+  const key = STORAGE_KEY, mark = key + "-by", tab = Math.random().toString(36).slice(2);
+  const write = Storage.prototype.setItem;
+  let held = null, leaving = false, marked = false, writes = 0;
+  const note = () => document.getElementById("other-tab-note");
+  const banner = (id, text) => {  // a note at the top of the page
+    const shown = document.createElement("div");
+    shown.id = id;
+    shown.setAttribute("role", "alert");
+    shown.append(document.createElement("span"));
+    shown.firstChild.textContent = text;
+    document.body.prepend(shown);
+    return shown;
+  };
+  const save = (value) => {  // the mark, then the store; a write refused for want of room is said
+    try {
+      write.call(localStorage, mark, tab + ":" + ++writes);
+      write.call(localStorage, key, value);
+      document.getElementById("storage-full-note")?.remove();
+    } catch (error) {
+      localStorage.removeItem(mark);  // the other tabs drop the mark: no write of the store follows it
+      if (error.name === "QuotaExceededError" && !document.getElementById("storage-full-note")) {
+        banner("storage-full-note", "This browser's storage for the app is full: your latest changes to the " +
+          "conversations are not saved. Export the chats you want to keep, then delete old ones to make room.");
+      }
+      throw error;
+    }
+  };
+  const keep = () => {  // this tab's copy replaces the other tab's
+    note()?.remove();
+    if (held !== null) save(held);
+    held = null;
+  };
+  Storage.prototype.setItem = function (name, value) {
+    if (this !== localStorage || name !== key) return write.call(this, name, value);
+    if (!note()) return save(value);
+    held = value;  // the other tab's changes stay until the user chooses
+    const shown = note();
+    if (!shown.querySelector("#other-tab-keep")) {
+      shown.firstChild.textContent = "Your conversations were changed in another tab of this app. What changed " +
+        "here since is not saved: Reload to see the other tab's (this tab's changes are lost), or keep this " +
+        "tab's (the other tab's are lost).";
+      const button = document.createElement("button");
+      button.id = "other-tab-keep";
+      button.textContent = "Keep this tab's";
+      button.onclick = keep;
+      shown.append(button);
+    }
+  };
+  localStorage.removeItem(key + "-opened");  // what earlier versions of this script wrote as a tab opened
+  window.addEventListener("storage", (event) => {
+    if (event.storageArea !== localStorage) return;
+    if (event.key === mark) marked = event.newValue !== null;
+    if (event.key !== key) return;
+    const changed = marked;
+    marked = false;
+    if (!changed || note()) return;
+    const shown = banner("other-tab-note", "Your conversations were changed in another tab of this app. Reload " +
+      "to see them here: a change made here first would replace them.");
+    const reload = document.createElement("button");
+    reload.textContent = "Reload";
+    reload.onclick = () => { leaving = true; setTimeout(() => { leaving = false; }, 0); location.reload(); };
+    shown.append(reload);
+  });
+  // While the note shows, a change here (sending, a new chat, retry, undo...) asks first: it would replace the
+  // other tab's. Going on makes this tab's copy the one kept, so the note goes.
+  const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-undo, #chat-clear, #chat-branch-retry";
+  const goOn = () => {
+    if (!note()) return true;
+    if (!confirm("Your conversations were changed in another tab of this app. Going on here replaces those " +
+                 "changes with this tab's. Go on? (Cancel, then Reload, to see them.)")) return false;
+    keep();
+    return true;
+  };
+  const guard = (event) => { if (!goOn()) { event.preventDefault(); event.stopImmediatePropagation(); } };
+  document.addEventListener("click", (event) => {
+    if (event.target instanceof Element && event.target.closest(changes)) guard(event);
+  }, true);
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&
+        event.target.closest("#chat-input")) guard(event);
+  }, true);
+  // Escape stops a streaming reply; after Stop (which hides itself), the message box has the focus.
+  const streaming = () => {  // Stop in Send's place: its own display, also while another tab of the page shows
+    const stop = document.getElementById("chat-stop");
+    return !!stop && !stop.closest(".hidden") && getComputedStyle(stop).display !== "none";
+  };
+  const toBox = () => {  // once Send is back in Stop's place (the page re-renders the buttons as the turn ends)
+    const started = performance.now();
+    const tick = () => {
+      if (document.getElementById("chat-send")?.checkVisibility() || performance.now() - started > 5000) {
+        document.querySelector("#chat-input textarea")?.focus();
+      } else setTimeout(tick, 50);
+    };
+    setTimeout(tick, 0);
+  };
+  document.addEventListener("click", (event) => {
+    if (event.target instanceof Element && event.target.closest("#chat-stop")) toBox();
+  }, true);
+  document.addEventListener("keydown", (event) => {  // before any box's own handling of the key
+    const target = event.target instanceof Element ? event.target : document.body;
+    const other = target.closest("input, textarea, select, [role=listbox], [contenteditable]") &&
+                  !target.closest("#chat-input");  // a dropdown, an edit box...: Escape is theirs
+    if (event.key === "Escape" && !other && streaming()) document.getElementById("chat-stop").click();
+  }, true);
+  // A message sent is kept in this tab's sessionStorage until its turn ends: leaving or reloading the page before
+  // (the reply is not kept then) puts it back in the box when the page opens again, unless the chat shows it.
+  const unsent = key + "-unsent";
+  let sentSeen = false;
+  const sending = (event) => {
+    if (event.defaultPrevented || streaming()) return;
+    const box = document.querySelector("#chat-input textarea");
+    if (box && box.value.trim()) { sessionStorage.setItem(unsent, box.value); sentSeen = false; }
+  };
+  document.addEventListener("click", (event) => {
+    if (event.target instanceof Element && event.target.closest("#chat-send")) sending(event);
+  });
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&
+        event.target.closest("#chat-input")) sending(event);
+  });
+  setInterval(() => {  // the turn ended: the message is in the chat (or back in the box)
+    if (sessionStorage.getItem(unsent) === null) return;
+    if (streaming()) sentSeen = true;
+    else if (sentSeen) sessionStorage.removeItem(unsent);
+  }, 250);
+  window.addEventListener("pagehide", () => {  // kept only where the page goes while its turn runs
+    if (!streaming()) sessionStorage.removeItem(unsent);
+  });
+  const left = sessionStorage.getItem(unsent);
+  if (left !== null) {
+    sessionStorage.removeItem(unsent);
+    setTimeout(() => {  // once the saved conversation is shown
+      const users = document.querySelectorAll('#chatbot [data-testid="user"]');
+      const box = document.querySelector("#chat-input textarea");
+      if (!box || box.value || (users.length && users[users.length - 1].innerText.trim() === left.trim())) return;
+      box.value = left;
+      box.dispatchEvent(new Event("input", {bubbles: true}));
+    }, 1500);
+  }
+  window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
+    if (streaming() || (held !== null && !leaving)) {
+      event.preventDefault();
+      event.returnValue = "";
+    }
+  });
+}

@@ -23,6 +23,7 @@ from app_server import MAX_SEQ_LEN, REPO_ROOT, free_port, serve_app
 from conftest import interruptible
 
 from llama_core import UNSAFE_ERROR, cpu_kernels
+from llama_core.generation_config import GenerationConfig
 from llama_core.app import server, ui
 from llama_core.serving import stream_completion
 from llama_core.app.address import listen_socket
@@ -399,6 +400,19 @@ def test_model_facts_name_checkpoint_size_and_context(engine):
     assert f"| Memory | weights {info.weights_bytes / 2**20:.1f} MiB · KV cache {info.kv_cache_bytes / 2**20:.1f} MiB |" in facts
     assert f"trained for {engine.info.args.max_seq_len:,}" in facts  # the embedded model's params.json states it
     assert str(Path(engine.info.ckpt_dir).parent) not in facts  # no paths of the server's disk
+
+
+@pytest.mark.parametrize("stated, expected", [(GenerationConfig(), (0.6, 0.9)),
+                                             (GenerationConfig(temperature=0.0, top_p=0.5), (0.0, 0.5)),
+                                             (GenerationConfig(temperature=3.0), (2.0, 0.9))])
+def test_the_sampling_sliders_start_as_the_checkpoints_generation_config_says(engine, stated, expected):
+    # generation_config.json was read for llama-generate only: the app's sliders started at 0.6 and 0.9 whatever
+    # the checkpoint said (a temperature past the slider's 2 starts at 2).
+    info = dataclasses.replace(engine.info, generation_config=stated)
+    with gr.Blocks():
+        for prefix in ("chat", "completion"):
+            temperature, top_p = ui._sampling_controls(info, prefix)[:2]
+            assert (temperature.value, top_p.value) == expected
 
 
 def test_model_facts_say_not_stated_where_the_checkpoint_does_not(engine):

@@ -306,11 +306,16 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def _sampling_controls(max_seq_len: int, prefix: str) -> list[gr.components.Component]:
-    """Temperature, top-p and max new tokens, then the Advanced accordion's controls in ADVANCED order."""
+def _sampling_controls(info: ModelInfo, prefix: str) -> list[gr.components.Component]:
+    """Temperature, top-p and max new tokens, then the Advanced accordion's controls in ADVANCED order. Temperature
+    and top-p start as the checkpoint's generation_config.json says, else at Llama-2's 0.6 and 0.9."""
+    max_seq_len, stated = info.max_seq_len, info.generation_config
+    temperature = 0.6 if stated.temperature is None else min(stated.temperature, 2.0)
+    top_p = 0.9 if stated.top_p is None else stated.top_p
     basic = [
-        gr.Slider(0, 2, value=0.6, step=0.05, label="Temperature", info="0 is greedy", elem_id=f"{prefix}-temperature"),
-        gr.Slider(0, 1, value=0.9, step=0.01, label="Top-p", info="keep the most likely tokens holding this "
+        gr.Slider(0, 2, value=temperature, step=0.05, label="Temperature", info="0 is greedy",
+                  elem_id=f"{prefix}-temperature"),
+        gr.Slider(0, 1, value=top_p, step=0.01, label="Top-p", info="keep the most likely tokens holding this "
                   "much probability (0: the most likely only)", elem_id=f"{prefix}-top-p"),
         gr.Slider(1, max_seq_len - 1, value=min(256, max(1, max_seq_len // 4)), step=1, label="Max new tokens",
                   elem_id=f"{prefix}-max-new-tokens"),
@@ -836,7 +841,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                 with gr.Column(scale=1, min_width=240):
                     system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
                                                elem_id="system-prompt")
-                    chat_controls = _sampling_controls(info.max_seq_len, "chat")
+                    chat_controls = _sampling_controls(info, "chat")
             with gr.Tab("Completion", elem_id="completion-tab"), gr.Row():
                 with gr.Column(scale=3):
                     prompt = gr.Textbox(label="Prompt", lines=4, elem_id="completion-prompt",  # Enter: a new line
@@ -858,7 +863,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                     shown_tokens = gr.State([])
                     gr.Examples(prompts.completion_examples, prompt, label="Examples")
                 with gr.Column(scale=1):
-                    completion_controls = _sampling_controls(info.max_seq_len, "completion")
+                    completion_controls = _sampling_controls(info, "completion")
                     echo = gr.Checkbox(label="Echo the prompt", elem_id="completion-echo")
                     show_probabilities = gr.Checkbox(label="Show probabilities", elem_id="completion-probabilities")
             with gr.Tab("Model", elem_id="model-tab"):

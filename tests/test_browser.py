@@ -374,8 +374,16 @@ def test_export_then_import_round_trips_and_a_bad_file_is_named(page, tmp_path):
     download.value.save_as(exported)
     new_chat(page)  # the file exported is the other chat's: no longer offered
     expect(page.locator("#chat-exported")).to_be_hidden()
+    import_file(page, exported)  # where the chat is already: shown, not copied
+    expect(page.locator("#chat-stats")).to_contain_text("is here already")
+    expect(user).to_have_text("Round trip, good sir.")
+    chats = page.locator("#chat-list label").count()
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#chat-delete")
+    expect(page.locator("#chat-list label")).to_have_count(chats - 1)
     import_file(page, exported)
     expect(page.locator("#chat-stats")).to_contain_text("Imported")
+    expect(page.locator("#chat-list label")).to_have_count(chats)
     expect(user).to_have_text("Round trip, good sir.")
     expect(bot).to_have_text(reply)
     bad = tmp_path / "bad.json"

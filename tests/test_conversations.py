@@ -65,6 +65,20 @@ def test_a_store_read_back_as_the_page_saved_it_is_unchanged():
         "output_format", "temperature"}  # only the text boxes may be empty
 
 
+def test_an_export_imported_where_its_chat_is_already_is_found_there():
+    # Importing a file twice gave two copies of the chat.
+    settings = dict(SETTINGS, stop=None)
+    conversation = dict(chat(("hi", "ho"), ("and?", "so.")), settings=settings)
+    store = c.with_conversation(c.new_store("sys", settings), conversation)
+    store = json.loads(json.dumps(store))  # as the browser keeps it
+    imported = c.from_json(c.to_json(c.active(store)))
+    assert imported["id"] != conversation["id"]
+    assert c.same_in_store(store, imported)["id"] == conversation["id"]
+    other = dict(imported, messages=imported["messages"][:1] + [{"role": "assistant", "content": "ha"}])
+    assert c.same_in_store(store, other) is None
+    assert c.same_in_store(store, dict(imported, title="Renamed")) is None
+
+
 def test_only_an_untouched_chat_counts_as_new():
     assert c.is_new(c.new_conversation("", SETTINGS))
     assert not c.is_new(chat(("hi", "ho")))

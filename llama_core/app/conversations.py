@@ -94,6 +94,14 @@ def with_conversation(store: dict, conversation: dict, *, activate: bool = True)
                 active=conversation["id"] if activate else store["active"])
 
 
+def same_in_store(store: dict, conversation: dict) -> Optional[dict]:
+    """The store's conversation holding what this one holds (title, system prompt, settings, messages and their
+    versions), if any: an export file imported twice, or where it was exported, is there already."""
+    def content(c: dict) -> dict:
+        return {k: v for k, v in c.items() if k not in ("id", "updated", "stats")}
+    return next((c for c in store["conversations"] if content(c) == content(conversation)), None)
+
+
 def with_reply_kept(store: dict, finished: dict) -> dict:
     """The store with a finished reply kept in its conversation, as the store is now (what changed while it
     streamed stays). A conversation the store no longer holds is kept as the reply left it: the page wrote

@@ -753,6 +753,10 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             conversation = conversations.from_json(data)
         except conversations.ConversationFileError as exc:
             return view(store, stats=f"**Not imported:** {exc}.")
+        there = conversations.same_in_store(store, conversation)
+        if there is not None:  # shown, not copied
+            return view(dict(store, active=there["id"]), stats=f"Not imported: “"
+                        f"{conversations.as_markdown_text(there['title'])}” is here already, the same (shown).")
         return view(conversations.with_conversation(store, conversation),
                     stats=f"Imported “{conversations.as_markdown_text(conversation['title'])}”.")
 

@@ -14,6 +14,7 @@ import pytest
 from app_server import REPO_ROOT, free_port, serve_app
 
 from llama_core.app import ui
+from llama_core.prompt_library import load_prompts
 from llama_core.serving import stream_completion
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -472,6 +473,20 @@ def test_a_message_whose_reply_a_reload_cut_off_goes_back_to_the_box(page, monke
     expect(page.locator('#chatbot [data-testid="user"]').last).to_have_text("A message worth keeping.")
     page.wait_for_timeout(2000)
     expect(page.locator("#chat-input textarea")).to_have_value("")
+
+
+def test_an_example_whose_reply_a_reload_cut_off_goes_back_to_the_box_whole(page, monkeypatch):
+    # Only a message typed came back; an example clicked was lost (the page shows a long one cut short).
+    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until the reload
+    new_chat(page)
+    whole = next(text for text in load_prompts().chat_examples if len(text) > 60)
+    example = page.locator("#chat-examples .gallery-item").filter(has_text=whole[:30])
+    expect(example).not_to_have_text(whole)  # shown cut short
+    example.click()
+    expect(page.locator("#chat-stop")).to_be_visible()
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.reload()
+    expect(page.locator("#chat-input textarea")).to_have_value(whole)
 
 
 def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypatch):

@@ -75,7 +75,8 @@
   });
   // While the note shows, a change here (sending, a new chat, retry, undo...) asks first: it would replace the
   // other tab's. Going on makes this tab's copy the one kept, so the note goes.
-  const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-undo, #chat-clear, #chat-branch-retry";
+  const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-undo, #chat-clear, #chat-branch-retry, " +
+                  "#chat-examples .gallery-item";
   const goOn = () => {
     if (!note()) return true;
     if (!confirm("Your conversations were changed in another tab of this app. Going on here replaces those " +
@@ -118,13 +119,25 @@
   // (the reply is not kept then) puts it back in the box when the page opens again, unless the chat shows it.
   const unsent = key + "-unsent";
   let sentSeen = false;
-  const sending = (event) => {
+  const sending = (event, text) => {  // the box's text, or an example's
     if (event.defaultPrevented || streaming()) return;
-    const box = document.querySelector("#chat-input textarea");
-    if (box && box.value.trim()) { sessionStorage.setItem(unsent, box.value); sentSeen = false; }
+    const message = text ?? document.querySelector("#chat-input textarea")?.value ?? "";
+    if (message.trim()) { sessionStorage.setItem(unsent, message); sentSeen = false; }
+  };
+  const example = (item) => {  // an example's whole text: the page shows a long one cut short, ending "..."
+    const words = (text) => text.replace(/\s+/g, " ").trim();
+    const shown = words(item.innerText).replace(/\.\.\.$/, "");
+    const samples = window.gradio_config?.components?.find((c) => c.props?.elem_id === "chat-examples")?.props
+      ?.samples ?? [];
+    const whole = samples.map((sample) => sample[0]).find((text) => typeof text === "string" &&
+                                                           words(text).startsWith(shown));
+    return whole ?? item.innerText;
   };
   document.addEventListener("click", (event) => {
-    if (event.target instanceof Element && event.target.closest("#chat-send")) sending(event);
+    if (!(event.target instanceof Element)) return;
+    if (event.target.closest("#chat-send")) sending(event);
+    const item = event.target.closest("#chat-examples .gallery-item");
+    if (item) sending(event, example(item));
   });
   document.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&

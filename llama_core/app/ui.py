@@ -841,7 +841,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                     with gr.Accordion("The prompt the model sees next", open=True, visible=False,
                                       elem_id="chat-prompt-panel") as prompt_panel:
                         prompt_shown = gr.Markdown(elem_id="chat-prompt")
-                    examples = gr.Examples(prompts.chat_examples, chat_input, label="Examples")
+                    examples = gr.Examples(prompts.chat_examples, chat_input, label="Examples", elem_id="chat-examples")
                 with gr.Column(scale=1, min_width=240):
                     system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
                                                elem_id="system-prompt")

@@ -894,8 +894,9 @@ def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
     bubbles = page.locator('#chatbot [data-testid="user"]').count()
     send(page, "From the stale tab.")  # would replace the other tab's: it asks, and cancelled, nothing is sent
     page.locator("#chat-input textarea").press("Enter")  # Enter asks too
+    page.locator("#chat-examples .gallery-item").first.click()  # and an example
     page.wait_for_timeout(1000)
-    assert len(asked) == 2 and all("changed in another tab" in message for message in asked), asked
+    assert len(asked) == 3 and all("changed in another tab" in message for message in asked), asked
     expect(page.locator('#chatbot [data-testid="user"]')).to_have_count(bubbles)
     page.remove_listener("dialog", dismissed)
     note.get_by_role("button", name="Reload").click()

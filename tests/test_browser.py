@@ -349,6 +349,14 @@ def test_switching_conversations_shows_each_ones_messages(page):
     expect(page.locator("#chat-undo")).to_be_disabled()
     page.locator("#chat-list label", has_text="First of all.").first.click()
     expect(user).to_have_text("First of all.")
+    chat_list = page.locator("#chat-list input[type=radio]")  # the new chat first, then "First of all."
+    chat_list.nth(1).focus()  # the arrow keys move through the list (they did nothing)
+    page.keyboard.press("ArrowUp")
+    expect(chat_list.first).to_be_checked()
+    expect(chat_list.first).to_be_focused()
+    expect(user).to_have_count(0)
+    page.keyboard.press("ArrowDown")
+    expect(user).to_have_text("First of all.")
     page.locator("#chat-title input").fill("Renamed on leaving the box")
     page.locator("#chat-input textarea").click()  # no Enter: leaving the box renames too
     expect(page.locator("#chat-list label", has_text="Renamed on leaving the box")).to_have_count(1)

@@ -115,6 +115,26 @@
                   !target.closest("#chat-input");  // a dropdown, an edit box...: Escape is theirs
     if (event.key === "Escape" && !other && streaming()) document.getElementById("chat-stop").click();
   }, true);
+  // The arrow keys move through the chat list, as in any group of radio buttons (Gradio names each of its
+  // buttons apart, so the browser does not).
+  document.addEventListener("keydown", (event) => {
+    const step = {ArrowUp: -1, ArrowLeft: -1, ArrowDown: 1, ArrowRight: 1}[event.key];
+    const button = event.target instanceof Element && event.target.closest("#chat-list input[type=radio]");
+    if (!step || !button || event.altKey || event.ctrlKey || event.metaKey) return;
+    const buttons = [...document.querySelectorAll("#chat-list input[type=radio]")];
+    const next = buttons[buttons.indexOf(button) + step];
+    event.preventDefault();
+    if (!next || next.disabled) return;
+    next.focus();
+    next.click();
+    const started = performance.now();
+    const refocus = () => {  // the switch draws the list anew: the focus stays with the chosen chat
+      const lost = !document.activeElement || document.activeElement === document.body;
+      if (lost) document.querySelector("#chat-list input[type=radio]:checked")?.focus();
+      if (performance.now() - started < 2000) setTimeout(refocus, 50);
+    };
+    refocus();
+  }, true);
   // A message sent is kept in this tab's sessionStorage until its turn ends: leaving or reloading the page before
   // (the reply is not kept then) puts it back in the box when the page opens again, unless the chat shows it.
   const unsent = key + "-unsent";

@@ -108,6 +108,54 @@ def test_a_stream_dropped_unread_is_cancelled_in_the_child(prompts):  # noqa: F8
         assert process.steps - steps <= 10 and process.active_count == 0
 
 
+def test_a_stream_collected_inside_a_send_is_cancelled_without_waiting(served, prompts, monkeypatch):  # noqa: F811
+    """A partly read stream's iterator left in a reference cycle is closed by the garbage collector, which may run
+    at any allocation, one inside a send to the child included, with the pipe's lock held: its cancel must not
+    wait for that lock (in the same thread it would wait forever), yet the child must be told."""
+    import gc
+    import threading
+
+    sent = []
+    send = served._send
+    monkeypatch.setattr(served, "_send", lambda message: (sent.append(message[:2]), send(message))[1])
+    conn = served._conn
+
+    class CollectingPipe:  # the pipe, with the collector running inside each send
+        def send(self, message: tuple) -> None:
+            gc.collect()
+            conn.send(message)
+
+    stream = served.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
+    gc.disable()  # the iterator is collected inside the send, not before
+    try:
+        chunks = iter(stream)
+        next(chunks)
+        os.kill(served.pid, signal.SIGSTOP)  # the request stays unfinished until the child goes on
+        cycle = [chunks, None]
+        cycle[1] = cycle
+        del chunks, cycle
+        monkeypatch.setattr(served, "_conn", CollectingPipe())
+        other = []
+        threading.Thread(target=lambda: other.append(served.submit(prompts[1], 3, temperature=0)), daemon=True).start()
+        deadline = time.monotonic() + 10
+        while not other and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert other, "a cancel run by the collector inside a send waited for the pipe's lock"
+    finally:
+        monkeypatch.setattr(served, "_conn", conn)
+        if not other:
+            served._send_lock.release()  # lets the waiting cancel, then the send, through
+        os.kill(served.pid, signal.SIGCONT)
+        gc.enable()
+    assert len(_collect(other[0])) == 3
+    deadline = time.monotonic() + 10
+    while ("cancel", sent[0][1]) not in sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent[0][0] == "submit" and ("cancel", sent[0][1]) in sent  # the child is told, by the canceller
+    _collect(stream)
+    assert stream.finish_reason == "cancelled"
+
+
 def test_cancelling_a_finished_request_sends_the_child_nothing(served, prompts, monkeypatch):  # noqa: F811
     """The app cancels every stream it leaves, finished or not (Stop, a closed page): a finished one's cancel
     would be a message over the pipe, and a wake-up of the child's reader, for nothing."""
@@ -120,8 +168,8 @@ def test_cancelling_a_finished_request_sends_the_child_nothing(served, prompts, 
     running = served.submit(prompts[3], 200, temperature=0)
     next(iter(running))
     running.cancel()
+    assert _collect(running) == [] or running.finish_reason == "cancelled"  # the cancel was sent (from a thread)
     assert sent == ["submit", "submit", "cancel"]
-    assert _collect(running) == [] or running.finish_reason == "cancelled"
 
 
 def test_submitting_does_not_wait_for_the_child_and_a_full_engine_answers_busy(prompts):  # noqa: F811

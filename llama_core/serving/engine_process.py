@@ -76,7 +76,7 @@ class EngineProcess:
         self._channels: dict[int, Channel] = {}
         self._replies: dict[int, list] = {}  # request id -> [threading.Event, reply]
         self._lock = threading.Lock()
-        self._dropped: queue.SimpleQueue = queue.SimpleQueue()  # ids of requests whose streams were dropped unread
+        self._cancels: queue.SimpleQueue = queue.SimpleQueue()  # ids of cancelled requests, for the canceller
         self._stopped = False
         self._shut = False  # shutdown() was called: a child a restart loads meanwhile is stopped, not served
 
@@ -92,8 +92,8 @@ class EngineProcess:
             self.state = "stopped"
             raise
         self.tokenizer = Tokenizer(self.info.tokenizer_path)
-        self._dropped = queue.SimpleQueue()
-        threading.Thread(target=self._cancel_dropped, args=(self._dropped,), name="llama-engine-canceller",
+        self._cancels = queue.SimpleQueue()
+        threading.Thread(target=self._send_cancels, args=(self._cancels,), name="llama-engine-canceller",
                          daemon=True).start()
         atexit.register(self.shutdown)
         return self
@@ -139,7 +139,7 @@ class EngineProcess:
             self._shut = True
         if self._process is None:
             return
-        self._dropped.put(None)
+        self._cancels.put(None)
         self.state = "stopped"
         try:
             self._send(("stop",))
@@ -242,8 +242,7 @@ class EngineProcess:
             GrammarMatcher(request.params.grammar, self.tokenizer).check_start(self.info.args.vocab_size)  # here,
             # not an error in the stream from the child
         rid = next(self._ids)
-        channel = Channel(cancelled=_Cancel(lambda: self._send(("cancel", rid))),
-                          on_drop=lambda: self._dropped.put(rid))
+        channel = Channel(cancelled=_Cancel(lambda: self._cancels.put(rid)))
         slots = self.info.max_batch_size
         with self._lock:
             in_flight = len(self._channels)
@@ -328,11 +327,12 @@ class EngineProcess:
         return reply[1]
 
     # -- the pipe -----------------------------------------------------------------------------
-    def _cancel_dropped(self, dropped: queue.SimpleQueue) -> None:
-        """Tells the child to cancel the requests whose streams were dropped unread, until shutdown() puts
-        None. Their finalizers only queue the ids (SimpleQueue.put may run inside anything): one may run
+    def _send_cancels(self, cancels: queue.SimpleQueue) -> None:
+        """Tells the child to cancel the requests whose ids the cancels queue gets, until shutdown() puts None.
+        A cancel is only queued where it is made (SimpleQueue.put may run inside anything): it may be made by a
+        finalizer or the garbage collector (a stream dropped unread, a partly read one's iterator closed),
         inside a send that holds the pipe's lock, which a send of its own would wait for forever."""
-        while (rid := dropped.get()) is not None:
+        while (rid := cancels.get()) is not None:
             with contextlib.suppress(LlamaError):  # the child is gone: nothing left to cancel
                 self._send(("cancel", rid))
 
@@ -407,7 +407,8 @@ class EngineProcess:
 
 
 class _Cancel(threading.Event):
-    """A request's cancelled flag that also tells the child process."""
+    """A request's cancelled flag that also tells the child process, through notify: it must not wait on
+    anything (see Channel.cancelled)."""
 
     def __init__(self, notify) -> None:
         super().__init__()
@@ -416,10 +417,7 @@ class _Cancel(threading.Event):
     def set(self) -> None:
         if not self.is_set():
             super().set()
-            try:
-                self._notify()
-            except LlamaError:
-                pass  # the child is gone: nothing left to cancel
+            self._notify()
 
 
 class _Outbox:

@@ -82,8 +82,7 @@ class Channel:
     the last one; the reader sets `cancelled` to stop the request."""
 
     events: Any = field(default_factory=EventQueue)  # an EventSink; an EventQueue where a reader gets them
+    # Its set() may run inside anything: a stream's finalizer, or its iterator closed by the garbage collector
+    # (at any allocation, a send holding a lock included). It must not wait on a lock other code holds.
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
-    # Called by the finalizer of a stream dropped unread, once it has set `cancelled` alone: for an engine that
-    # the flag does not reach by itself (in another process). It may run inside anything: it must take no lock.
-    on_drop: Optional[Callable[[], None]] = None

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import queue
-import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -70,8 +69,8 @@ class TokenStream:
         weakref.finalize(self, _cancel_dropped, channel)
 
     def cancel(self) -> None:
-        """Stops the request in the engine; nothing to do once the engine has ended it (in a model process,
-        a cancel is a message over the pipe)."""
+        """Stops the request in the engine; nothing to do once the engine has ended it. Safe anywhere, a
+        finalizer included (a model process's cancel goes over the pipe from a thread of its own)."""
         if not self._channel.finished.is_set():
             self._channel.cancelled.set()
 
@@ -159,14 +158,10 @@ class TokenStream:
 
 
 def _cancel_dropped(channel: Channel) -> None:
-    """Cancels the request of a stream dropped unread: sets the flag alone (a finalizer may run inside
-    anything, a send to a model process holding its pipe's lock included), and leaves telling an engine in
-    another process to the channel's on_drop."""
-    if channel.finished.is_set() or channel.cancelled.is_set():
-        return
-    threading.Event.set(channel.cancelled)
-    if channel.on_drop is not None:
-        channel.on_drop()
+    """Cancels the request of a stream dropped unread (a finalizer may run inside anything: so may the
+    channel's cancelled.set())."""
+    if not channel.finished.is_set():
+        channel.cancelled.set()
 
 
 def _drained(events: Any) -> list[Any]:

@@ -696,3 +696,25 @@ def test_a_compiled_step_is_warmed_up_on_the_engines_own_thread_as_it_starts(met
     with pytest.raises(RuntimeError, match="the step does not compile"):
         engine.start()
     assert not engine.running and not engine.alive
+
+
+def test_the_apps_engine_in_this_process_is_closed_when_it_fails_to_start(meta_ckpt_dir, monkeypatch):
+    """open_engine(single_process=True) whose engine fails as it starts (its compiled step does not warm up):
+    the engine is closed, giving the model's KV cache back, not left holding it for no one."""
+    from llama_core.runner import ModelRunner
+    from llama_core.serving import launch
+
+    loaded = []
+    load = launch.load
+    monkeypatch.setattr(launch, "load", lambda **build: loaded.append(load(**build)) or loaded[-1])
+
+    def fails(self) -> None:
+        raise RuntimeError("the step does not compile")
+
+    monkeypatch.setattr(ModelRunner, "warm_up", fails)
+    with pytest.raises(RuntimeError, match="the step does not compile"):
+        launch.open_engine(meta_ckpt_dir, max_seq_len=64, max_batch_size=2, device="cpu", dtype="float32", threads=1,
+                           single_process=True)
+    monkeypatch.undo()
+    with Engine(loaded[0], seed=0) as engine:  # another engine may serve the model
+        assert len(_collect(engine.submit([1, 5, 9], 4, temperature=0))) == 4

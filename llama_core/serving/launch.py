@@ -81,7 +81,11 @@ def open_engine(
         engine = Engine(load(**build, tensor_parallel=launched_by_torchrun(), warm_up=False), seed=seed,
                         prefix_caching=prefix_caching, max_waiting=max_waiting, prompt_lookup=prompt_lookup)
         with compiling_notice(compile and progress):
-            return engine.start()
+            try:
+                return engine.start()
+            except BaseException:  # its step did not warm up, or Ctrl-C while it compiled
+                engine.close()  # gives the KV cache back: no one else has the engine to close
+                raise
     return EngineProcess(dict(build, seed=seed), threads=threads, prefix_caching=prefix_caching,
                          max_waiting=max_waiting, prompt_lookup=prompt_lookup).start()
 

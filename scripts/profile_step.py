@@ -64,11 +64,11 @@ def main() -> None:
                 spent[part] += time.perf_counter() - start
         return wrapper
 
-    engine._retire_cancelled = timed("scheduling", engine._retire_cancelled)
+    engine._scheduler.retire_cancelled = timed("scheduling", engine._scheduler.retire_cancelled)
     engine._admit = timed("scheduling", engine._admit)
     engine.runner.decode = timed("forward", engine.runner.decode)
-    engine._sample = timed("sampling", engine._sample)
-    engine._deliver = timed("delivery", engine._deliver)
+    engine._sampler.sample = timed("sampling", engine._sampler.sample)
+    engine._delivery.deliver = timed("delivery", engine._delivery.deliver)
     prompt = loaded.tokenizer.encode("ROMEO:\nBut soft, what light through yonder", bos=True, eos=False)
 
     def run_steps(profiler=None) -> list[dict]:

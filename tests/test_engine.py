@@ -554,9 +554,9 @@ def test_an_overlapped_engine_launches_the_next_step_before_delivering_one(promp
     for overlap, expected in ((False, ["decode", "deliver"] * 3), (True, ["decode"] + ["decode", "deliver"] * 2 + ["decode"])):
         engine = Engine(loaded, seed=0, overlap=overlap, prompt_lookup=0)  # a draft's step is no decode call
         calls = []
-        decode, deliver = engine.runner.decode, engine._deliver
+        decode, deliver = engine.runner.decode, engine._delivery.deliver
         engine.runner.decode = lambda *a, **k: calls.append("decode") or decode(*a, **k)
-        engine._deliver = lambda *a, **k: calls.append("deliver") or deliver(*a, **k)
+        engine._delivery.deliver = lambda *a, **k: calls.append("deliver") or deliver(*a, **k)
         streams = [engine.submit(p, 12, temperature=0) for p in prompts[:2]]
         tokens = [[c.token for c in s] for s in streams]
         engine.runner.decode = decode

@@ -1,0 +1,167 @@
+"""Scheduling: the queue of waiting requests and the KV cache's slots, which request runs in which slot
+(placed by the prefix cache, see prefix_cache), and which admitted prompts are prefilled together."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Callable, Optional
+
+from ..errors import ServerBusyError
+from ..runner import ModelRunner
+from .events import Admitted
+from .prefix_cache import Placement, PrefixCache
+from .sequence import EngineCounts, Sequence
+
+
+class Scheduler:
+    """The waiting queue and what each slot holds. The queue is shared with submitting threads under
+    `wakeup`; the slots belong to whichever thread runs the engine's turn."""
+
+    def __init__(self, runner: ModelRunner, wakeup: threading.Condition, counts: EngineCounts, prefill_chunk: int,
+                 prefix_caching: bool, admitted: Callable[[Sequence], None]) -> None:
+        """admitted: called for each request as it takes its slot (to set up what its sampling follows)."""
+        self.runner = runner
+        self.wakeup = wakeup
+        self.counts = counts
+        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = PrefixCache(runner.max_batch_size, enabled=prefix_caching)
+        self.slots: list[Optional[Sequence]] = [None] * runner.max_batch_size
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self._admitted = admitted
+
+    @property
+    def idle(self) -> bool:
+        """Whether no request waits or runs."""
+        return not self.waiting and not any(self.slots)
+
+    @property
+    def active(self) -> list[Sequence]:
+        """The requests in their slots, in slot order."""
+        return [s for s in self.slots if s is not None]
+
+    @property
+    def free_slots(self) -> int:
+        return sum(s is None for s in self.slots)
+
+    def held(self) -> list[Sequence]:
+        """Every request it holds, running or waiting."""
+        with self.wakeup:
+            return self.active + list(self.waiting)
+
+    def enqueue(self, sequence: Sequence, max_waiting: int) -> None:
+        """Queues a request, waking the engine's thread (the caller holds `wakeup`).
+
+        Raises:
+            ServerBusyError: every slot is busy and max_waiting requests already wait.
+        """
+        if len(self.waiting) >= max_waiting + self.free_slots:
+            raise ServerBusyError.full(len(self.slots), len(self.waiting))
+        self.waiting.append(sequence)
+        self.wakeup.notify()
+
+    def take_waiting(self) -> list[Sequence]:
+        """Empties the waiting queue; what it held."""
+        with self.wakeup:
+            pending, self.waiting = list(self.waiting), collections.deque()
+        return pending
+
+    def retire_cancelled(self) -> None:
+        """Ends the cancelled requests, running or waiting."""
+        for slot, sequence in enumerate(self.slots):
+            if sequence is not None and sequence.channel.cancelled.is_set():
+                self.free(slot, "cancelled")
+        with self.wakeup:  # a request abandoned while it waits gives its place in the queue back at once
+            gone = [s for s in self.waiting if s.channel.cancelled.is_set()]
+            if gone:
+                self.waiting = collections.deque(s for s in self.waiting if not s.channel.cancelled.is_set())
+        for sequence in gone:
+            sequence.finish("cancelled")
+
+    def admit(self) -> tuple[list[list[Sequence]], list[Sequence]]:
+        """Moves waiting requests into free slots. Returns the groups of them to prefill, each in one padded
+        forward, and those that may instead ride along in this turn's decode step (one forward for both), where
+        the model allows and other requests are decoding. A prompt longer than prefill_chunk is in neither: it
+        is prefilled chunk by chunk. A request whose prompt shares a long prefix with one being computed waits
+        for it (see PrefixCache.place); those behind it go ahead."""
+        free_slots = [slot for slot, s in enumerate(self.slots) if s is None]
+        with self.wakeup:
+            waiting = list(self.waiting) if free_slots else []
+        busy, computing = {}, []  # what the busy slots hold and will hold, for the prefix cache to choose
+        if waiting and self.prefix_cache.enabled:
+            busy = {slot: s.written_tokens for slot, s in enumerate(self.slots) if s is not None}
+            computing = [s.prompt_tokens for s in self.slots if s is not None and s.prefilling]
+        admitted = []
+        for sequence in waiting:
+            if not free_slots:
+                break
+            if sequence.channel.cancelled.is_set():
+                self._dequeue(sequence)
+                sequence.finish("cancelled")
+                continue
+            taken = [slot for slot, s in enumerate(self.slots) if s is not None]
+            placement = self.prefix_cache.place(sequence.prompt_tokens, free_slots, busy, computing,
+                                                reuse=not sequence.request.prompt_logprobs,
+                                                targets=self.runner.slots_to_fill(free_slots, taken))
+            if placement is None:
+                continue
+            self._dequeue(sequence)
+            free_slots.remove(placement.slot)
+            self._occupy(sequence, placement)
+            admitted.append(sequence)
+            busy[sequence.slot] = sequence.written_tokens
+            computing.append(sequence.prompt_tokens)
+        short = [s for s in admitted if len(s.uncomputed) <= self.prefill_chunk]  # longer: chunk by chunk
+        together = [s for s in short if not s.request.prompt_logprobs]
+        riders = []
+        decoding = any(s is not None and s not in admitted and not s.prefilling for s in self.slots)
+        if together and decoding and self.runner.mixes_prompts:
+            riders, together = together, []
+        return [[s] for s in short if s.request.prompt_logprobs] + ([together] if together else []), riders
+
+    def _dequeue(self, sequence: Sequence) -> None:
+        with self.wakeup:
+            self.waiting.remove(sequence)
+
+    def _occupy(self, sequence: Sequence, placement: Placement) -> None:
+        """Puts an admitted request into its slot, starting after the cached prefix its placement found
+        (copied there first where the placement says so)."""
+        cached = placement.cached_tokens
+        if placement.keep_held_in is not None:
+            try:
+                self.runner.copy_prefix(placement.slot, placement.keep_held_in, len(self.prefix_cache.held(placement.slot)))
+                self.prefix_cache.moved(placement.slot, placement.keep_held_in)
+            except Exception:  # the history is lost, as without the move
+                self.prefix_cache.forget(placement.keep_held_in)
+        self.prefix_cache.take(placement.slot)
+        if placement.copy_from is not None:
+            try:
+                self.runner.copy_prefix(placement.copy_from, placement.slot, cached)
+            except Exception:  # computing the prefix instead is slower, and as good
+                cached = 0
+        sequence.slot = placement.slot
+        sequence.prefilled = sequence.written = sequence.cached_tokens = cached
+        self.counts.cached_tokens += cached
+        self.slots[sequence.slot] = sequence
+        sequence.channel.events.put(Admitted(cached))
+        self._admitted(sequence)
+
+    def is_running(self, sequence: Sequence) -> bool:
+        """Whether the request still holds its slot."""
+        return self.slots[sequence.slot] is sequence
+
+    def free(self, slot: int, reason: str, message: str = "", failure: str = "") -> None:
+        """Ends slot's request; the slot keeps what it wrote for later prompts, unless the request failed."""
+        sequence = self.slots[slot]
+        self.slots[slot] = None
+        if sequence is not None:
+            if reason == "error":
+                self.prefix_cache.forget(slot)
+            else:
+                self.prefix_cache.release(slot, sequence.written_tokens)
+            sequence.finish(reason, message, failure)
+
+    def free_all(self, reason: str, message: str = "", failure: str = "") -> None:
+        """Ends every running request."""
+        for slot in range(len(self.slots)):
+            self.free(slot, reason, message, failure)

@@ -126,6 +126,7 @@ def test_a_stream_collected_inside_a_send_is_cancelled_without_waiting(served, p
             conn.send(message)
 
     stream = served.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
+    other = []  # the stream of the request whose send the collector runs in
     gc.disable()  # the iterator is collected inside the send, not before
     try:
         chunks = iter(stream)
@@ -135,18 +136,18 @@ def test_a_stream_collected_inside_a_send_is_cancelled_without_waiting(served, p
         cycle[1] = cycle
         del chunks, cycle
         monkeypatch.setattr(served, "_conn", CollectingPipe())
-        other = []
         threading.Thread(target=lambda: other.append(served.submit(prompts[1], 3, temperature=0)), daemon=True).start()
         deadline = time.monotonic() + 10
         while not other and time.monotonic() < deadline:
             time.sleep(0.01)
         assert other, "a cancel run by the collector inside a send waited for the pipe's lock"
     finally:
-        monkeypatch.setattr(served, "_conn", conn)
-        if not other:
-            served._send_lock.release()  # lets the waiting cancel, then the send, through
-        os.kill(served.pid, signal.SIGCONT)
         gc.enable()
+        os.kill(served.pid, signal.SIGCONT)
+        if served._conn is not conn:
+            monkeypatch.setattr(served, "_conn", conn)
+            if not other:
+                served._send_lock.release()  # lets the waiting cancel, then the send, through
     assert len(_collect(other[0])) == 3
     deadline = time.monotonic() + 10
     while ("cancel", sent[0][1]) not in sent and time.monotonic() < deadline:

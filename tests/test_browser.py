@@ -13,7 +13,7 @@ import pytest
 
 from app_server import REPO_ROOT, free_port, serve_app
 
-from llama_core.app import ui
+from llama_core.app import conversations, ui
 from llama_core.prompt_library import load_prompts
 from llama_core.serving import stream_completion
 
@@ -317,8 +317,11 @@ def test_reload_keeps_the_conversation_and_its_system_prompt(page, served):
     new_chat(page)
     page.fill("#system-prompt textarea", "You are Juliet.")
     page.locator("#system-prompt textarea").press("Tab")
+    before = stored(page)
     send(page, "Wherefore art thou?")
     expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    wait_saved(page, before)  # the turn's last step writes it, a moment after the page shows the reply ended
+    page.wait_for_timeout(500)
     page.reload()
     expect(user).to_have_text("Wherefore art thou?")
     expect(page.locator("#system-prompt textarea")).to_have_value("You are Juliet.")
@@ -362,6 +365,32 @@ def test_switching_conversations_shows_each_ones_messages(page):
     expect(page.locator("#chat-list label", has_text="Renamed on leaving the box")).to_have_count(1)
     page.reload()
     expect(page.locator("#chat-list label", has_text="Renamed on leaving the box")).to_have_count(1)
+
+
+def test_a_setting_changed_while_new_chat_runs_is_kept_in_the_new_chat(page, monkeypatch):
+    # New chat, then a setting at once: each event changed the conversations as they were before both, and the
+    # one to land last undid the other (New chat's update reset the setting: UI pass, 3 of 4 first tries).
+    new_chat(page)
+    send(page, "Before the new chat.")
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    page.wait_for_timeout(600)
+    temperature = page.locator("#chat-temperature input[type=number]")
+    before = temperature.input_value()
+    made = conversations.new_conversation
+    monkeypatch.setattr(conversations, "new_conversation", lambda *args: time.sleep(1.5) or made(*args))
+    page.click("#chat-new")
+    set_number(page, "#chat-temperature", 1.35)  # before New chat's update comes back
+    expect(page.locator('#chatbot [data-testid="user"]')).to_have_count(0)
+    page.wait_for_timeout(2500)
+    expect(temperature).to_have_value("1.35")
+    monkeypatch.undo()
+    page.reload()
+    expect(page.locator("#chat-list label").first).to_contain_text("New chat")  # kept, and shown
+    expect(page.locator('#chatbot [data-testid="user"]')).to_have_count(0)
+    expect(temperature).to_have_value("1.35")
+    page.locator("#chat-list label", has_text="Before the new chat.").first.click()
+    expect(page.locator('#chatbot [data-testid="user"]')).to_have_text("Before the new chat.")
+    expect(temperature).to_have_value(before)
 
 
 def import_file(page, path) -> None:

@@ -73,6 +73,33 @@
     reload.onclick = () => { leaving = true; setTimeout(() => { leaving = false; }, 0); location.reload(); };
     shown.append(reload);
   });
+  // The events that carry the conversations run one at a time, each with the latest of them. Gradio sends an
+  // event's inputs as the page holds them when it fires, and runs events outside its queue side by side: two
+  // quick changes (New chat, then a setting) each changed the conversations as they were before both, and the
+  // one to land last undid the other. An event fired before another's conversations came back is sent once
+  // they have, with them in place of its own.
+  const isStore = (value) => value !== null && typeof value === "object" && !Array.isArray(value) &&
+                             "version" in value && Array.isArray(value.conversations);
+  const fetchNow = window.fetch;
+  let queue = Promise.resolve(), latest = null, returned = 0;
+  window.fetch = function (input, init) {
+    const url = String(input?.url ?? input);
+    let body = null;
+    try { body = url.endsWith("/gradio_api/run/predict") ? JSON.parse(init?.body) : null; } catch {}
+    if (!Array.isArray(body?.data) || !body.data.some(isStore)) return fetchNow.apply(this, arguments);
+    const fired = returned;
+    const sent = queue.then(async () => {
+      if (returned > fired) body.data = body.data.map((value) => isStore(value) ? latest : value);
+      const response = await fetchNow.call(this, input, {...init, body: JSON.stringify(body)});
+      try {
+        const store = ((await response.clone().json()).data ?? []).find(isStore);
+        if (store) { latest = store; returned += 1; }
+      } catch {}
+      return response;
+    });
+    queue = sent.catch(() => {});
+    return sent;
+  };
   // While the note shows, a change here (sending, a new chat, retry, undo...) asks first: it would replace the
   // other tab's. Going on makes this tab's copy the one kept, so the note goes.
   const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-undo, #chat-clear, #chat-branch-retry, " +

@@ -699,14 +699,21 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             return view(store) if pending is None else unchanged()
         return view(conversations.with_conversation(store, branches.cleared(conversations.active(store))))
 
-    def new_chat(store: Any, pending: Optional[dict], system_prompt: str, *controls):
+    def new_chat(store: Any, pending: Optional[dict], prompt: str, *controls):
         store = loaded(store)
         if pending is not None:
             return unchanged()
         if conversations.is_new(conversations.active(store)):
-            return view(store)
-        return view(conversations.with_conversation(
-            store, conversations.new_conversation(system_prompt, settings_of(controls))))
+            shown = view(store)
+        else:
+            shown = view(conversations.with_conversation(
+                store, conversations.new_conversation(prompt, settings_of(controls))))
+        # The page shows these already: an update would undo a control changed while New chat ran.
+        at = view_outputs.index(system_prompt)
+        for i, value in enumerate((prompt, *controls), start=at):
+            if shown[i] == value:
+                shown[i] = gr.skip()
+        return shown
 
     def switch(chosen: Any, store: Any, pending: Optional[dict]):
         return unchanged() if pending is not None else view(conversations.switched(loaded(store), chosen))

@@ -251,6 +251,26 @@ def test_queue_past_its_bound_answers_busy(prompts):
             stream.cancel()
 
 
+def test_a_refused_request_takes_no_seed_from_the_requests_after_it(loaded, prompts, monkeypatch):
+    # A request refused (busy, closed) drew its seed first, so each later unseeded request of a seeded engine got
+    # another seed than it would have had without it.
+    engine = Engine(loaded, seed=0)
+    before = engine.generator.get_state()
+
+    def full(*args):
+        raise ServerBusyError("the server is busy")
+
+    monkeypatch.setattr(engine._scheduler, "enqueue", full)
+    with pytest.raises(ServerBusyError):
+        engine.submit(prompts[0], 4, temperature=1.0)
+    assert torch.equal(engine.generator.get_state(), before)
+    monkeypatch.undo()
+    engine.close()
+    with pytest.raises(LlamaError, match="closed"):
+        engine.submit(prompts[0], 4, temperature=1.0)
+    assert torch.equal(engine.generator.get_state(), before)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -326,16 +326,22 @@ class Engine:
             sequence.grammar = GrammarMatcher(request.params.grammar, self.tokenizer)
             sequence.grammar.check_start(self.runner.args.vocab_size)
         with self._wakeup:
-            sequence.seed = request.params.seed
-            if sequence.seed is None:
-                sequence.seed = int(torch.randint(0, MAX_SEED, (1,), generator=self.generator))
             if self._closed:
                 raise LlamaError("the engine is closed")
             if self._draining:
                 raise EngineUnavailableError(STOPPING)
             if self._lost:
                 raise EngineUnavailableError(self._lost)
-            self._scheduler.enqueue(sequence, self.max_waiting)
+            drawn = self.generator.get_state() if request.params.seed is None else None
+            sequence.seed = request.params.seed
+            if sequence.seed is None:
+                sequence.seed = int(torch.randint(0, MAX_SEED, (1,), generator=self.generator))
+            try:
+                self._scheduler.enqueue(sequence, self.max_waiting)
+            except BaseException:
+                if drawn is not None:  # a request refused takes no seed from the ones after it
+                    self.generator.set_state(drawn)
+                raise
 
     @property
     def active_count(self) -> int:

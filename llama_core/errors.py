@@ -33,6 +33,12 @@ class ServerBusyError(LlamaError, RuntimeError):
         """The refusal of an engine with this many requests running and waiting."""
         return cls(f"server busy: {running} requests running and {waiting} waiting; try again shortly")
 
+    @classmethod
+    def client_full(cls, held: int) -> "ServerBusyError":
+        """The refusal of a request whose client already holds `held` requests, the most one client may."""
+        return cls(f"server busy: this client already has {held} requests running and waiting, the most one client "
+                   "may hold at once (the rest of the queue is kept for other clients); try again when one ends")
+
 
 class EngineUnavailableError(LlamaError, RuntimeError):
     """The engine does not take requests now: its process is restarting after a crash, or has stopped."""

@@ -184,6 +184,27 @@ def test_submitting_does_not_wait_for_the_child_and_a_full_engine_answers_busy(p
         assert len(_collect(process.submit(prompts[2], 3, temperature=0))) == 3  # room again once they ended
 
 
+def test_the_client_reaches_the_child_and_its_bound_is_checked_at_submit(prompts):  # noqa: F811
+    # Two slots, two waiting places: a named client holds at most 2 + 2 // 2 = 3 requests.
+    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), max_waiting=2, threads=1) as process:
+        assert process.client_capacity == 3
+        running = [process.submit(prompts[i], 200, temperature=1.0, top_p=1.0, client="A",
+                                  logit_bias={process.tokenizer.eos_id: -100}) for i in range(2)]
+        readers = [iter(stream) for stream in running]  # kept: an iterator dropped cancels its request
+        for reader in readers:
+            next(reader)  # both slots are A's
+        queued_first = process.submit(prompts[2], 3, temperature=0, client="A")
+        with pytest.raises(ServerBusyError, match="this client already has 3 requests running and waiting"):
+            process.submit(prompts[3], 3, temperature=0, client="A")
+        queued_last = process.submit(prompts[3], 3, temperature=0, client="B")
+        running[1].cancel()  # sent after both submits: the child chooses between them
+        # B runs none, A one: B's takes the slot, and A's waits for B's to end (A's other runs on).
+        assert len(_collect(queued_last)) >= 1 and len(_collect(queued_first)) >= 1
+        assert queued_last.finished_at < queued_first.finished_at
+        assert len(_collect(process.submit(prompts[4], 3, temperature=0, client="A"))) >= 1  # A's room is back
+        running[0].cancel()
+
+
 def test_a_request_the_child_refuses_ends_its_stream_with_the_reason(served, prompts):  # noqa: F811
     stream = served.submit(prompts[0], 3, temperature=0)
     rid = max(served._channels)  # the child's refusal, as it answers a submit it cannot take

@@ -1214,6 +1214,22 @@ def test_a_full_queue_is_503_and_leaving_clients_free_their_places(one_slot):
     assert reply.choices[0].text is not None
 
 
+def test_the_api_names_each_requests_client_by_its_key_or_else_its_address(one_slot, monkeypatch):
+    """The engine's fair admission tells clients apart by the API key they send (by its place in the list: the
+    secret stays out of the engine), or with no keys set, by their address."""
+    engine, url = one_slot
+    clients, add = [], engine.add
+    monkeypatch.setattr(engine, "add", lambda request, channel: (clients.append(request.client), add(request, channel)))
+    for key in (KEY, OTHER_KEY):
+        client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+        client.chat.completions.create(model=engine.info.name, messages=HELLO, max_tokens=2)
+        client.completions.create(model=engine.info.name, prompt="ROMEO:", max_tokens=2)
+        client.responses.create(model=engine.info.name, input="Good morrow", max_output_tokens=2)
+    with serve_api(engine, api_keys=()) as open_url:
+        assert httpx.post(open_url + "/completions", json={"prompt": "ROMEO:", "max_tokens": 2}).status_code == 200
+    assert clients == ["key:0"] * 3 + ["key:1"] * 3 + ["address:127.0.0.1"]
+
+
 def test_a_bug_is_a_500_in_the_api_shape_and_the_server_keeps_serving(one_slot, monkeypatch):
     engine, url = one_slot
 

@@ -57,14 +57,18 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     keys = [key.encode() for key in api_keys]
 
     async def authorized(request: Request) -> None:  # async: no worker thread for a header check
+        """Refuses a request without a valid key (where keys are set); names its client for the engine."""
         if not keys:
+            request.state.client = f"address:{request.client.host if request.client else 'unknown'}"
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             raise APIError(401, "no API key given: send it as the header 'Authorization: Bearer YOUR_KEY'",
                            code="invalid_api_key")
-        if not any(hmac.compare_digest(given.strip().encode(), key) for key in keys):
+        held = next((i for i, key in enumerate(keys) if hmac.compare_digest(given.strip().encode(), key)), None)
+        if held is None:
             raise APIError(401, "the API key given is not valid for this server", code="invalid_api_key")
+        request.state.client = f"key:{held}"  # the key by its place in the list: no secret in the engine
 
     def served_model(requested: Optional[str]) -> None:
         if requested is not None and requested != model_id:
@@ -140,12 +144,12 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 
         def submit(seed: Optional[int]) -> TextStream:
             stream = stream_chat(engine, dialog, max_new_tokens=max_new_tokens, drop_old_turns=False,
-                                 prediction=prediction, **dict(controls, seed=seed))
+                                 prediction=prediction, client=request.state.client, **dict(controls, seed=seed))
             if stream.refusal is not None:
                 refusal[0] = True
             return stream
 
-        choices = _choices(body.n, capacity=engine.capacity)
+        choices = _choices(body.n, capacity=engine.client_capacity)
         streams = await _submit_all(submit, _seeds(controls["seed"], choices), fields, rename, size, controls)
         if refusal[0]:
             raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
@@ -183,7 +187,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             max_new_tokens = _max_new_tokens(chat.max_tokens, engine, "max_tokens")
 
             def submit(_: None) -> TextStream:
-                stream = stream_chat(engine, dialog, max_new_tokens=max_new_tokens, drop_old_turns=False, **controls)
+                stream = stream_chat(engine, dialog, max_new_tokens=max_new_tokens, drop_old_turns=False,
+                                     client=request.state.client, **controls)
                 if stream.refusal is not None:
                     raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
                 return stream
@@ -216,7 +221,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported; use n for several completions", param="best_of")
         prompts = _prompts(body.prompt, vocabulary(engine))
-        n = _choices(body.n, len(prompts), engine.capacity)
+        n = _choices(body.n, len(prompts), engine.client_capacity)
         top = body.logprobs
         if top is not None and not 0 <= top <= requests.MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be an integer from 0 to {requests.MAX_TOP_LOGPROBS}, got {top}",
@@ -234,7 +239,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             if isinstance(prompt, str) and not prompt.strip():  # as OpenAI takes it: the model writes after BOS
                 prompt = engine.tokenizer.encode(prompt, bos=True, eos=False)
             return stream_completion(engine, prompt, max_new_tokens=max_new_tokens, prompt_logprobs=echo_logprobs,
-                                     **dict(controls, seed=job[1]))
+                                     client=request.state.client, **dict(controls, seed=job[1]))
 
         streams = await _submit_all(submit, jobs, set(body.model_fields_set) | {"prompt"}, {}, size, controls)
         echoed = [job[0] for job in jobs] if body.echo else None
@@ -414,15 +419,15 @@ def _prompts(prompt: Any, vocabulary: int) -> list[str | list[int]]:
 
 
 def _choices(n: Optional[int], prompts: int = 1, capacity: Optional[int] = None) -> int:
-    """n, checked: at most MAX_CHOICES choices in all, and no more than the engine can ever hold at once
-    (`capacity`: a request past it would be answered busy however long its client waited)."""
+    """n, checked: at most MAX_CHOICES choices in all, and no more than the engine can ever hold at once for
+    one client (`capacity`: a request past it would be answered busy however long its client waited)."""
     n = 1 if n is None else n
     what = f"n ({n}) x prompts ({prompts})" if prompts > 1 else f"n ({n})"
     if not 1 <= n * prompts <= MAX_CHOICES:
         raise APIError(400, f"{what} must be from 1 to {MAX_CHOICES} choices in one request", param="n")
     if capacity is not None and n * prompts > capacity:
         raise APIError(400, f"{what} choices are more than this server holds at once ({capacity}: its requests "
-                            "running and waiting)", param="n")
+                            "running and waiting, for one client)", param="n")
     return n
 
 

@@ -50,7 +50,7 @@ from .lookup import DraftPrice
 from .prefill import Prefiller
 from .requests import MAX_SEED, GenerationRequest, SamplingParams, sampling_params
 from .sampler import Sampler
-from .scheduler import Scheduler
+from .scheduler import Scheduler, client_capacity
 from .sequence import EngineCounts, Sequence, failure_message
 from .stops import StopMatcher
 from .streams import TokenStream
@@ -74,7 +74,8 @@ class Engine:
                  prefix_caching: bool = True, overlap: Optional[bool] = None,
                  prompt_lookup: Optional[int] = None, draft_price: Optional[float] = None) -> None:
         """seed: seeds sampling; None draws a random seed.
-        max_waiting: requests queued beyond the busy slots before submit answers busy.
+        max_waiting: requests queued beyond the busy slots before submit answers busy; one named client may
+        hold every slot and half of these (see scheduler.client_capacity).
         prefill_chunk: a prompt longer than this is prefilled this many tokens at a time, a decode step of
         the other requests after each chunk, so one long prompt does not stall everyone's stream; None:
         512 on the CPU, 2048 on CUDA (where a chunk of 512 already keeps the GPU's arithmetic busy, and each
@@ -273,6 +274,7 @@ class Engine:
         params: Optional[SamplingParams] = None,
         prediction_tokens: tuple[int, ...] | list[int] = (),
         standalone_text: bool = False,
+        client: Optional[str] = None,
         **controls,
     ) -> TokenStream:
         """Queues a request; returns its token stream (with prompt_logprobs, also the log-probabilities of
@@ -282,21 +284,26 @@ class Engine:
         in params. prediction_tokens: the reply as the caller expects it; with prompt lookup, drafts come from
         it first (the reply itself is the same, sooner where the prediction is right). standalone_text: stop
         strings are found in the reply's text read alone (a chat reply's content), not after the prompt.
+        client: who sends it (an address, a session, an API key's name): free slots go first to the clients
+        with the fewest requests running, and a named client holds at most client_capacity requests; None,
+        anonymous (every such request counts as one client, not bounded so: see scheduler).
 
         Raises:
             InvalidRequestError / ContextLengthError: bad prompt or parameters.
-            ServerBusyError: every slot is busy and the waiting queue is full.
+            ServerBusyError: every slot is busy and the waiting queue is full, or the client holds
+                client_capacity requests.
         """
         return self.submit_request(self.check(prompt_tokens, max_new_tokens, temperature, top_p, prompt_logprobs,
                                               logprobs, params=params, prediction_tokens=prediction_tokens,
-                                              standalone_text=standalone_text,
+                                              standalone_text=standalone_text, client=client,
                                               **controls))
 
     def submit_request(self, request: GenerationRequest) -> TokenStream:
         """Queues a checked request (see check); returns its token stream.
 
         Raises:
-            ServerBusyError: every slot is busy and the waiting queue is full.
+            ServerBusyError: every slot is busy and the waiting queue is full, or its client holds
+                client_capacity requests.
         """
         channel = Channel()
         self.add(request, channel)
@@ -304,14 +311,14 @@ class Engine:
 
     def check(self, prompt_tokens, max_new_tokens, temperature=0.6, top_p=0.9, prompt_logprobs=False,
               logprobs=True, *, params: Optional[SamplingParams] = None, name: str = "prompt",
-              prediction_tokens=(), standalone_text=False, **controls) -> GenerationRequest:
+              prediction_tokens=(), standalone_text=False, client=None, **controls) -> GenerationRequest:
         """The checked request for this model, or InvalidRequestError / ContextLengthError (naming the prompt
         as `name`)."""
         params = sampling_params(temperature, top_p, logprobs, params, **controls)
         return GenerationRequest.checked(prompt_tokens, max_new_tokens, params, prompt_logprobs,
                                          vocab_size=self.words, max_seq_len=self.runner.max_seq_len,
                                          name=name, prediction_tokens=prediction_tokens,
-                                         standalone_text=standalone_text)
+                                         standalone_text=standalone_text, client=client)
 
     def add(self, request: GenerationRequest, channel: Channel) -> None:
         """Queues a checked request whose events go to channel.
@@ -319,7 +326,8 @@ class Engine:
         Raises:
             InvalidRequestError: its grammar cannot be followed with this model's tokenizer.
             LlamaError: the engine is closed.
-            ServerBusyError: every slot is busy and the waiting queue is full.
+            ServerBusyError: every slot is busy and the waiting queue is full, or its client holds
+                client_capacity requests.
         """
         sequence = Sequence(request, channel, arrival=next(self._arrivals))
         if request.params.grammar is not None:
@@ -351,6 +359,11 @@ class Engine:
     def capacity(self) -> int:
         """The most requests it holds at once, running and waiting: more are answered busy."""
         return len(self._scheduler.slots) + self.max_waiting
+
+    @property
+    def client_capacity(self) -> int:
+        """The most requests one named client holds at once, running and waiting: more are answered busy."""
+        return client_capacity(len(self._scheduler.slots), self.max_waiting)
 
     @property
     def busy(self) -> bool:

@@ -32,6 +32,7 @@ from .engine import STOPPING, Engine
 from .events import Admitted, Channel, Finished, PromptLogprobs, StreamChunk
 from .grammar_matcher import GrammarMatcher
 from .requests import GenerationRequest, SamplingParams, sampling_params
+from .scheduler import client_capacity
 from .streams import TokenStream, vocabulary
 
 _STARTUP_SECONDS = 3600  # loading a large checkpoint from a slow disk can take long; a crash ends it at once
@@ -74,6 +75,7 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._channels: dict[int, Channel] = {}
+        self._clients: dict[int, str] = {}  # request id -> its named client, while in flight
         self._replies: dict[int, list] = {}  # request id -> [threading.Event, reply]
         self._lock = threading.Lock()
         self._cancels: queue.SimpleQueue = queue.SimpleQueue()  # ids of cancelled requests, for the canceller
@@ -220,15 +222,16 @@ class EngineProcess:
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
                prediction_tokens: tuple[int, ...] | list[int] = (), standalone_text: bool = False,
-               **controls) -> TokenStream:
+               client: Optional[str] = None, **controls) -> TokenStream:
         """As Engine.submit: the request is checked here, and sent to the child without waiting for it (the
         caller may be an event loop), so the errors a request can meet are raised here: a bad request, and a
-        full engine, counted here as the requests sent and not yet ended. A refusal of the child's own (it is
-        shutting down) ends the stream with an error.
+        full engine or client, counted here as the requests sent and not yet ended. A refusal of the child's
+        own (it is shutting down) ends the stream with an error.
 
         Raises:
             InvalidRequestError / ContextLengthError: a bad request.
-            ServerBusyError: every slot is busy and the waiting queue is full.
+            ServerBusyError: every slot is busy and the waiting queue is full, or the client holds
+                client_capacity requests.
             EngineUnavailableError: the model process is restarting, or stopped.
         """
         if self.state != "running" or self._stopped:
@@ -237,7 +240,7 @@ class EngineProcess:
                                             sampling_params(temperature, top_p, logprobs, params, **controls),
                                             prompt_logprobs, vocab_size=vocabulary(self),
                                             max_seq_len=self.info.max_seq_len, prediction_tokens=prediction_tokens,
-                                            standalone_text=standalone_text)
+                                            standalone_text=standalone_text, client=client)
         if request.params.grammar is not None:  # one no reply can begin (llguidance's limits) is a bad request
             GrammarMatcher(request.params.grammar, self.tokenizer).check_start(self.info.args.vocab_size)  # here,
             # not an error in the stream from the child
@@ -249,12 +252,18 @@ class EngineProcess:
             if in_flight >= slots + self._engine_options["max_waiting"]:
                 running = min(in_flight, slots)
                 raise ServerBusyError.full(running, in_flight - running)
+            if client is not None:
+                held = sum(c == client for c in self._clients.values())
+                if held >= self.client_capacity:
+                    raise ServerBusyError.client_full(held)
+                self._clients[rid] = client
             self._channels[rid] = channel
         try:
             self._send(("submit", rid, request))
         except Exception:
             with self._lock:
                 self._channels.pop(rid, None)
+                self._clients.pop(rid, None)
             raise
         return TokenStream(channel, len(request.prompt_tokens))
 
@@ -262,6 +271,11 @@ class EngineProcess:
     def capacity(self) -> int:
         """The most requests it holds at once, running and waiting: more are answered busy."""
         return self.info.max_batch_size + self._engine_options["max_waiting"]
+
+    @property
+    def client_capacity(self) -> int:
+        """The most requests one named client holds at once, running and waiting: more are answered busy."""
+        return client_capacity(self.info.max_batch_size, self._engine_options["max_waiting"])
 
     @property
     def active_count(self) -> int:
@@ -400,6 +414,7 @@ class EngineProcess:
                 failure: str = "") -> None:
         with self._lock:
             channel = self._channels.pop(rid, None)
+            self._clients.pop(rid, None)
         if channel is not None:
             channel.events.put(Finished(reason, message, time.perf_counter(), drafted_tokens, accepted_tokens,
                                         failure))

@@ -23,6 +23,7 @@ MAX_STOP_CHARS = 200  # longest stop string
 MAX_TOP_LOGPROBS = 20  # alternatives per position
 MAX_LOGIT_BIAS = 300  # tokens a request may bias, as the OpenAI API allows
 MAX_SEED = 2**63 - 1
+MAX_CLIENT_CHARS = 256  # longest client identity (an address, a session, a key's name)
 # Hotter than this is the same draw from the nucleus, near uniform; the devices divide in float32, where 1e300
 # would overflow.
 MAX_TEMPERATURE = 100.0
@@ -143,14 +144,16 @@ class GenerationRequest:
     prediction_tokens: tuple[int, ...] = ()  # the reply as the caller expects it: prompt lookup drafts from it
     standalone_text: bool = False  # the reply's text reads alone (a chat reply's content), not after the prompt:
     # stop strings are found in that text (where "▁I" starts it, it reads "I", not " I")
+    client: Optional[str] = None  # who sends it, for fair admission (see scheduler); None: anonymous
 
     @classmethod
     def checked(cls, prompt_tokens: Any, max_new_tokens: Any, params: SamplingParams, prompt_logprobs: Any = False,
                 *, vocab_size: int, max_seq_len: int, name: str = "prompt",
-                prediction_tokens: Any = (), standalone_text: bool = False) -> "GenerationRequest":
+                prediction_tokens: Any = (), standalone_text: bool = False,
+                client: Optional[str] = None) -> "GenerationRequest":
         """The request for a model with this vocabulary and context, or InvalidRequestError /
         ContextLengthError naming what is wrong (the prompt as `name`). A prediction longer than the context
-        is cut to it (no reply is longer)."""
+        is cut to it (no reply is longer). client: who sends it (see check_client)."""
         max_new_tokens = check_max_new_tokens(max_new_tokens, max_seq_len)
         tokens = check_prompt_tokens(prompt_tokens, vocab_size, max_seq_len, name)
         if not isinstance(prediction_tokens, (list, tuple)) or not all(
@@ -161,7 +164,19 @@ class GenerationRequest:
             raise InvalidRequestError(f"logit_bias has token {outside[0]}, outside the model's vocabulary "
                                       f"[0, {vocab_size})")
         return cls(tokens, max_new_tokens, params, flag(prompt_logprobs, "prompt_logprobs"),
-                   tuple(prediction_tokens[:max_seq_len]), bool(standalone_text))
+                   tuple(prediction_tokens[:max_seq_len]), bool(standalone_text), check_client(client))
+
+
+def check_client(client: Any) -> Optional[str]:
+    """A request's client identity: None (anonymous: all such requests count as one client) or a non-empty
+    string of at most MAX_CLIENT_CHARS characters; requests with the same one share the engine's fair share
+    of one client."""
+    if client is None:
+        return None
+    if not isinstance(client, str) or not client or len(client) > MAX_CLIENT_CHARS:
+        raise InvalidRequestError(f"client must be None or a non-empty string of at most {MAX_CLIENT_CHARS} "
+                                  f"characters naming who sends the request, got {_show(client)}")
+    return client
 
 
 def sampling_params(temperature: Any = 0.6, top_p: Any = 0.9, logprobs: Any = True,

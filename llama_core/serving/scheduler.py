@@ -1,5 +1,12 @@
 """Scheduling: the queue of waiting requests and the KV cache's slots, which request runs in which slot
-(placed by the prefix cache, see prefix_cache), and which admitted prompts are prefilled together."""
+(placed by the prefix cache, see prefix_cache), and which admitted prompts are prefilled together.
+
+Admission is fair across clients (a request's `client`; every anonymous request counts as one client): a free
+slot goes to the waiting request of the client with the fewest requests running, the one queued first among
+those, so each client's requests keep their order, and with one client it is first come, first served. Nothing
+running is preempted. A named client holds at most `client_capacity` requests, running and waiting, so that
+part of the queue is always left to the others.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,14 @@ from ..runner import ModelRunner
 from .events import Admitted
 from .prefix_cache import Placement, PrefixCache
 from .sequence import EngineCounts, Sequence
+
+
+def client_capacity(slots: int, max_waiting: int) -> int:
+    """The most requests one named client may hold at once, running and waiting: every slot and half the
+    waiting queue, rounded up (max_waiting // 2 places are always left to other clients). Anonymous requests are
+    not bounded so: they come from callers in the serving process itself (every route of a server names its
+    client), and the engine's own bound holds them."""
+    return slots + (max_waiting + 1) // 2
 
 
 class Scheduler:
@@ -53,10 +68,15 @@ class Scheduler:
         """Queues a request, waking the engine's thread (the caller holds `wakeup`).
 
         Raises:
-            ServerBusyError: every slot is busy and max_waiting requests already wait.
+            ServerBusyError: every slot is busy and max_waiting requests already wait, or the request's client
+                holds client_capacity requests already.
         """
         if len(self.waiting) >= max_waiting + self.free_slots:
             raise ServerBusyError.full(len(self.slots), len(self.waiting))
+        if sequence.client is not None:
+            held = sum(s.client == sequence.client for s in self.active + list(self.waiting))
+            if held >= client_capacity(len(self.slots), max_waiting):
+                raise ServerBusyError.client_full(held)
         self.waiting.append(sequence)
         self.wakeup.notify()
 
@@ -79,11 +99,12 @@ class Scheduler:
             sequence.finish("cancelled")
 
     def admit(self) -> tuple[list[list[Sequence]], list[Sequence]]:
-        """Moves waiting requests into free slots. Returns the groups of them to prefill, each in one padded
-        forward, and those that may instead ride along in this turn's decode step (one forward for both), where
-        the model allows and other requests are decoding. A prompt longer than prefill_chunk is in neither: it
-        is prefilled chunk by chunk. A request whose prompt shares a long prefix with one being computed waits
-        for it (see PrefixCache.place); those behind it go ahead."""
+        """Moves waiting requests into free slots, fairly across clients (see the module's docstring). Returns
+        the groups of them to prefill, each in one padded forward, and those that may instead ride along in this
+        turn's decode step (one forward for both), where the model allows and other requests are decoding. A
+        prompt longer than prefill_chunk is in neither: it is prefilled chunk by chunk. A request whose prompt
+        shares a long prefix with one being computed waits for it (see PrefixCache.place); the next in turn
+        goes ahead."""
         free_slots = [slot for slot, s in enumerate(self.slots) if s is None]
         with self.wakeup:
             waiting = list(self.waiting) if free_slots else []
@@ -91,10 +112,11 @@ class Scheduler:
         if waiting and self.prefix_cache.enabled:
             busy = {slot: s.written_tokens for slot, s in enumerate(self.slots) if s is not None}
             computing = [s.prompt_tokens for s in self.slots if s is not None and s.prefilling]
+        running = collections.Counter(s.client for s in self.slots if s is not None)
         admitted = []
-        for sequence in waiting:
-            if not free_slots:
-                break
+        while free_slots and waiting:
+            sequence = min(waiting, key=lambda s: running[s.client])  # min keeps the first of a tie: queue order
+            waiting.remove(sequence)
             if sequence.channel.cancelled.is_set():
                 self._dequeue(sequence)
                 sequence.finish("cancelled")
@@ -109,6 +131,7 @@ class Scheduler:
             free_slots.remove(placement.slot)
             self._occupy(sequence, placement)
             admitted.append(sequence)
+            running[sequence.client] += 1
             busy[sequence.slot] = sequence.written_tokens
             computing.append(sequence.prompt_tokens)
         short = [s for s in admitted if len(s.uncomputed) <= self.prefill_chunk]  # longer: chunk by chunk

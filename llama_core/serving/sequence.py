@@ -49,6 +49,10 @@ class Sequence:
         return self.request.prompt_tokens
 
     @property
+    def client(self) -> Optional[str]:
+        return self.request.client
+
+    @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.request.prompt_tokens)
 

@@ -332,12 +332,15 @@ class TextEngine(Protocol):
     @property
     def capacity(self) -> int: ...
 
+    @property
+    def client_capacity(self) -> int: ...
+
     def stats(self) -> Optional[dict[str, int]]: ...
 
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,
                prediction_tokens: tuple[int, ...] | list[int] = (), standalone_text: bool = False,
-               **controls: Any) -> TokenStream: ...
+               client: Optional[str] = None, **controls: Any) -> TokenStream: ...
 
 
 def vocabulary(engine: TextEngine) -> int:
@@ -352,19 +355,23 @@ def stream_completion(
     top_p: float = 0.9,
     max_new_tokens: Optional[int] = None,
     prompt_logprobs: bool = False,
+    *,
+    client: Optional[str] = None,
     **controls: Any,
 ) -> TextStream:
     """Submits a prompt to the engine and returns its reply stream: plain text (BOS prepended), or token ids
     (taken as they are, as the OpenAI API takes them). max_new_tokens None means DEFAULT_MAX_NEW_TOKENS, or
     less where the context is shorter; the other sampling controls (top_k, min_p, penalties, stop, seed,
-    top_logprobs...) are keywords as in SamplingParams."""
+    top_logprobs...) are keywords as in SamplingParams. client: who sends it, for fair admission (see
+    Engine.submit)."""
     if isinstance(prompt, (list, tuple)):
         prompt_tokens = token_ids(prompt, vocabulary(engine))
     else:
         prompt_tokens = engine.tokenizer.encode(completion_prompt(prompt), bos=True, eos=False)
     params = sampling_params(temperature, top_p, **controls)
     max_new_tokens = _default_max_new_tokens(engine, max_new_tokens)
-    tokens = engine.submit(prompt_tokens, max_new_tokens, prompt_logprobs=prompt_logprobs, params=params)
+    tokens = engine.submit(prompt_tokens, max_new_tokens, prompt_logprobs=prompt_logprobs, params=params,
+                           client=client)
     decoder = StreamDecoder(engine.tokenizer, prompt_tokens)
     return TextStream(tokens, decoder, len(prompt_tokens), engine.info.max_seq_len, stop=params.stop)
 
@@ -378,6 +385,7 @@ def stream_chat(
     *,
     drop_old_turns: bool = True,
     prediction: Optional[str] = None,
+    client: Optional[str] = None,
     **controls: Any,
 ) -> TextStream:
     """Submits a dialog (ending with the user's message, or with the start of the assistant's reply, which the
@@ -385,7 +393,8 @@ def stream_chat(
     also ends where the model starts writing a dialog tag ([INST], [/INST], <<SYS>>, <</SYS>>), as at a stop
     string; other sampling controls are keywords as in stream_completion. prediction: the reply as the
     caller expects it (e.g. a file to be edited a little): with prompt lookup, the engine drafts from it, so
-    the reply, the same either way, comes sooner where the prediction is right.
+    the reply, the same either way, comes sooner where the prediction is right. client: who sends it, for
+    fair admission (see Engine.submit).
 
     A dialog holding a special tag is not run: the stream is empty and its `refusal` is UNSAFE_ERROR.
     Old (user, assistant) pairs are dropped to fit the context, keeping room for the reply; `dropped_pairs`
@@ -402,7 +411,7 @@ def stream_chat(
     # the reply's text, as chat_completion's content reads; where the dialog holds its start, what follows that
     standalone = not chat_format.ends_in_reply(dialog)
     tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, params=params, prediction_tokens=predicted,
-                           standalone_text=standalone)
+                           standalone_text=standalone, client=client)
     decoder = StreamDecoder(engine.tokenizer, () if standalone else fitted.prompt_tokens)
     return TextStream(tokens, decoder, len(fitted.prompt_tokens), max_seq_len, fitted.dropped_pairs, stop=params.stop)
 

@@ -292,6 +292,11 @@ def test_a_message_too_long_for_the_context_says_so_and_the_next_one_gets_a_repl
     expect(page.locator("#chat-input textarea")).to_have_value(too_long)  # back in the box, to shorten
     expect(page.locator("#chat-send")).to_be_visible()
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-too-long.png"))
+    expect(page.locator("#chat-retry")).to_be_enabled()  # under the notice, in a chat with no messages yet too
+    expect(page.locator("#chat-undo")).to_be_enabled()
+    page.click("#chat-undo")  # takes the notice away
+    expect(bot).to_have_count(0)
+    expect(page.locator("#chat-input textarea")).to_have_value(too_long)
     send(page, "Good morrow, my lord.")
     expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
     expect(user).to_have_count(1)
@@ -911,9 +916,25 @@ def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, b
 
 def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
     context, page, other = two_tabs(served, browser)
-    other.reload()  # a tab opened or reloaded writes the store unchanged: that is not a change
+    saved = stored(page)
+    other.reload()  # a tab opening writes nothing (its older copy, written back, could undo another tab's change)
     expect(other.locator("#chat-input textarea")).to_be_visible()
     page.wait_for_timeout(1000)
+    assert stored(page) == saved  # not even the same, encrypted anew
+    # What changes nothing writes nothing: leaving the title box as it was, Enter there, Clear cancelled, New
+    # chat on a new chat. Each told the other tabs they were stale (UI pass: 3 of 3 each).
+    other.click("#chat-new")  # a chat with no messages (made now, or the one shown)
+    other.wait_for_timeout(1000)
+    if page.locator("#other-tab-note").count():
+        page.get_by_role("button", name="Reload").click()
+        expect(page.locator("#chat-input textarea")).to_be_visible()
+    saved = stored(page)
+    other.locator("#chat-title input").click()
+    other.locator("#chat-input textarea").click()
+    other.locator("#chat-title input").press("Enter")
+    other.click("#chat-new")  # on the new chat
+    other.wait_for_timeout(1000)
+    assert stored(page) == saved
     expect(page.locator("#other-tab-note")).to_have_count(0)
     expect(other.locator("#other-tab-note")).to_have_count(0)
     send(other, "From the other tab.")
@@ -932,8 +953,10 @@ def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
     send(page, "From the stale tab.")  # would replace the other tab's: it asks, and cancelled, nothing is sent
     page.locator("#chat-input textarea").press("Enter")  # Enter asks too
     page.locator("#chat-examples .gallery-item").first.click()  # and an example
+    page.locator("#chat-title input").press("Enter")  # renaming and importing too
+    page.locator("#chat-import").click()
     page.wait_for_timeout(1000)
-    assert len(asked) == 3 and all("changed in another tab" in message for message in asked), asked
+    assert len(asked) == 5 and all("changed in another tab" in message for message in asked), asked
     expect(page.locator('#chatbot [data-testid="user"]')).to_have_count(bubbles)
     page.remove_listener("dialog", dismissed)
     note.get_by_role("button", name="Reload").click()
@@ -967,6 +990,39 @@ def test_a_change_made_as_another_tab_opens_makes_that_tab_stale_and_what_it_wri
     context.close()
 
 
+FILL_STORAGE = """() => {  // fill the rest of the origin's storage, leaving less room than one more write
+  let size = 1 << 24;
+  while (size > 16) {
+    try { localStorage.setItem("filler", "x".repeat(size)); break; } catch { size >>= 1; }
+  }
+  for (let step = size >> 1; step > 16; step >>= 1) {
+    try { localStorage.setItem("filler", "x".repeat(size + step)); size += step; } catch {}
+  }
+}"""
+
+
+def test_keep_in_a_full_store_holds_the_tabs_copy_until_a_save_succeeds(served, browser):
+    # Keep with the store too full for this tab's copy: the leave question stayed for good, after later saves too.
+    context, page, other = two_tabs(served, browser)
+    set_number(other, "#chat-temperature", 1.25)
+    expect(page.locator("#other-tab-note")).to_contain_text("changed in another tab")
+    page.fill("#system-prompt textarea", "You are Juliet, and you speak at length. " * 12)
+    page.locator("#system-prompt textarea").press("Tab")
+    expect(page.locator("#other-tab-keep")).to_be_visible()  # held
+    page.evaluate(FILL_STORAGE)
+    page.locator("#other-tab-keep").click()
+    expect(page.locator("#storage-full-note")).to_contain_text("storage for the app is full")
+    page.evaluate('() => localStorage.removeItem("filler")')
+    set_number(page, "#chat-top-p", 0.55)  # saved: nothing is held any more
+    expect(page.locator("#storage-full-note")).to_have_count(0)
+    asked = []
+    page.on("dialog", lambda dialog: (asked.append(dialog.type), dialog.accept()))
+    page.reload()
+    expect(page.locator("#system-prompt textarea")).to_have_value("You are Juliet, and you speak at length. " * 12)
+    assert asked == []
+    context.close()
+
+
 def test_a_full_browser_storage_is_said_and_the_note_goes_once_a_save_succeeds(served, browser):
     # Near localStorage's quota the store's writes failed in silence (Gradio logs them to the console only), and
     # every change from then on was lost at the next reload.
@@ -977,15 +1033,7 @@ def test_a_full_browser_storage_is_said_and_the_note_goes_once_a_save_succeeds(s
     expect(page.locator("#chat-input textarea")).to_be_visible()
     page.wait_for_function(f"() => localStorage.getItem({json.dumps(ui.STORAGE_KEY)}) !== null")
     before = stored(page)
-    page.evaluate("""() => {  // fill the rest of the origin's storage, leaving less room than one more write
-      let size = 1 << 24;
-      while (size > 16) {
-        try { localStorage.setItem("filler", "x".repeat(size)); break; } catch { size >>= 1; }
-      }
-      for (let step = size >> 1; step > 16; step >>= 1) {
-        try { localStorage.setItem("filler", "x".repeat(size + step)); size += step; } catch {}
-      }
-    }""")
+    page.evaluate(FILL_STORAGE)
     title = page.locator("#chat-title input")
     title.fill("A title long enough to need more room than is left")  # renaming makes the store longer
     title.press("Enter")

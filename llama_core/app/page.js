@@ -11,6 +11,7 @@
 // Leaving or reloading the page while a chat reply streams, or with changes held, asks first.
 () => {
   const key = STORAGE_KEY, mark = key + "-by", tab = Math.random().toString(36).slice(2);
+  window.llamaCoreOpening = false;  // opened: from now on the conversations are written (opening.js)
   const write = Storage.prototype.setItem;
   let held = null, leaving = false, marked = false, writes = 0;
   const note = () => document.getElementById("other-tab-note");
@@ -27,6 +28,7 @@
     try {
       write.call(localStorage, mark, tab + ":" + ++writes);
       write.call(localStorage, key, value);
+      held = null;  // this tab's copy is saved: nothing it held is left unsaved
       document.getElementById("storage-full-note")?.remove();
     } catch (error) {
       localStorage.removeItem(mark);  // the other tabs drop the mark: no write of the store follows it
@@ -39,8 +41,9 @@
   };
   const keep = () => {  // this tab's copy replaces the other tab's
     note()?.remove();
-    if (held !== null) save(held);
-    held = null;
+    try {
+      if (held !== null) save(held);
+    } catch {}  // a store too full for it says so, and it stays held until a save succeeds
   };
   Storage.prototype.setItem = function (name, value) {
     if (this !== localStorage || name !== key) return write.call(this, name, value);
@@ -103,7 +106,8 @@
   // While the note shows, a change here (sending, a new chat, retry, undo...) asks first: it would replace the
   // other tab's. Going on makes this tab's copy the one kept, so the note goes.
   const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-undo, #chat-clear, #chat-branch-retry, " +
-                  "#chat-examples .gallery-item";
+                  "#chat-examples .gallery-item, #chat-import, " +
+                  ["Retry", "Edit", "Clear"].map((name) => `#chatbot button[aria-label="${name}"]`).join(", ");
   const goOn = () => {
     if (!note()) return true;
     if (!confirm("Your conversations were changed in another tab of this app. Going on here replaces those " +
@@ -115,9 +119,9 @@
   document.addEventListener("click", (event) => {
     if (event.target instanceof Element && event.target.closest(changes)) guard(event);
   }, true);
-  document.addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&
-        event.target.closest("#chat-input")) guard(event);
+  document.addEventListener("keydown", (event) => {  // sending, and renaming (leaving the title box renames too:
+    if (event.key === "Enter" && !event.shiftKey && event.target instanceof Element &&  // that is held)
+        event.target.closest("#chat-input, #chat-title")) guard(event);
   }, true);
   // Escape stops a streaming reply; after Stop (which hides itself), the message box has the focus.
   const streaming = () => {  // Stop in Send's place: its own display, also while another tab of the page shows

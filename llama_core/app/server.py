@@ -18,7 +18,7 @@ from starlette.routing import Mount
 
 from ..openai_api import create_api
 from .body_limit import BodyLimit
-from .ui import CSS, PAGE_JS, THEME
+from .ui import CSS, PAGE_HEAD, PAGE_JS, THEME
 from .web_server import BackgroundServer
 
 # Sessions whose state Gradio keeps (its default, 10,000, lets the web process grow by ~140 KB for each
@@ -70,7 +70,7 @@ def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] 
     name_miscounted_values(demo)
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(MONITORING_SUMMARY_EVERY))  # read by queue()
     demo.queue(max_size=QUEUE_SIZE)
-    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS, js=PAGE_JS,
+    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS, js=PAGE_JS, head=PAGE_HEAD,
                         max_file_size=MAX_UPLOAD_BYTES)
     # Gradio checks that a file a request names was uploaded to it only once the app "has launched", which
     # launch() marks and mounting does not: unmarked, the import button read any path on this machine.

@@ -77,6 +77,9 @@ CSS = (APP_DIR / "page.css").read_text(encoding="utf-8")
 
 # Run once the page loads: two tabs of the app, leaving mid-reply, Escape, a message a reload cut off (page.js).
 PAGE_JS = (APP_DIR / "page.js").read_text(encoding="utf-8").replace("STORAGE_KEY", json.dumps(STORAGE_KEY))
+# Run in the page's head, before the app mounts: a tab opening does not write the conversations back (opening.js).
+PAGE_HEAD = "<script>%s</script>" % (APP_DIR / "opening.js").read_text(encoding="utf-8").replace(
+    "STORAGE_KEY", json.dumps(STORAGE_KEY))
 
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]
 PROBABILITY_COLORS = {  # red (unlikely) through amber to green (likely)
@@ -476,14 +479,14 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     def loaded(store: Any) -> dict:
         return conversations.loaded_store(store, prompts.system_prompt, defaults)
 
-    def button_states(conversation: dict, busy: bool, title: bool = False) -> list:
+    def button_states(conversation: dict, busy: bool, title: bool = False, notice: bool = False) -> list:
         """Send and Stop swap in place; the others only when they have something to do, and New chat, Delete
         and the title box not while a reply streams (into this conversation). title: the box shows the
-        conversation's title too."""
+        conversation's title too. notice: a turn's notice shows, which Retry sends again and Undo takes away."""
         has_messages = bool(conversation["messages"]) and not busy
         titled = {"value": conversation["title"]} if title else {}
-        return [gr.update(visible=not busy), gr.update(visible=busy), gr.update(interactive=has_messages),
-                gr.update(interactive=has_messages), gr.update(interactive=has_messages),
+        return [gr.update(visible=not busy), gr.update(visible=busy), gr.update(interactive=has_messages or notice),
+                gr.update(interactive=has_messages or notice), gr.update(interactive=has_messages),
                 gr.update(interactive=not busy), gr.update(interactive=not busy),
                 gr.update(interactive=not busy, **titled)]
 
@@ -662,11 +665,11 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         if finished is not None and "reply" in finished:
             store = conversations.with_reply_kept(store, finished)
         conversation = conversations.active(store)
-        branch = ([None, gr.update(visible=False)] + [gr.skip()] * 4 if finished is not None and "notice" in finished
-                  else branch_states(conversation))
+        notice = finished is not None and "notice" in finished
+        branch = [None, gr.update(visible=False)] + [gr.skip()] * 4 if notice else branch_states(conversation)
         listed = gr.update(choices=conversations.choices(store), value=store["active"], interactive=True)
         return [store, None, None, listed,
-                *button_states(conversation, busy=False, title=True), *branch]
+                *button_states(conversation, busy=False, title=True, notice=notice), *branch]
 
     async def stop_reply(pending: Optional[dict], store: Any, box: Any):
         """Asks the reply under way to end: respond then keeps the reply as it showed it (or, before any, puts
@@ -695,16 +698,16 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         """The conversation's messages, every version, gone once the page's dialog confirmed it (the chatbot's
         own trash button has emptied the chat on the page already: not confirmed, it shows them again)."""
         store = loaded(store)
-        if pending is not None or not confirmed:
-            return view(store) if pending is None else unchanged()
+        if pending is not None or not confirmed:  # the store as it was: not written, no other tab told
+            return [gr.skip(), *view(store)[1:]] if pending is None else unchanged()
         return view(conversations.with_conversation(store, branches.cleared(conversations.active(store))))
 
     def new_chat(store: Any, pending: Optional[dict], prompt: str, *controls):
         store = loaded(store)
         if pending is not None:
             return unchanged()
-        if conversations.is_new(conversations.active(store)):
-            shown = view(store)
+        if conversations.is_new(conversations.active(store)):  # this one: the store is not written
+            shown = [gr.skip(), *view(store)[1:]]
         else:
             shown = view(conversations.with_conversation(
                 store, conversations.new_conversation(prompt, settings_of(controls))))
@@ -719,9 +722,13 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return unchanged() if pending is not None else view(conversations.switched(loaded(store), chosen))
 
     def rename(title: Any, store: Any):
-        store = conversations.renamed(loaded(store), title)
-        return store, gr.update(choices=conversations.choices(store), value=store["active"]), \
-            conversations.active(store)["title"]
+        """The title typed (Enter, or leaving the box); the same title writes nothing (nor moves its chat up)."""
+        store = loaded(store)
+        kept = conversations.renamed(store, title)
+        if conversations.active(kept)["title"] == conversations.active(store)["title"]:
+            return gr.skip(), gr.skip(), conversations.active(store)["title"]
+        return kept, gr.update(choices=conversations.choices(kept), value=kept["active"]), \
+            conversations.active(kept)["title"]
 
     def delete(store: Any, pending: Optional[dict], confirmed: bool):
         if pending is not None or not confirmed:

@@ -318,6 +318,21 @@ def test_miscounted_values_over_http_get_a_message_naming_the_route_and_its_para
 
 
 # -- serving many ----------------------------------------------------------------------------------
+def test_each_gradio_api_session_is_a_client_of_its_own_for_the_engines_fair_share(served, monkeypatch):
+    # The engine admits clients fairly; the page and its Gradio API named none, so all their users counted as one.
+    sent = []
+    for name in ("stream_chat", "stream_completion"):
+        real = getattr(ui, name)
+        monkeypatch.setattr(ui, name, lambda *args, _real=real, **kwargs: sent.append(kwargs["client"]) or
+                            _real(*args, **kwargs))
+    first, second = Client(served[1], verbose=False), Client(served[1], verbose=False)
+    first.predict(**chat_args(max_new_tokens=2), api_name="/chat")
+    first.predict(**complete_args(max_new_tokens=2), api_name="/complete")
+    second.predict(**chat_args(max_new_tokens=2), api_name="/chat")
+    assert all(re.fullmatch(r"session:\S+", client) for client in sent), sent
+    assert sent[0] == sent[1] != sent[2]
+
+
 def test_concurrent_clients_each_get_their_solo_output(served, client):
     engine, url = served
     speeches = ["Who goes there?", "What news from Verona?", "Is the king in health?", "Wherefore so sad?"]

@@ -84,6 +84,23 @@ def test_chat_reply_streams_into_the_chatbot(page):
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot.png"))
 
 
+def test_the_pages_turns_and_completions_name_their_browser_session_as_the_client(page, monkeypatch):
+    sent = []
+    for name in ("stream_chat", "stream_completion"):
+        real = getattr(ui, name)
+        monkeypatch.setattr(ui, name, lambda *args, _real=real, **kwargs: sent.append(kwargs["client"]) or
+                            _real(*args, **kwargs))
+    new_chat(page)
+    send(page, "Who is there?")
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    page.click("#completion-tab-button")
+    page.fill("#completion-prompt textarea", "ROMEO:")
+    page.click("#completion-generate")
+    expect(page.locator("#completion-stats")).to_contain_text("tokens/s")
+    page.click("#chat-tab-button")
+    assert len(sent) == 2 and sent[0] == sent[1] and sent[0].startswith("session:"), sent
+
+
 def test_the_completion_seed_starts_empty_when_its_section_opens(page):
     # An empty Number first shown when Advanced opens showed, and sent, 0: every completion alike (docs pass).
     page.click("#completion-tab-button")

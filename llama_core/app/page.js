@@ -4,9 +4,9 @@
 // offering a reload, and from then on writes nothing by itself. What it would write (a reply ending, a setting
 // changed, another chat chosen) is held, and the note offers to keep it, replacing the other tab's; a change the
 // user makes here (sending, a new chat, retry, undo...) asks first.
-// A change is told from a tab opening by a mark: this script writes one under key + "-by" before each write of
-// the store, so the other tabs see the mark, then the store. The one write a tab makes as it opens
-// (gr.BrowserState: the store unchanged, encrypted anew) comes before its script runs, unmarked.
+// A change is told apart by a mark: this script writes one under key + "-by" before each write of the store, so
+// the other tabs see the mark, then the store. An unmarked write is no change: a tab opening, from a page older
+// than this script (a tab opening now writes nothing: opening.js).
 // A write the browser refuses (its storage for the app is full) is said in a note until a write succeeds.
 // Leaving or reloading the page while a chat reply streams, or with changes held, asks first.
 () => {

@@ -126,21 +126,33 @@ def _streaming(stream: TextStream) -> Iterator[TextStream]:
         stream.cancel()
 
 
+def client_of(request: Optional[gr.Request]) -> Optional[str]:
+    """Who sends a request from the page or its Gradio API, for the engine's fair share among clients: the
+    login under --auth, else the browser session (on a share link every user may come from one address)."""
+    if request is None:
+        return None
+    if getattr(request, "username", None):
+        return f"user:{request.username}"
+    return f"session:{request.session_hash}" if getattr(request, "session_hash", None) else None
+
+
 def start_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
-               max_new_tokens: Any, **controls: Any) -> TextStream:
+               max_new_tokens: Any, client: Optional[str] = None, **controls: Any) -> TextStream:
     """Submits a chat turn; a message or system prompt with reserved tags gives a stream with a `refusal`.
     controls: the other sampling controls, named as in llama_core.SamplingParams."""
     with _user_errors():
         dialog = requests.chat_dialog(message, history, system_prompt)
-        return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **_with_grammar(controls))
+        return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, client=client,
+                           **_with_grammar(controls))
 
 
 def open_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
-              max_new_tokens: Any, *advanced: Any) -> TextStream:
+              max_new_tokens: Any, *advanced: Any, client: Optional[str] = None) -> TextStream:
     """The chat tab's turn: as start_chat, its controls in the tab's order (conversations.SETTINGS), and
     llama_core's errors raised as they are, for the tab to show inside the chat."""
     dialog = requests.chat_dialog(message, history, system_prompt)
-    return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, **_with_grammar(_advanced(advanced)))
+    return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, client=client,
+                       **_with_grammar(_advanced(advanced)))
 
 
 async def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> AsyncIterator[str]:
@@ -159,7 +171,7 @@ async def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) ->
 
 
 async def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any, max_new_tokens: Any, echo: Any,
-                   show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS,
+                   show_probabilities: Any, seconds: float = STREAM_UPDATE_SECONDS, client: Optional[str] = None,
                    **controls: Any) -> AsyncIterator[tuple[str, list[dict], dict]]:
     """Streams a completion as (text, tokens, stats) at most every `seconds`, as /complete does; the last
     update has the final stats (one more update follows the text when the end came after it). With
@@ -171,7 +183,7 @@ async def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any
             echoed, probabilities = requests.flag(echo, "echo"), requests.flag(show_probabilities, "show_probabilities")
             return text, echoed, probabilities, stream_completion(
                 engine, text, temperature, top_p, max_new_tokens, prompt_logprobs=echoed and probabilities,
-                top_logprobs=TOP_ALTERNATIVES if probabilities else 0, **_with_grammar(controls))
+                top_logprobs=TOP_ALTERNATIVES if probabilities else 0, client=client, **_with_grammar(controls))
 
     prompt_text, echoed, probabilities, stream = await aio.submitted(start, aio.text_size(prompt))
     text, generated, prompt_tokens = "", [], []
@@ -445,15 +457,16 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     async def chat(message: str, history: list[dict], system_prompt: str, temperature: float, top_p: float,
                    max_new_tokens: int, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
-                   seed: Optional[int] = None, output_format: str = "text",
-                   output_grammar: str = "") -> AsyncIterator[str]:
+                   seed: Optional[int] = None, output_format: str = "text", output_grammar: str = "",
+                   request: gr.Request = None) -> AsyncIterator[str]:
         """Streams the assistant's reply to message after history: yields the reply so far. output_format:
         text, json (any JSON object), json_schema, regex or lark, the last three held to output_grammar."""
         stream = await aio.submitted(
             lambda: start_chat(engine, message, history, system_prompt, temperature, top_p, max_new_tokens,
                                top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
-                               seed=seed, output_format=output_format, output_grammar=output_grammar),
+                               seed=seed, output_format=output_format, output_grammar=output_grammar,
+                               client=client_of(request)),
             aio.text_size(message, history, system_prompt, output_grammar))
         async for reply in replies(stream):
             yield reply
@@ -462,14 +475,15 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                            show_probabilities: bool, top_k: int = 0, min_p: float = 0.0,
                            repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                            frequency_penalty: float = 0.0, stop: Optional[list[str]] = None,
-                           seed: Optional[int] = None, output_format: str = "text",
-                           output_grammar: str = "") -> AsyncIterator[tuple[str, list[dict], dict]]:
+                           seed: Optional[int] = None, output_format: str = "text", output_grammar: str = "",
+                           request: gr.Request = None) -> AsyncIterator[tuple[str, list[dict], dict]]:
         """Streams a completion of prompt: yields (text, tokens with probabilities, stats). output_format: as
         for /chat."""
         async for update in complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
                                      top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, stop=stop,
-                                     seed=seed, output_format=output_format, output_grammar=output_grammar):
+                                     seed=seed, output_format=output_format, output_grammar=output_grammar,
+                                     client=client_of(request)):
             yield update
 
     # -- the chat tab: conversations kept in the browser (llama_core.app.conversations) ------------------
@@ -580,7 +594,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         conversation = branches.flipped(conversations.active(store), at, step)
         return view(conversations.with_conversation(store, conversation), at=at)
 
-    async def respond(pending: Optional[dict], store: Any, system_prompt: str, *controls):
+    async def respond(request: gr.Request, pending: Optional[dict], store: Any, system_prompt: str, *controls):
         """Streams the reply to the pending message; `finish` then keeps it in the conversation (as the store
         is then: what was changed while it streamed stays). A turn that is refused or fails is not kept: the
         chat shows why and how to fix it below the message, the message goes back to the box, and the
@@ -593,13 +607,14 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             yield [gr.skip()] * 4
             return
         try:
-            async with contextlib.aclosing(_turn_updates(pending, store, system_prompt, controls)) as updates:
+            async with contextlib.aclosing(_turn_updates(pending, store, system_prompt, controls,
+                                                         client_of(request))) as updates:
                 async for update in updates:
                     yield update
         finally:
             turns.end(turn)
 
-    async def _turn_updates(pending: dict, store: Any, system_prompt: str, controls: tuple):
+    async def _turn_updates(pending: dict, store: Any, system_prompt: str, controls: tuple, client: Optional[str]):
         store = await anyio.to_thread.run_sync(loaded, store)  # checking a long store: off the loop
         message, keep, turn = pending["message"], pending["keep"], pending.get("turn")
         conversation = conversations.active(store)
@@ -607,7 +622,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         shown = conversation["messages"][:keep] + [{"role": "user", "content": message}]
         reply, notice, stream, stopped = "", None, None, False
         try:
-            stream = await aio.submitted(lambda: open_chat(engine, message, history, system_prompt, *controls),
+            stream = await aio.submitted(lambda: open_chat(engine, message, history, system_prompt, *controls,
+                                                           client=client),
                                          aio.text_size(message, history, system_prompt))
         except ContextLengthError:
             notice = conversations.context_notice(engine.tokenizer, info.max_seq_len, message, system_prompt,
@@ -774,12 +790,12 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         return view(conversations.with_conversation(store, conversation),
                     stats=f"Imported “{conversations.as_markdown_text(conversation['title'])}”.")
 
-    async def complete_ui(prompt, temperature, top_p, max_new_tokens, *advanced_and_flags):
+    async def complete_ui(request: gr.Request, prompt, temperature, top_p, max_new_tokens, *advanced_and_flags):
         """Streams a completion into the tab; a request that is refused or fails says why under the buttons,
         the last output left as it was."""
         *advanced, echo, show_probabilities = advanced_and_flags
         updates = complete(engine, prompt, temperature, top_p, max_new_tokens, echo, show_probabilities,
-                           **_advanced(advanced))
+                           client=client_of(request), **_advanced(advanced))
         shown, stats = [], None
         try:
             async for text, tokens, stats in updates:

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, get_type_hints
 
 import gradio as gr
 from gradio import networking
@@ -128,6 +128,12 @@ def miscounted_values_message(block_fn: Any, received: int) -> str:
         parameters = list(inspect.signature(block_fn.fn).parameters.values())
     except (TypeError, ValueError):  # no function, or one inspect cannot read
         parameters = []
+    try:
+        hints = get_type_hints(block_fn.fn)
+    except Exception:  # noqa: BLE001 - hints that do not resolve: no parameter is left out for them
+        hints = {}
+    # Gradio gives a gr.Request parameter the request itself: it is no value of the route's
+    parameters = [p for p in parameters if hints.get(p.name) not in (gr.Request, Optional[gr.Request])]
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     named = len(parameters) == wanted and all(p.kind in positional for p in parameters)
     names = f" ({', '.join(p.name for p in parameters)})" if named else ""

@@ -900,8 +900,11 @@ def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, b
     expect(page.locator("#chat-stats")).to_contain_text("Stopped")
     expect(note.get_by_role("button", name="Keep this tab's")).to_be_visible()
     expect(note).to_contain_text("not saved")
-    set_number(page, "#chat-temperature", 1.1)  # a setting: held too
-    page.wait_for_timeout(1500)
+    saving = "/gradio_api/run/predict"
+    with page.expect_response(lambda response: response.url.endswith(saving) and
+                              "1.1" in (response.request.post_data or "")):
+        set_number(page, "#chat-temperature", 1.1)  # a setting: held too (once its save came back: under load
+    page.wait_for_timeout(500)  # that came after the Keep below, which had then kept the copy before it)
     assert stored(other) == theirs  # the other tab's exchange is still saved
     note.get_by_role("button", name="Keep this tab's").click()
     expect(note).to_have_count(0)

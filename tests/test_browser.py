@@ -370,6 +370,15 @@ def test_switching_conversations_shows_each_ones_messages(page):
     expect(page.locator("#chat-list label", has_text="Renamed on leaving the box")).to_have_count(1)
     page.reload()
     expect(page.locator("#chat-list label", has_text="Renamed on leaving the box")).to_have_count(1)
+    # Renamed with Enter, then another chat clicked: the box losing the focus renamed again, and its loading
+    # cover over the list took the click (QA: 6 of 6; the next message went into the renamed chat).
+    title = page.locator("#chat-title input")
+    title.fill("Renamed with Enter")
+    title.press("Enter")
+    expect(page.locator("#chat-list label", has_text="Renamed with Enter")).to_have_count(1)
+    page.locator("#chat-list label").filter(has_not_text="Renamed with Enter").first.click()
+    expect(page.locator("#chat-list input[type=radio]:checked")).not_to_have_value(
+        page.locator("#chat-list label", has_text="Renamed with Enter").locator("input").get_attribute("value"))
 
 
 def test_a_setting_changed_while_new_chat_runs_is_kept_in_the_new_chat(page, monkeypatch):

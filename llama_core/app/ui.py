@@ -945,7 +945,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         new_button.click(new_chat, [store, pending, system_prompt, *chat_controls], view_outputs, queue=False, **ui)
         chat_list.input(switch, [chat_list, store, pending], view_outputs, queue=False, **ui)
         for renaming in (chat_title.submit, chat_title.blur):  # Enter, or leaving the box, renames
-            renaming(rename, [chat_title, store], [store, chat_list, chat_title], queue=False, **ui)
+            renaming(rename, [chat_title, store], [store, chat_list, chat_title], queue=False, show_progress="hidden",
+                     **ui)  # no loading cover over the list: a click on it as the box loses the focus is kept
         typed = {"system_prompt", "stop", "output_grammar"}  # text boxes: "input" is keys only (Gradio 6)
         for name, control in [("system_prompt", system_prompt), *zip(conversations.SETTINGS, chat_controls)]:
             trigger = control.change if name in typed else control.input

@@ -73,3 +73,13 @@ def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8, engine_pr
             running.stop()
     finally:
         engine.shutdown()
+
+
+def clients_sent(monkeypatch) -> list[Optional[str]]:
+    """The `client` of each chat and completion the app's interface starts from now on, in order."""
+    sent = []
+    for name in ("stream_chat", "stream_completion"):
+        real = getattr(ui, name)
+        monkeypatch.setattr(ui, name, lambda *args, _real=real, **kwargs: sent.append(kwargs["client"]) or
+                            _real(*args, **kwargs))
+    return sent

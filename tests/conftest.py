@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from llama_core import Llama, Tokenizer  # noqa: E402
+from llama_core import DEFAULT_CKPT_DIR, Llama, Tokenizer  # noqa: E402
 from llama_core.checkpoint import load_model, permute_rotary  # noqa: E402
 from llama_core.checkpoint_files import read_model_args  # noqa: E402
 from llama_core.config import ModelArgs  # noqa: E402
@@ -44,6 +44,15 @@ needs_llama2_tokenizer = pytest.mark.skipif(
 needs_stories = pytest.mark.skipif(
     not (STORIES_DIR / "consolidated.00.pth").is_file(), reason=f"../shared not present: no stories260K at {STORIES_DIR}"
 )
+
+def engine_model_dir() -> Path:
+    """The embedded default model, else ../shared's stories260K; skips the test where neither is present."""
+    if (DEFAULT_CKPT_DIR / "params.json").is_file():
+        return DEFAULT_CKPT_DIR
+    if STORIES_DIR.is_dir():
+        return STORIES_DIR
+    pytest.skip("neither the embedded default model nor ../shared/models/stories260K is present")
+
 
 # The tiny random model: grouped-query attention (4 query heads share 2 key/value heads).
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, norm_eps=1e-5)

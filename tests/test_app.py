@@ -19,7 +19,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 import app_server
-from app_server import MAX_SEQ_LEN, REPO_ROOT, free_port, serve_app
+from app_server import MAX_SEQ_LEN, REPO_ROOT, clients_sent, free_port, serve_app
 from conftest import interruptible
 
 from llama_core import UNSAFE_ERROR, cpu_kernels
@@ -320,11 +320,7 @@ def test_miscounted_values_over_http_get_a_message_naming_the_route_and_its_para
 # -- serving many ----------------------------------------------------------------------------------
 def test_each_gradio_api_session_is_a_client_of_its_own_for_the_engines_fair_share(served, monkeypatch):
     # The engine admits clients fairly; the page and its Gradio API named none, so all their users counted as one.
-    sent = []
-    for name in ("stream_chat", "stream_completion"):
-        real = getattr(ui, name)
-        monkeypatch.setattr(ui, name, lambda *args, _real=real, **kwargs: sent.append(kwargs["client"]) or
-                            _real(*args, **kwargs))
+    sent = clients_sent(monkeypatch)
     first, second = Client(served[1], verbose=False), Client(served[1], verbose=False)
     first.predict(**chat_args(max_new_tokens=2), api_name="/chat")
     first.predict(**complete_args(max_new_tokens=2), api_name="/complete")

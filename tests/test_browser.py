@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app_server import REPO_ROOT, free_port, serve_app
+from app_server import REPO_ROOT, clients_sent, free_port, serve_app
 
 from llama_core.app import conversations, ui
 from llama_core.prompt_library import load_prompts
@@ -1148,11 +1148,7 @@ def test_leaving_while_a_reply_streams_asks_first(page, monkeypatch):
 
 
 def test_the_pages_turns_and_completions_name_their_browser_session_as_the_client(page, monkeypatch):
-    sent = []
-    for name in ("stream_chat", "stream_completion"):
-        real = getattr(ui, name)
-        monkeypatch.setattr(ui, name, lambda *args, _real=real, **kwargs: sent.append(kwargs["client"]) or
-                            _real(*args, **kwargs))
+    sent = clients_sent(monkeypatch)
     new_chat(page)
     send(page, "Who is there?")
     expect(page.locator("#chat-stats")).to_contain_text("tokens/s")

@@ -5,31 +5,22 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama, LlamaError, ServerBusyError
+from llama_core import InvalidRequestError, Llama, LlamaError, ServerBusyError
 from llama_core.serving import Engine, EngineLostError, RequestFailedError
 from llama_core.errors import EngineUnavailableError
 from llama_core.errors import ContextLengthError
 from llama_core.serving import stream_chat, stream_completion
 
-from conftest import STORIES_DIR as STORIES, greedy_concurrently
-
-
-def _model_dir() -> Path:
-    if (DEFAULT_CKPT_DIR / "params.json").is_file():
-        return DEFAULT_CKPT_DIR
-    if STORIES.is_dir():
-        return STORIES
-    pytest.skip("neither the embedded default model nor ../shared/models/stories260K is present")
+from conftest import engine_model_dir, greedy_concurrently
 
 
 @pytest.fixture(scope="module")
 def llama() -> Llama:
-    return Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0)
+    return Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=8, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +193,7 @@ def test_a_stream_that_only_its_reader_drives_cannot_be_polled(llama, prompts):
 
 
 def test_cancelling_a_request_frees_its_slot_for_a_waiting_one(prompts):
-    llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
+    llama = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
     with llama.serve() as engine:
         first = engine.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
         chunks = iter(first)
@@ -227,7 +218,7 @@ def test_leaving_a_stream_early_cancels_it(llama, prompts):
 
 
 def test_a_stream_dropped_unread_is_cancelled(prompts):
-    llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=2, seed=0)
+    llama = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=2, seed=0)
     for prompt in prompts[:2]:  # both slots, for 200 tokens each, were they not cancelled
         llama.stream(prompt, 200, temperature=1.0, top_p=1.0).close()
     with llama.serve() as engine:
@@ -238,7 +229,7 @@ def test_a_stream_dropped_unread_is_cancelled(prompts):
 
 
 def test_queue_past_its_bound_answers_busy(prompts):
-    llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
+    llama = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
     with llama.serve(max_waiting=2) as engine:
         # One request runs in the only slot, two wait; the fourth finds the queue full.
         streams = [engine.submit(prompts[0], 100, temperature=1.0, top_p=1.0)]
@@ -556,7 +547,7 @@ def _workload(engine, prompts, penalties):
 
 
 def test_an_overlapped_engine_gives_what_the_synchronous_one_gives(prompts):
-    loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
+    loaded = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
     runs = {}
     for overlap in (False, True):
         engine = Engine(loaded, seed=0, overlap=overlap, prompt_lookup=0)  # drafts change when a cancel lands
@@ -570,7 +561,7 @@ def test_an_overlapped_engine_gives_what_the_synchronous_one_gives(prompts):
 
 
 def test_an_overlapped_engine_launches_the_next_step_before_delivering_one(prompts):
-    loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
+    loaded = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
     for overlap, expected in ((False, ["decode", "deliver"] * 3), (True, ["decode"] + ["decode", "deliver"] * 2 + ["decode"])):
         engine = Engine(loaded, seed=0, overlap=overlap, prompt_lookup=0)  # a draft's step is no decode call
         calls = []
@@ -587,7 +578,7 @@ def test_an_overlapped_engine_launches_the_next_step_before_delivering_one(promp
 
 
 def test_an_overlapped_engine_in_its_own_thread_serves_concurrent_requests_as_solo(prompts, solo):
-    loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
+    loaded = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
     engine = Engine(loaded, seed=0, overlap=True)
     with engine:  # started: turns run in the engine's thread, requests arrive from 16 threads meanwhile
         assert greedy_concurrently(engine, prompts, 40) == solo
@@ -595,7 +586,7 @@ def test_an_overlapped_engine_in_its_own_thread_serves_concurrent_requests_as_so
 
 
 def test_the_default_prefill_chunk_is_the_cpus(prompts):
-    loaded = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=2, seed=0).loaded
+    loaded = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=2, seed=0).loaded
     engine = Engine(loaded)
     assert engine.prefill_chunk == 512 and not engine.overlap
     engine.close()
@@ -619,7 +610,7 @@ _alone: dict = {}
 @pytest.fixture(scope="module")
 def loaded():
     """A model of its own, for engines made and closed one after another (the Llama's own engine stays)."""
-    return Llama.build(_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
+    return Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=8, seed=0).loaded
 
 
 def _run_alone(loaded, prompts, prompt: int, kind: int, max_new_tokens: int):

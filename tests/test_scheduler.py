@@ -5,30 +5,21 @@ from the Admitted events, so nothing here depends on timing."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
-from llama_core import DEFAULT_CKPT_DIR, Llama, ServerBusyError
+from llama_core import Llama, ServerBusyError
 from llama_core.serving import Admitted, Channel, Engine
 
-from conftest import STORIES_DIR as STORIES
+from conftest import engine_model_dir
 
 SLOTS, MAX_WAITING = 3, 4  # a named client holds at most 3 + 4 // 2 = 5 requests
 
 
-def _model_dir() -> Path:
-    if (DEFAULT_CKPT_DIR / "params.json").is_file():
-        return DEFAULT_CKPT_DIR
-    if STORIES.is_dir():
-        return STORIES
-    pytest.skip("neither the embedded default model nor ../shared/models/stories260K is present")
-
-
 @pytest.fixture(scope="module")
 def loaded():
-    return Llama.build(_model_dir(), max_seq_len=128, max_batch_size=SLOTS, seed=0).loaded
+    return Llama.build(engine_model_dir(), max_seq_len=128, max_batch_size=SLOTS, seed=0).loaded
 
 
 @pytest.fixture

@@ -16,20 +16,20 @@ from llama_core.serving.engine_process import EngineProcess, _Outbox
 from llama_core.serving import Finished, StreamChunk
 from llama_core.serving import stream_completion
 
-from conftest import greedy_concurrently
-from test_engine import _collect, _model_dir, prompts, solo  # noqa: F401 - fixtures
+from conftest import engine_model_dir, greedy_concurrently
+from test_engine import _collect, prompts, solo  # noqa: F401 - fixtures
 
 BUILD = dict(max_seq_len=256, seed=0, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def llama() -> Llama:
-    return Llama.build(_model_dir(), max_batch_size=8, **BUILD)
+    return Llama.build(engine_model_dir(), max_batch_size=8, **BUILD)
 
 
 @pytest.fixture(scope="module")
 def served():
-    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=8, **BUILD), threads=1) as process:
+    with EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=8, **BUILD), threads=1) as process:
         yield process
 
 
@@ -62,9 +62,9 @@ def test_prompt_logprobs_and_text_equal_in_process(served, llama, prompts):  # n
 def test_the_app_engine_with_a_float16_kv_cache_holds_it_in_its_process_and_says_so(prompts):  # noqa: F811
     from llama_core.serving.launch import open_engine
 
-    narrow = Llama.build(_model_dir(), max_batch_size=2, kv_cache_dtype="float16", **BUILD)
+    narrow = Llama.build(engine_model_dir(), max_batch_size=2, kv_cache_dtype="float16", **BUILD)
     expected = narrow.generate([prompts[0]], 12, temperature=0)[0][0]
-    engine = open_engine(_model_dir(), max_seq_len=256, max_batch_size=2, device="cpu", dtype="float32", threads=1,
+    engine = open_engine(engine_model_dir(), max_seq_len=256, max_batch_size=2, device="cpu", dtype="float32", threads=1,
                          seed=0, kv_cache_dtype="float16")
     try:
         assert engine.info.kv_cache_dtype == "float16" and engine.info.kv_cache_bytes == narrow.loaded.info.kv_cache_bytes
@@ -88,7 +88,7 @@ def test_bad_requests_raise_in_the_parent_and_serving_goes_on(served, prompts, s
 
 
 def test_cancelling_reaches_the_child_and_frees_the_slot(prompts):  # noqa: F811
-    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=1, **BUILD), threads=1) as process:
+    with EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=1, **BUILD), threads=1) as process:
         first = process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
         chunks = iter(first)
         next(chunks)  # the first request holds the only slot
@@ -101,7 +101,7 @@ def test_cancelling_reaches_the_child_and_frees_the_slot(prompts):  # noqa: F811
 def test_a_stream_dropped_unread_is_cancelled_in_the_child(prompts):  # noqa: F811
     """A reader that goes away without reading (a closed page, an abandoned call) leaves its stream to the
     garbage collector: its request must not hold the child's slot until its last token."""
-    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=1, **BUILD), threads=1) as process:
+    with EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=1, **BUILD), threads=1) as process:
         steps = process.steps
         process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)  # the only slot, for 200 tokens; dropped at once
         assert len(_collect(process.submit(prompts[1], 3, temperature=0))) == 3
@@ -174,7 +174,7 @@ def test_cancelling_a_finished_request_sends_the_child_nothing(served, prompts, 
 
 
 def test_submitting_does_not_wait_for_the_child_and_a_full_engine_answers_busy(prompts):  # noqa: F811
-    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=1, **BUILD), max_waiting=1, threads=1) as process:
+    with EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=1, **BUILD), max_waiting=1, threads=1) as process:
         running = process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
         waiting = process.submit(prompts[1], 3, temperature=0)
         with pytest.raises(ServerBusyError, match="server busy: 1 requests running and 1 waiting"):
@@ -186,7 +186,7 @@ def test_submitting_does_not_wait_for_the_child_and_a_full_engine_answers_busy(p
 
 def test_the_client_reaches_the_child_and_its_bound_is_checked_at_submit(prompts):  # noqa: F811
     # Two slots, two waiting places: a named client holds at most 2 + 2 // 2 = 3 requests.
-    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), max_waiting=2, threads=1) as process:
+    with EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=2, **BUILD), max_waiting=2, threads=1) as process:
         assert process.client_capacity == 3
         running = [process.submit(prompts[i], 200, temperature=1.0, top_p=1.0, client="A",
                                   logit_bias={process.tokenizer.eos_id: -100}) for i in range(2)]
@@ -228,7 +228,7 @@ def test_a_dead_child_fails_its_requests_and_is_restarted(prompts, solo):  # noq
 
     from llama_core.openai_api import create_api
 
-    process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=8, **BUILD), threads=1).start()
+    process = EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=8, **BUILD), threads=1).start()
     try:
         stream = process.submit(prompts[0], 200, temperature=1.0, top_p=1.0)
         chunks = iter(stream)
@@ -254,7 +254,7 @@ def test_a_shutdown_during_a_restart_stops_the_child_it_was_loading(prompts):  #
     import multiprocessing
 
     others = {child.pid for child in multiprocessing.active_children()}  # other tests' model processes
-    process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1).start()
+    process = EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=2, **BUILD), threads=1).start()
     os.kill(process.pid, signal.SIGKILL)
     wait_for_state(process, "restarting")
     process.shutdown()  # as Ctrl-C would, while the new child loads the model
@@ -270,7 +270,7 @@ def test_a_shutdown_during_a_restart_stops_the_child_it_was_loading(prompts):  #
 
 
 def test_a_child_that_keeps_dying_is_given_up_on(prompts):  # noqa: F811
-    process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1, max_restarts=0).start()
+    process = EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=2, **BUILD), threads=1, max_restarts=0).start()
     try:
         running = process.submit(prompts[1], 200, temperature=0, logit_bias={process.tokenizer.eos_id: -100})
         os.kill(process.pid, signal.SIGKILL)
@@ -284,7 +284,7 @@ def test_a_child_that_keeps_dying_is_given_up_on(prompts):  # noqa: F811
 
 
 def test_shutting_down_is_not_a_crash(prompts):  # noqa: F811
-    process = EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1).start()
+    process = EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=2, **BUILD), threads=1).start()
     process.shutdown()
     time.sleep(0.5)
     assert process.state == "stopped" and process.restarts == 0
@@ -322,7 +322,7 @@ def test_a_grammar_llguidance_cannot_match_is_refused_at_submit_as_a_bad_request
 def test_draining_ends_what_is_left_with_an_error_and_refuses_new_requests(prompts):  # noqa: F811
     from llama_core import EngineLostError
 
-    with EngineProcess(dict(ckpt_dir=_model_dir(), max_batch_size=2, **BUILD), threads=1) as process:
+    with EngineProcess(dict(ckpt_dir=engine_model_dir(), max_batch_size=2, **BUILD), threads=1) as process:
         long = process.submit(prompts[1], 250, temperature=0, logit_bias={process.tokenizer.eos_id: -100})
         deadline = time.monotonic() + 30
         while process.active_count < 1 and time.monotonic() < deadline:
@@ -358,4 +358,4 @@ def test_a_model_process_whose_parent_left_while_it_loaded_ends_quietly(monkeypa
 
     monkeypatch.setattr(engine_process.signal, "signal", lambda *args: None)  # the test process's own stay
     options = dict(max_waiting=4, prefill_chunk=None, prefix_caching=True, prompt_lookup=None, draft_price=None)
-    assert engine_process._serve(Closed(), dict(ckpt_dir=_model_dir(), max_batch_size=1, **BUILD), options, 1) is None
+    assert engine_process._serve(Closed(), dict(ckpt_dir=engine_model_dir(), max_batch_size=1, **BUILD), options, 1) is None

@@ -14,8 +14,7 @@ from llama_core.serving.engine import DRAFT_PRICE_ROWS_AS_ONE, DRAFT_PRICE_ROWS_
 from llama_core.serving.lookup import NGRAM_SIZES, DraftPrice, PromptLookup
 from llama_core.serving.prefix_cache import MIN_SHARED_PREFIX
 
-from conftest import STORIES_DIR, needs_stories
-from test_engine import _model_dir
+from conftest import STORIES_DIR, engine_model_dir, needs_stories
 
 
 # -- the drafts -------------------------------------------------------------------------------------------
@@ -143,7 +142,7 @@ def test_a_draft_is_no_longer_than_asked():
 # -- the engine -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def loaded():
-    return Llama.build(_model_dir(), max_seq_len=256, max_batch_size=4, seed=0).loaded
+    return Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=4, seed=0).loaded
 
 
 def _needs_rows_alike(loaded) -> None:
@@ -198,7 +197,7 @@ def test_drafted_replies_are_the_undrafted_ones_in_fewer_steps(loaded, together)
 
 
 def test_drafts_stop_at_the_token_limit_and_the_end_of_the_context():
-    llama = Llama.build(_model_dir(), max_seq_len=64, max_batch_size=2, seed=0)
+    llama = Llama.build(engine_model_dir(), max_seq_len=64, max_batch_size=2, seed=0)
     _needs_rows_alike(llama.loaded)
     prompt = llama.tokenizer.encode("the king and the queen and the king and the queen", bos=True, eos=False)
     runs = {}
@@ -263,7 +262,7 @@ def test_a_wide_batch_is_not_drafted(loaded):
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_drafted_replies_of_quantized_weights_are_the_undrafted_ones(quantize):
     """int8 and int4 round each row's activations on their own, so a row's result is its own here too."""
-    llama = Llama.build(_model_dir(), max_seq_len=256, max_batch_size=2, seed=0, quantize=quantize)
+    llama = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=2, seed=0, quantize=quantize)
     _needs_rows_alike(llama.loaded)
     prompts = _prompts(llama.loaded)[:3]
     runs = {}
@@ -291,7 +290,7 @@ def test_drafted_replies_of_the_real_stories260k_model_are_the_undrafted_ones():
 
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 def test_drafts_are_priced_low_where_the_products_read_a_few_rows_for_one(quantize):
-    llama = Llama.build(_model_dir(), max_seq_len=64, max_batch_size=1, seed=0, quantize=quantize)
+    llama = Llama.build(engine_model_dir(), max_seq_len=64, max_batch_size=1, seed=0, quantize=quantize)
     _needs_rows_alike(llama.loaded)
     rows = cpu_kernels.rows_read_as_one("float" if quantize is None else quantize)
     assert llama.loaded.runner.rows_read_as_one == rows

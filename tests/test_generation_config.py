@@ -121,3 +121,42 @@ def test_generate_samples_as_the_checkpoint_says_where_no_flag_does(exported, tm
         status = generate_cli.main(["ROMEO:", "-q", "--device", "cpu", "--ckpt-dir", str(ckpt_dir), *flags],
                                    stdout=io.StringIO())
     assert status == 0 and (reached[0].temperature, reached[0].top_p) == expected
+
+
+def with_generation_config(exported: Path, folder: Path, config) -> Path:
+    """The exported model in folder (its files linked), with generation_config.json holding config."""
+    folder.mkdir()
+    for path in exported.iterdir():
+        if path.name != "generation_config.json":
+            (folder / path.name).symlink_to(path)
+    return written(folder, config)
+
+
+def greedy_reply(ckpt_dir: Path, prompt: str, max_new_tokens: int, **controls) -> tuple[list[int], str]:
+    """The engine's greedy reply's tokens and its finish reason."""
+    from llama_core.loader import load
+    from llama_core.serving.engine import Engine
+
+    with Engine(load(ckpt_dir, max_seq_len=64, max_batch_size=1, device="cpu"), seed=0) as engine:
+        tokens = engine.tokenizer.encode(prompt, bos=True, eos=False)
+        stream = engine.submit(tokens, max_new_tokens, temperature=0, **controls)
+        return [chunk.token for chunk in stream], stream.finish_reason
+
+
+def test_a_reply_ends_at_any_end_id_of_generation_config_as_at_the_tokenizers_eos(exported, tmp_path, capsys):
+    """eos_token_id may name ids other than the tokenizer's EOS (Llama-3's [128001, 128009], a fine-tune's end of
+    turn): the engine, and so llama-generate, end the reply at any of them, with the finish reason of an EOS."""
+    plain, reason = greedy_reply(exported, "ROMEO:", 12)
+    assert reason == "length"
+    at = next(i for i, token in enumerate(plain) if i >= 2 and token not in plain[:i])  # its first time drawn
+    ckpt_dir = with_generation_config(exported, tmp_path / "model", {"eos_token_id": [2, plain[at]]})
+    assert greedy_reply(ckpt_dir, "ROMEO:", 12) == (plain[:at], "eos")
+
+    capsys.readouterr()
+    status = generate_cli.main(["ROMEO:", "--temperature", "0", "--max-new-tokens", "12", "--device", "cpu",
+                                "--ckpt-dir", str(ckpt_dir)], stdout=(out := io.StringIO()))
+    from llama_core.tokenizer import Tokenizer
+
+    text = Tokenizer(str(ckpt_dir / "tokenizer.model")).decode(plain[:at])
+    assert status == 0 and out.getvalue().strip() == text.strip()
+    assert f"[{at} tokens," in (said := capsys.readouterr().err) and "finish reason: eos]" in said

@@ -104,6 +104,21 @@ def test_the_mask_allows_exactly_the_tokens_that_keep_the_grammar(llama):
     assert not now[token_ids(llama, " ")[-1]]
 
 
+def test_an_end_id_of_generation_config_may_come_only_where_the_reply_may_end(llama):
+    """An id generation_config.json lists beside EOS ends the reply as EOS does (the engine's end_ids): under a
+    grammar it may come only where EOS may, whatever the grammar reads it as."""
+    tokenizer, vocab_size = llama.tokenizer, llama.args.vocab_size
+    grammar = Grammar.regex("(ROMEO|JULIET): [a-z]+")
+    end = token_ids(llama, "ROMEO")[0]  # text the grammar allows first
+    assert GrammarMatcher(grammar, tokenizer).allowed(vocab_size)[end]
+    matcher = GrammarMatcher(grammar, tokenizer, end_ids=(tokenizer.eos_id, end))
+    assert not matcher.allowed(vocab_size)[end]
+    for token in token_ids(llama, "ROMEO: a"):
+        assert matcher.accept(token)
+    allowed = matcher.allowed(vocab_size)
+    assert allowed[tokenizer.eos_id] and allowed[end]
+
+
 def test_a_model_vocabulary_beyond_the_tokenizers_is_never_allowed(llama):
     matcher = GrammarMatcher(Grammar.json({}), llama.tokenizer)
     allowed = allowed_tokens([matcher, None], llama.tokenizer.n_words + 40)

@@ -16,10 +16,11 @@ from .sequence import Sequence
 class Delivery:
     """Hands each request its tokens, ending it (and freeing its slot) where its reply ends."""
 
-    def __init__(self, scheduler: Scheduler, sampler: Sampler, eos_id: int, max_seq_len: int) -> None:
+    def __init__(self, scheduler: Scheduler, sampler: Sampler, end_ids: frozenset[int], max_seq_len: int) -> None:
+        """end_ids: the tokens that end a reply as EOS does (the tokenizer's EOS and generation_config.json's)."""
         self.scheduler = scheduler
         self.sampler = sampler
-        self.eos_id = eos_id
+        self.end_ids = end_ids
         self.max_seq_len = max_seq_len
 
     def deliver(self, sequences: list[Sequence], next_tokens: torch.Tensor, logprobs: torch.Tensor,
@@ -35,12 +36,12 @@ class Delivery:
     def deliver_token(self, sequence: Sequence, token: int, logprob: float,
                       alternatives: Optional[tuple[list[float], list[int]]]) -> bool:
         """Hands a request its next token (alternatives: the most likely ones' log-probabilities and ids),
-        or ends it at a cancel, EOS, a stop string or its token limit; whether it goes on."""
+        or ends it at a cancel, an end id (EOS), a stop string or its token limit; whether it goes on."""
         free = self.scheduler.free
         if sequence.channel.cancelled.is_set():
             free(sequence.slot, "cancelled")
             return False
-        if token == self.eos_id:
+        if token in self.end_ids:
             if sequence.grammar is not None and not sequence.grammar.accepting:  # drawn as nothing else could be
                 free(sequence.slot, "error", sequence.grammar.dead_end, failure="grammar")
             else:

@@ -123,6 +123,9 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
         self.eos_id = model.tokenizer.eos_id
+        # What ends a reply as EOS does: the tokenizer's EOS and the ids generation_config.json names (a fine-tune's
+        # end-of-turn token, say); delivery checks each drawn token on the host, where it already is
+        self.end_ids = frozenset((self.eos_id, *model.info.generation_config.eos_token_ids))
         self.words = model.tokenizer.n_words  # a model's padded vocabulary may have more rows: never drawn
         self.generator = torch.Generator()  # draws a seed for each request that brings none
         if seed is None:
@@ -151,7 +154,7 @@ class Engine:
         self._scheduler = Scheduler(runner, self._wakeup, counts, prefill_chunk, prefix_caching, self._watch)
         self.prefix_cache = self._scheduler.prefix_cache
         self._sampler = Sampler(self.words, runner.args.vocab_size, runner.max_batch_size, runner.device)
-        self._delivery = Delivery(self._scheduler, self._sampler, self.eos_id, runner.max_seq_len)
+        self._delivery = Delivery(self._scheduler, self._sampler, self.end_ids, runner.max_seq_len)
         self._prefiller = Prefiller(runner, self._scheduler, self._sampler, self._delivery, counts, prefill_chunk,
                                     self.eos_id)
         drafter = Drafter(runner, self._scheduler, self._sampler, self._delivery, counts, prompt_lookup,
@@ -331,7 +334,7 @@ class Engine:
         """
         sequence = Sequence(request, channel, arrival=next(self._arrivals))
         if request.params.grammar is not None:
-            sequence.grammar = GrammarMatcher(request.params.grammar, self.tokenizer)
+            sequence.grammar = GrammarMatcher(request.params.grammar, self.tokenizer, self.end_ids)
             sequence.grammar.check_start(self.runner.args.vocab_size)
         with self._wakeup:
             if self._closed:

@@ -242,8 +242,8 @@ class EngineProcess:
                                             max_seq_len=self.info.max_seq_len, prediction_tokens=prediction_tokens,
                                             standalone_text=standalone_text, client=client)
         if request.params.grammar is not None:  # one no reply can begin (llguidance's limits) is a bad request
-            GrammarMatcher(request.params.grammar, self.tokenizer).check_start(self.info.args.vocab_size)  # here,
-            # not an error in the stream from the child
+            GrammarMatcher(request.params.grammar, self.tokenizer, self.info.generation_config.eos_token_ids
+                           ).check_start(self.info.args.vocab_size)  # here, not an error in the stream from the child
         rid = next(self._ids)
         channel = Channel(cancelled=_Cancel(lambda: self._cancels.put(rid)))
         slots = self.info.max_batch_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -18,8 +18,11 @@ from ..tokenizer import Tokenizer
 class GrammarMatcher:
     """One reply's progress through its grammar: which tokens may come next, and whether it is complete."""
 
-    def __init__(self, grammar: Grammar, tokenizer: Tokenizer) -> None:
-        """Raises InvalidRequestError where the grammar cannot be followed with this tokenizer."""
+    def __init__(self, grammar: Grammar, tokenizer: Tokenizer, end_ids: Iterable[int] = ()) -> None:
+        """end_ids: tokens that end a reply as the tokenizer's EOS does (generation_config.json's), allowed where
+        EOS is and nowhere else.
+
+        Raises InvalidRequestError where the grammar cannot be followed with this tokenizer."""
         from llguidance import LLMatcher  # imported by the first request with a grammar: the engine runs without it
 
         vocabulary = _Vocabulary.of(tokenizer)
@@ -31,6 +34,7 @@ class GrammarMatcher:
             raise InvalidRequestError(f"the grammar cannot be followed: {error}")
         self.words = tokenizer.n_words
         self.eos = tokenizer.eos_id
+        self.other_ends = sorted(t for t in set(end_ids) - {self.eos} if t < tokenizer.n_words)  # others never drawn
         self._forbidden = tuple(text.encode() for text in grammar.forbidden if text)
         self._tail = b""  # the reply's last bytes, as many as the longest forbidden text less one
         self._vocabulary = vocabulary
@@ -42,7 +46,7 @@ class GrammarMatcher:
         allowed = self.allowed(vocab_size)
         if self._matcher.is_error():
             raise InvalidRequestError(f"the grammar cannot be followed: {self.error}")
-        allowed[self.eos] = False
+        allowed[[t for t in (self.eos, *self.other_ends) if t < vocab_size]] = False
         if not self.accepting and not bool(allowed.any()):
             raise InvalidRequestError(f"no reply can follow the grammar{self._stuck}")
 
@@ -113,9 +117,9 @@ class GrammarMatcher:
 
 def allowed_tokens(matchers: list[Optional[GrammarMatcher]], vocab_size: int) -> torch.Tensor:
     """[rows, vocab_size] bool on the CPU: the tokens each row may draw next. A row without a grammar may draw
-    any; one with a grammar, the tokens the grammar allows (the end of sequence only where it is complete) less
-    those that would write a forbidden text, and none past the tokenizer's words (a model's padded vocabulary);
-    where that leaves none, the end of sequence."""
+    any; one with a grammar, the tokens the grammar allows (the end of sequence, and the other end ids, only where
+    it is complete) less those that would write a forbidden text, and none past the tokenizer's words (a model's
+    padded vocabulary); where that leaves none, the end of sequence."""
     allowed = torch.ones(len(matchers), vocab_size, dtype=torch.bool)
     held = [(i, matcher) for i, matcher in enumerate(matchers) if matcher is not None]
     if not held:
@@ -136,6 +140,9 @@ def allowed_tokens(matchers: list[Optional[GrammarMatcher]], vocab_size: int) ->
         banned = [token for token in matcher.banned() if token < vocab_size]
         if banned:
             allowed[i, banned] = False
+        ends = [token for token in matcher.other_ends if token < vocab_size]
+        if ends:  # the grammar reads them as text: they end the reply, so they may come where EOS may
+            allowed[i, ends] = bool(allowed[i, matcher.eos])
     any_allowed = allowed.view(torch.uint8).amax(dim=1).tolist()
     for i, matcher in held:
         if not any_allowed[i]:

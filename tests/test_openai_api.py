@@ -556,7 +556,7 @@ def test_a_conversation_goes_on_after_a_tool_result(client, model_id):
 
 
 def test_with_tools_a_text_reply_streams_as_written_and_a_call_is_sent_whole_at_its_end():
-    from llama_core.openai_api.routes import _ChatReply
+    from llama_core.openai_api.replies import ChatReply
     from llama_core.openai_api.schemas import Tool
     from llama_core.openai_api.streaming import Batch
     from llama_core.openai_api.tools import check_tools
@@ -565,7 +565,7 @@ def test_with_tools_a_text_reply_streams_as_written_and_a_call_is_sent_whole_at_
     class Ended:
         finish_reason = "eos"
 
-    reply = _ChatReply(None, "m", [Ended(), Ended()], 2, False, False, check_tools([Tool(**WEATHER)]))
+    reply = ChatReply(None, "m", [Ended(), Ended()], 2, False, False, check_tools([Tool(**WEATHER)]))
 
     def event(index, *texts, done=False):
         found = reply.event(Batch(index, [StreamChunk(1, 0.0, text) for text in texts], done))
@@ -585,7 +585,7 @@ def test_with_tools_a_text_reply_streams_as_written_and_a_call_is_sent_whole_at_
 
 
 def test_tool_turns_are_written_into_the_dialog_as_the_model_reads_them():
-    from llama_core.openai_api.routes import _dialog
+    from llama_core.openai_api.reading import llama_dialog
     from llama_core.openai_api.schemas import ChatMessage
 
     messages = [ChatMessage(**m) for m in [
@@ -595,7 +595,7 @@ def test_tool_turns_are_written_into_the_dialog_as_the_model_reads_them():
             {"id": "c2", "function": {"name": "get_weather", "arguments": '{"city": "Mantua"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "Sunny"},
         {"role": "tool", "tool_call_id": "c2", "content": "Rain"}]]
-    dialog = _dialog(messages, "TOOLS")
+    dialog = llama_dialog(messages, "TOOLS")
     assert [m["role"] for m in dialog] == ["system", "user", "assistant", "user"]
     assert dialog[0]["content"] == "Be brief.\n\nTOOLS"
     assert dialog[2]["content"] == ('{"name": "get_weather", "arguments": {"city": "Verona"}}\n'
@@ -605,7 +605,7 @@ def test_tool_turns_are_written_into_the_dialog_as_the_model_reads_them():
     # may be text parts) goes on in the results' user turn instead of breaking the turns' alternation.
     messages[-1] = ChatMessage(role="tool", tool_call_id="c2", content=[{"type": "text", "text": "Ra"},
                                                                         {"type": "text", "text": "in"}])
-    dialog = _dialog(messages + [ChatMessage(role="user", content="And tomorrow?")], "TOOLS")
+    dialog = llama_dialog(messages + [ChatMessage(role="user", content="And tomorrow?")], "TOOLS")
     assert [m["role"] for m in dialog] == ["system", "user", "assistant", "user"]
     assert dialog[3]["content"] == "get_weather returned: Sunny\nget_weather returned: Rain\n\nAnd tomorrow?"
 
@@ -637,11 +637,11 @@ def test_a_user_message_after_tool_results_is_answered_on_both_apis(served, clie
 
 
 def test_any_order_of_roles_openai_takes_is_laid_out_as_llama_2s_turns():
-    from llama_core.openai_api.routes import _dialog
+    from llama_core.openai_api.reading import llama_dialog
     from llama_core.openai_api.schemas import ChatMessage
 
     def laid_out(*messages):
-        return [(m["role"], m["content"]) for m in _dialog([ChatMessage(role=r, content=c) for r, c in messages])]
+        return [(m["role"], m["content"]) for m in llama_dialog([ChatMessage(role=r, content=c) for r, c in messages])]
 
     # One role in a row is one turn; a system message after the start is the user's words in its place.
     assert laid_out(("user", "a"), ("user", "b")) == [("user", "a\n\nb")]

@@ -5,10 +5,15 @@ Every refusal names the field at fault (`param`) where there is one; a status of
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Iterable, Optional
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import ContextLengthError, EngineUnavailableError, InvalidRequestError, LlamaError, ServerBusyError
 from ..serving.streams import RequestFailedError
@@ -94,3 +99,42 @@ def _dotted(location: list[Any]) -> str:
     for part in location:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
     return text
+
+
+def install_error_handlers(api: FastAPI, log: logging.Logger) -> None:
+    """Has `api` answer every error in the API's shape: an APIError as it is, an unreadable body or an unknown
+    route (Starlette's) as a refusal naming what was wrong, and any other exception as a 500, its traceback
+    logged to `log`."""
+    @api.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @api.exception_handler(RequestValidationError)
+    async def unreadable(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = from_validation_errors(list(exc.errors()))
+        content_type = request.headers.get("content-type", "")
+        if error.param is None and "json" not in content_type.lower():  # FastAPI reads the body by this header
+            error.message += (f" (it came as {content_type!r}" if content_type else " (it came with no Content-Type") \
+                + "; send it with the header Content-Type: application/json)"
+        return error.response()
+
+    @api.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        detail = exc.detail
+        if exc.status_code == 400 and detail == "There was an error parsing the body":  # FastAPI's, for what json.loads refused
+            detail = "the request body could not be read as JSON (nested too deeply, or a number with too many digits?)"
+            try:
+                (await request.body()).decode("utf-8")
+            except UnicodeDecodeError:
+                detail = "the request body is not UTF-8 text, as JSON must be"
+            except ClientDisconnect:  # the client left mid-body: nobody to answer
+                detail = "the client went away before the body was sent"
+        message = f"{request.method} {request.url.path}: {detail}"
+        return APIError(exc.status_code, message, code=code).response()
+
+    @api.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error answering %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}; the server's log has the details",
+                        type="server_error").response()

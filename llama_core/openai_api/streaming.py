@@ -1,4 +1,5 @@
-"""Reading text streams from the web server's event loop, and cancelling them when the client goes away.
+"""Reading text streams from the web server's event loop, cancelling them when the client goes away, and
+sending a streamed reply's events as Server-Sent Events (event_stream).
 
 The loop never blocks on a stream (llama_core.serving.aio). Several streams (the `n` choices of one request)
 are merged into one sequence of (choice index, batch) items.
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from ..serving import aio
 from ..serving.events import StreamChunk
@@ -74,3 +77,17 @@ async def _cancel_on_disconnect(request: Request, streams: Sequence[TextStream])
     for stream in streams:
         if stream.finish_reason is None:
             stream.cancel()
+
+
+def event_stream(events: AsyncIterator[dict[str, Any]], done: bool = True) -> StreamingResponse:
+    """Server-sent events; done: ending with `data: [DONE]` (the chat and completion routes; the Responses API
+    names each event instead, and ends with response.completed)."""
+    async def lines() -> AsyncIterator[bytes]:
+        async for event in events:
+            name = f"event: {event['type']}\n".encode() if not done and "type" in event else b""
+            yield name + b"data: " + json.dumps(event).encode() + b"\n\n"
+        if done:
+            yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -16,10 +16,13 @@ bad weights, too little memory, a prompt the model cannot take), 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import os
 import sys
-from typing import Optional, TextIO
+import warnings
+from typing import Iterator, Optional, TextIO
 
 from .cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, ArgumentParser, ModelPlan, OptionError, ResourceError,
                           add_model_options, check_memory, check_model_options, exit_status, plain_warnings,
@@ -86,6 +89,29 @@ def _run(argv: Optional[list[str]], stdin: Optional[TextIO], stdout: Optional[Te
         args = build_parser().parse_args(argv)
     except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
         return stop.code
+    with only_errors(args.quiet):
+        return _checked_run(args, stdin, stdout)
+
+
+@contextlib.contextmanager
+def only_errors(quiet: bool) -> Iterator[None]:
+    """With quiet, no warnings (a checkpoint's generation_config.json that cannot be used, say) and no lines logged
+    below ERROR by llama_core (the CPU kernels' build) while it lasts: only errors reach stderr."""
+    if not quiet:
+        yield
+        return
+    logger = logging.getLogger("llama_core")
+    level = logger.level
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+
+
+def _checked_run(args: argparse.Namespace, stdin: TextIO, stdout: TextIO) -> int:
     try:
         if args.system is not None and not args.chat:
             raise OptionError("--system goes with --chat: add --chat, or leave out --system")

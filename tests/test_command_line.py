@@ -499,6 +499,31 @@ def test_generate_streams_its_text_piece_by_piece(llama):
     assert "".join(out.writes).strip() == expected.strip()
 
 
+@pytest.mark.skipif(not expected(), reason="llama_core's CPU kernels are not built here (no C compiler, or neither "
+                    "AVX-512 nor AVX2)")
+def test_generate_quiet_writes_the_text_alone_not_the_kernels_build_nor_a_warning(tmp_path):
+    """-q leaves stderr to errors: a first start's kernel build line and the warning about a generation_config.json
+    field that cannot be used are left out with it, and shown without it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("params.json", "consolidated.00.pth", "tokenizer.model"):
+        (model / name).symlink_to(DEFAULT_CKPT_DIR / name)
+    (model / "generation_config.json").write_text('{"temperature": "hot"}')
+    said = {}
+    for quiet in (False, True):
+        cache = tmp_path / f"cache-{quiet}"  # a fresh cache, and temporary directory, where the kernels are built
+        (cache / "tmp").mkdir(parents=True)
+        done = subprocess.run([sys.executable, "-m", GENERATE, "ROMEO:", *(["-q"] if quiet else []), "--quantize",
+                               "int8", "--temperature", "0", "--max-new-tokens", "4", "--device", "cpu", "--ckpt-dir",
+                               str(model)], env=dict(os.environ, LLAMA_CORE_CACHE=str(cache), TMPDIR=str(cache / "tmp")),
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip(), done.stderr
+        said[quiet] = done.stderr
+    assert "llama_core: compiling its CPU kernels for this machine" in said[False]
+    assert "temperature 'hot' is not a number" in said[False]
+    assert said[True] == ""
+
+
 def test_generate_says_when_its_output_cannot_be_written():
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full here (a device that is always full)")

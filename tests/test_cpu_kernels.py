@@ -4,6 +4,8 @@ everything falls back to torch's products with one warning."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -247,19 +249,25 @@ def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
 
 
 @needs_kernels
-def test_a_build_says_so_in_one_line_on_stderr_and_a_load_from_the_cache_says_nothing(monkeypatch, tmp_path, capsys):
+def test_a_build_says_so_in_one_logged_line_and_a_load_from_the_cache_says_nothing(monkeypatch, tmp_path, capsys,
+                                                                                   caplog):
+    """The line is logged at WARNING (shown on stderr where nothing set logging up: tests/test_command_line's
+    llama-generate tests see it there), so a command line can silence it (llama-generate -q)."""
     monkeypatch.setenv("LLAMA_CORE_CACHE", str(tmp_path))
     monkeypatch.setattr(build.tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("CC", "cc")
     monkeypatch.setattr(build, "_loaded", {})
+    caplog.set_level(logging.WARNING, logger="llama_core")
     assert build.load() is not None
-    said = capsys.readouterr()
     kept = tmp_path / "kernels"
-    assert said.err == f"llama_core: compiling its CPU kernels for this machine (once; kept in {kept})\n"
-    assert said.out == ""
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("llama_core.cpu_kernels.build", logging.WARNING,
+         f"llama_core: compiling its CPU kernels for this machine (once; kept in {kept})")]
+    assert capsys.readouterr() == ("", "")  # the line alone: no print beside it
+    caplog.clear()
     monkeypatch.setattr(build, "_loaded", {})  # a new process: the library is in the cache
     assert build.load() is not None
-    assert capsys.readouterr() == ("", "")
+    assert caplog.records == [] and capsys.readouterr() == ("", "")
 
 
 @needs_kernels

@@ -6,7 +6,8 @@ directory (`$LLAMA_CORE_CACHE`, else `~/.cache/llama_core`) under a name that ha
 compiler, its flags and the CPU's features, so an upgrade or another machine builds afresh. The kernels are
 written for x86's AVX-512 and AVX2 (with FMA); a target with neither gets torch's products. It links against
 the OpenMP runtime torch has already loaded (GNU libgomp in torch's builds), so the two share one pool of
-threads. A build (a first start, a few seconds) says so in one line on stderr; a load from the cache says nothing.
+threads. A build (a first start, a few seconds) says so in one line, logged (on stderr unless an application set
+logging up otherwise; `llama-generate -q` silences it); a load from the cache says nothing.
 Where nothing can be built (no compiler), `load` returns None and the caller keeps torch's own products.
 """
 
@@ -15,11 +16,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import warnings
@@ -32,6 +33,9 @@ FLAGS = ("-O3", "-ffp-contract=fast", "-Wno-psabi", "-shared", "-fPIC")
 DISABLE_VARIABLE = "LLAMA_CORE_CPU_KERNELS"  # "0" keeps torch's own CPU products
 TARGET_VARIABLE = "LLAMA_CORE_CPU_TARGET"  # what -march gets: "native" unless set
 
+# Logged at WARNING, the least that Python shows with no logging set up (its last-resort handler writes the bare
+# message to stderr), so a first start says why it waits; a command line raises the "llama_core" logger's level
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], Optional[ctypes.CDLL]] = {}  # (compiler, target): its library, or None
 
@@ -123,8 +127,7 @@ def _build_and_load(compiler: str, target_name: str) -> Optional[ctypes.CDLL]:
                                          platform.machine().encode(), _cpu_features().encode()])).hexdigest()[:16]
         target, last_error = next((d / f"kernels-{key}.so" for d in _cache_dirs() if (d / f"kernels-{key}.so").exists()), None), ""
         if target is None and not announced:  # the seconds a first start spends here, said once
-            print(f"llama_core: compiling its CPU kernels for this machine (once; kept in {_cache_dirs()[0]})",
-                  file=sys.stderr, flush=True)
+            log.warning("llama_core: compiling its CPU kernels for this machine (once; kept in %s)", _cache_dirs()[0])
             announced = True
         for directory in ([] if target else _cache_dirs()):  # the cache, else a temporary directory
             target = directory / f"kernels-{key}.so"

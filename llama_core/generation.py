@@ -64,11 +64,15 @@ class Llama:
     max_seq_len positions).
 
     Generations run on the Llama's engine: in the caller's thread, or, once `serve()` has started the
-    engine's own thread, batched with whatever else it serves.
+    engine's own thread, batched with whatever else it serves. Built with compile=True, its step is warmed up on
+    the thread that runs the steps, once: the engine's as serve() starts it, else the first generation's.
     """
 
-    def __init__(self, model: LoadedModel, seed: Optional[int] = None, prompt_lookup: Optional[int] = None) -> None:
-        """seed: seeds sampling (None: a random seed); prompt_lookup: the engine's (see Engine).
+    def __init__(self, model: LoadedModel, seed: Optional[int] = None, prompt_lookup: Optional[int] = None,
+                 warmed_up: bool = True) -> None:
+        """seed: seeds sampling (None: a random seed); prompt_lookup: the engine's (see Engine); warmed_up: False
+        where the model was loaded with warm_up=False (as build loads a compiled one), so that the thread that
+        runs its steps warms it up: serve()'s engine thread, or else the first generation's.
 
         Raises:
             InvalidRequestError: a prompt_lookup that is not a non-negative integer.
@@ -90,6 +94,7 @@ class Llama:
         self._engine: Optional[Engine] = None
         self._engine_options: dict = dict(prompt_lookup=prompt_lookup)
         self._engine_lock = threading.Lock()
+        self._warmed_up = warmed_up
 
     @classmethod
     def from_model(cls, model: Transformer, tokenizer: Tokenizer, max_seq_len: int, max_batch_size: int,
@@ -130,8 +135,10 @@ class Llama:
                 is stored in (float16 for Llama-2's), else bfloat16 (float16 where bf16 is unsupported); on CPU
                 float32 (16-bit weights keep their 16 bits in the CPU kernels).
             seed: seeds sampling; None draws a random seed.
-            compile: decode with a step compiled by torch.compile, here, as the model loads: on CUDA every
-                slot at once, a CUDA graph per context length; on CPU symbolic shapes (see llama_core.runner).
+            compile: decode with a step compiled by torch.compile: on CUDA every slot at once, a CUDA graph per
+                context length; on CPU symbolic shapes (see llama_core.runner). It is compiled on the thread that
+                runs the steps (CUDA graphs are per thread), once: by serve() on the engine's, else by the first
+                generation on its caller's.
             device_map: places whole layers over several devices with accelerate (instead of `device`):
                 "auto" spreads them over the GPUs, offloading to CPU memory as a last resort; or a dict like
                 {"tok_embeddings": 0, "layers.0": 0, ..., "output": 1} (see llama_core.distributed.device_map).
@@ -168,8 +175,9 @@ class Llama:
             raise InvalidRequestError(f"compile must be True or False, got {compile!r}")
         max_seq_len = _context(ckpt_dir, max_seq_len)
         loaded = load(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, device, dtype, device_map,
-                      max_memory, tensor_parallel, compile, quantize=quantize, kv_cache_dtype=kv_cache_dtype)
-        return Llama(loaded, seed, prompt_lookup)
+                      max_memory, tensor_parallel, compile, quantize=quantize, kv_cache_dtype=kv_cache_dtype,
+                      warm_up=False)
+        return Llama(loaded, seed, prompt_lookup, warmed_up=not compile)
 
     @property
     def parameter_count(self) -> int:
@@ -183,6 +191,17 @@ class Llama:
             if self._engine is None:
                 self._engine = Engine(self.loaded, seed=self._seed, **self._engine_options)
             return self._engine
+
+    def _engine_here(self) -> Engine:
+        """The engine, for a generation whose turns run in the calling thread unless it is served: a step not yet
+        warmed up is warmed up here first (served, the engine's thread has done it)."""
+        engine = self.engine
+        if not self._warmed_up and not engine.running:
+            with self._engine_lock:
+                if not self._warmed_up:
+                    engine.warm_up()
+                    self._warmed_up = True
+        return engine
 
     def serve(self, max_waiting: int = 64, prefill_chunk: Optional[int] = None,
               after_turn: Optional[Callable[[], None]] = None, prefix_caching: bool = True,
@@ -205,7 +224,9 @@ class Llama:
                 self._engine.close()
                 self._engine = None
             self._engine_options = options
-        return self.engine.start()
+        engine = self.engine.start()  # warms the step up on its thread, the one that runs the steps from now
+        self._warmed_up = True
+        return engine
 
     # -- tokens in, tokens out -------------------------------------------------------------------
     def generate(
@@ -236,7 +257,7 @@ class Llama:
         """
         self._check_call(prompt_tokens, max_gen_len)
         params = sampling_params(temperature, top_p, logprobs, **controls)
-        engine = self.engine
+        engine = self._engine_here()
         requests = [engine.check(p, self._clamped(max_gen_len), prompt_logprobs=logprobs and echo, params=params,
                                  name=f"prompt {i}", standalone_text=not echo) for i, p in enumerate(prompt_tokens)]
         streams: list[TokenStream] = []
@@ -277,9 +298,10 @@ class Llama:
         """
         self._check_call([prompt_tokens], max_gen_len)
         params = sampling_params(temperature, top_p, **controls)
-        request = self.engine.check(prompt_tokens, self._clamped(max_gen_len), params=params, name="prompt 0",
-                                    standalone_text=not continue_prompt)
-        tokens = self.engine.submit_request(request)
+        engine = self._engine_here()
+        request = engine.check(prompt_tokens, self._clamped(max_gen_len), params=params, name="prompt 0",
+                               standalone_text=not continue_prompt)
+        tokens = engine.submit_request(request)
         decoder = StreamDecoder(self.tokenizer, prompt_tokens if continue_prompt else ())
         return iter(TextStream(tokens, decoder, len(prompt_tokens), self.max_seq_len, stop=params.stop))
 

@@ -94,7 +94,7 @@ def test_compiled_cuda_graph_decode_equals_eager(meta_ckpt_dir, tokenizer):
 def test_compiled_decode_over_growing_context_lengths_equals_eager(meta_ckpt_dir, tokenizer):
     eager = build_llama(meta_ckpt_dir, device="cuda", dtype="float32")
     compiled = build_llama(meta_ckpt_dir, device="cuda", dtype="float32", compile=True)
-    # Lengths 16, 32, 64 and 128: the step compiled as the model loaded, a CUDA graph captured for each.
+    # Lengths 16, 32, 64 and 128: the step compiled by the first generation, a CUDA graph captured for each.
     compiled.runner.decode_step.smallest_context = 16
     prompts = _prompts(tokenizer)
     expected, expected_lps = eager.generate(prompts, 80, temperature=0, logprobs=True)

@@ -93,13 +93,14 @@ def test_decode_rows_and_prompts_in_one_forward_equal_separate_forwards(meta_ckp
     assert torch.allclose(got_join, expected_join, atol=1e-4)
 
 
-def test_cpu_compiled_step_decodes_as_eager_does_with_the_one_graph_compiled_at_start(meta_ckpt_dir, tokenizer):
+def test_cpu_compiled_step_decodes_as_eager_does_with_the_one_graph_compiled_at_its_warm_up(meta_ckpt_dir,
+                                                                                          tokenizer):
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("torch.compile on CPU needs a C compiler")
     from torch._dynamo.utils import counters
 
     eager = build_llama(meta_ckpt_dir, max_batch_size=4)
-    compiled = build_llama(meta_ckpt_dir, max_batch_size=4, compile=True)
+    compiled = build_llama(meta_ckpt_dir, max_batch_size=4, compile=True)  # warmed up by its first generation
     assert compiled.runner.decode_step.leading_rows and not compiled.runner.mixes_prompts
     graphs = counters["stats"]["unique_graphs"]
     prompts = _prompts(tokenizer)
@@ -117,7 +118,7 @@ def test_cpu_compiled_step_decodes_as_eager_does_with_the_one_graph_compiled_at_
         others = [engine.submit(p, 12, temperature=0) for p in prompts[1:]]
         assert head + [c.token for c in first] == expected[0]
         assert [[c.token for c in s] for s in others] == expected[1:]
-    assert counters["stats"]["unique_graphs"] == graphs, "the compiled step was compiled again after start-up"
+    assert counters["stats"]["unique_graphs"] == graphs + 1, "the compiled step was compiled again after its warm-up"
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])

@@ -709,6 +709,37 @@ def test_a_compiled_step_is_warmed_up_on_the_engines_own_thread_as_it_starts(met
     assert not engine.running and not engine.alive
 
 
+def test_a_compiled_llama_warms_its_step_up_once_on_the_thread_that_runs_its_steps(meta_ckpt_dir, monkeypatch):
+    """Llama.build(compile=True) leaves the warm-up to the thread that will run the steps: serve()'s engine thread,
+    or, unserved, the thread of the first generation. Warmed up as it loaded too, a served Llama warmed up twice
+    (on CUDA, two sets of CUDA graphs: one captured for a thread that never runs a step)."""
+    import shutil
+    import threading
+
+    from llama_core.runner import DecodeStep
+
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("torch.compile on CPU needs a C compiler")
+    warmed_up_on = []  # the thread of each warm-up
+    warm_up = DecodeStep.warm_up
+    monkeypatch.setattr(DecodeStep, "warm_up", lambda step: (warmed_up_on.append(threading.get_ident()), warm_up(step)))
+    build = dict(max_seq_len=64, max_batch_size=2, device="cpu", dtype="float32", compile=True, seed=0)
+
+    served = Llama.build(meta_ckpt_dir, **build)
+    assert warmed_up_on == []  # not as it loaded
+    with served.serve() as engine:
+        assert len(warmed_up_on) == 1 and warmed_up_on[0] != threading.get_ident()  # on the engine's thread
+        assert len(_collect(engine.submit([1, 5, 9], 4, temperature=0))) == 4
+    assert len(warmed_up_on) == 1
+
+    warmed_up_on.clear()
+    unserved = Llama.build(meta_ckpt_dir, **build)
+    assert warmed_up_on == []
+    for _ in range(2):
+        assert len(unserved.generate([[1, 5, 9]], 4, temperature=0)[0][0]) == 4
+    assert warmed_up_on == [threading.get_ident()]  # once, on the thread that ran the steps
+
+
 def test_the_apps_engine_in_this_process_is_closed_when_it_fails_to_start(meta_ckpt_dir, monkeypatch):
     """open_engine(single_process=True) whose engine fails as it starts (its compiled step does not warm up):
     the engine is closed, giving the model's KV cache back, not left holding it for no one."""

@@ -400,7 +400,7 @@ class Engine:
 
     def _loop(self, warmed_up: Future) -> None:
         try:
-            self._warm_up()
+            self.warm_up()
         except BaseException as exc:  # start() raises it
             self._abandon(exc)
             warmed_up.set_exception(exc)
@@ -419,8 +419,10 @@ class Engine:
             self._abandon(exc)  # on a thread that is gone
             raise
 
-    def _warm_up(self) -> None:
-        """Warms the runner up in the engine's thread, the one that will run its steps (see ModelRunner.warm_up)."""
+    def warm_up(self) -> None:
+        """Warms the runner's compiled step up in the calling thread, which is to run the engine's turns (see
+        ModelRunner.warm_up): start() calls it on the engine's own thread; where readers run the turns, call it
+        in the reader's thread before the first request (the Llama facade does, for a model it loaded cold)."""
         with self._turn_lock:
             self._forget_foreign_writes()
             self.runner.warm_up()

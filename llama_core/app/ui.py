@@ -75,10 +75,10 @@ OUTPUT_FORMATS = [("Text", "text"), ("JSON", "json"), ("JSON schema", "json_sche
                   ("Lark grammar", "lark")]
 CSS = (APP_DIR / "page.css").read_text(encoding="utf-8")
 
-# Run once the page loads: two tabs of the app, leaving mid-reply, Escape, a message a reload cut off (page.js).
+# Run once the page loads: a change in a stale tab, leaving mid-reply, Escape, a message a reload cut off (page.js).
 PAGE_JS = (APP_DIR / "page.js").read_text(encoding="utf-8").replace("STORAGE_KEY", json.dumps(STORAGE_KEY))
-# Run in the page's head, before the app mounts: a tab opening does not write the conversations back (opening.js).
-PAGE_HEAD = "<script>%s</script>" % (APP_DIR / "opening.js").read_text(encoding="utf-8").replace(
+# Run in the page's head, before the app mounts: the conversations' store shared by the app's tabs (store.js).
+PAGE_HEAD = "<script>%s</script>" % (APP_DIR / "store.js").read_text(encoding="utf-8").replace(
     "STORAGE_KEY", json.dumps(STORAGE_KEY))
 
 PROBABILITY_LABELS = [f"{i / 100:.2f}" for i in range(101)]

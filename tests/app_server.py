@@ -19,7 +19,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from llama_core import DEFAULT_CKPT_DIR, load  # noqa: E402
-from llama_core.app import server, ui  # noqa: E402
+from llama_core.app import server, streaming, ui  # noqa: E402
 from llama_core.app.address import listen_socket  # noqa: E402
 from llama_core.checkpoint_files import read_model_args  # noqa: E402
 from llama_core.prompt_library import load_prompts  # noqa: E402
@@ -79,7 +79,7 @@ def clients_sent(monkeypatch) -> list[Optional[str]]:
     """The `client` of each chat and completion the app's interface starts from now on, in order."""
     sent = []
     for name in ("stream_chat", "stream_completion"):
-        real = getattr(ui, name)
-        monkeypatch.setattr(ui, name, lambda *args, _real=real, **kwargs: sent.append(kwargs["client"]) or
+        real = getattr(streaming, name)
+        monkeypatch.setattr(streaming, name, lambda *args, _real=real, **kwargs: sent.append(kwargs["client"]) or
                             _real(*args, **kwargs))
     return sent

@@ -13,7 +13,7 @@ import pytest
 
 from app_server import REPO_ROOT, clients_sent, free_port, serve_app
 
-from llama_core.app import conversations, ui
+from llama_core.app import conversations, streaming, ui
 from llama_core.prompt_library import load_prompts
 from llama_core.serving import stream_completion
 
@@ -216,7 +216,7 @@ def stopping_a_completion_cancels_its_request(page, engine, monkeypatch) -> None
         stream.cancel = lambda: (cancels.append(stream.finish_reason is None), cancel())
         return stream
 
-    monkeypatch.setattr(ui, "stream_completion", recording_stream_completion)
+    monkeypatch.setattr(streaming, "stream_completion", recording_stream_completion)
     page.click("#completion-tab-button")
     page.uncheck("#completion-probabilities input")
     set_number(page, "#completion-max-new-tokens", engine.info.max_seq_len - 16)
@@ -464,9 +464,9 @@ def test_export_then_import_round_trips_and_a_bad_file_is_named(page, tmp_path):
 
 
 def replies_held_open(updates: int, tail: str = ""):
-    """ui.replies, then the reply held open for `updates` more updates 0.1 s apart, `tail` after it: the tiny
+    """streaming.replies, then the reply held open for `updates` more updates 0.1 s apart, `tail` after it: the tiny
     model may end a reply before the page has acted on it."""
-    real_replies = ui.replies
+    real_replies = streaming.replies
 
     async def held(stream, *args, **kwargs):
         reply = ""
@@ -492,7 +492,7 @@ def wait_saved(page, before: str) -> None:
 
 def test_escape_stops_a_reply_and_the_box_has_the_focus_after(page, monkeypatch):
     # Stop by keyboard hid the focused button and dropped the focus to the page; Escape did nothing (UI pass).
-    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
+    monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until Stop
     new_chat(page)
     send(page, "Tell me the whole tale of the king.")
     expect(page.locator("#chat-stop")).to_be_visible()
@@ -517,7 +517,7 @@ def test_escape_stops_a_reply_and_the_box_has_the_focus_after(page, monkeypatch)
 def test_a_message_whose_reply_a_reload_cut_off_goes_back_to_the_box(page, monkeypatch):
     # Reloading (or going back) while a reply streams asks first; going on lost the reply, as it says, and also
     # the message just sent (UI pass). The message now comes back in the box.
-    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until the reload
+    monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until the reload
     new_chat(page)
     send(page, "A message worth keeping.")
     expect(page.locator("#chat-stop")).to_be_visible()
@@ -540,7 +540,7 @@ def test_a_message_whose_reply_a_reload_cut_off_goes_back_to_the_box(page, monke
 
 def test_an_example_whose_reply_a_reload_cut_off_goes_back_to_the_box_whole(page, monkeypatch):
     # Only a message typed came back; an example clicked was lost (the page shows a long one cut short).
-    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until the reload
+    monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until the reload
     new_chat(page)
     whole = next(text for text in load_prompts().chat_examples if len(text) > 60)
     example = page.locator("#chat-examples .gallery-item").filter(has_text=whole[:30])
@@ -554,7 +554,7 @@ def test_an_example_whose_reply_a_reload_cut_off_goes_back_to_the_box_whole(page
 
 def test_stop_swaps_with_send_and_keeps_the_reply_so_far(page, served, monkeypatch):
     bot = page.locator('#chatbot [data-testid="bot"]')
-    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
+    monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until Stop
     new_chat(page)
     send(page, "Tell me the whole tale of the king.")
     expect(page.locator("#chat-stop")).to_be_visible()
@@ -621,9 +621,9 @@ def test_enter_while_a_reply_streams_runs_no_second_reply(page, monkeypatch):
     """Enter in the box re-triggers the chain whose first step (begin) waits while a reply streams: its
     respond and finish must not run the same turn again (a hidden version 2 / 2, the exchange lost)."""
     bot = page.locator('#chatbot [data-testid="bot"]')
-    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
-    opened, open_chat = [], ui.open_chat
-    monkeypatch.setattr(ui, "open_chat", lambda *args, **kwargs: opened.append(1) or open_chat(*args, **kwargs))
+    monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until Stop
+    opened, open_chat = [], streaming.open_chat
+    monkeypatch.setattr(streaming, "open_chat", lambda *args, **kwargs: opened.append(1) or open_chat(*args, **kwargs))
     new_chat(page)
     send(page, "Tell me of the masque.")
     expect(page.locator("#chat-stop")).to_be_visible()
@@ -647,7 +647,7 @@ def test_the_reply_kept_after_stop_is_the_reply_shown(page, served, monkeypatch)
     """Stop asks the reply to end and the reply ends itself: the page's last update and the saved answer
     are one text (Stop saved what its click saw, and updates already on their way then grew the page's)."""
     bot = page.locator('#chatbot [data-testid="bot"]')
-    real_replies = ui.replies
+    real_replies = streaming.replies
 
     async def growing(stream, *args, **kwargs):  # a reply that grows every 0.05 s until Stop
         reply = ""
@@ -658,7 +658,7 @@ def test_the_reply_kept_after_stop_is_the_reply_shown(page, served, monkeypatch)
             reply += f" {i}"
             yield reply
 
-    monkeypatch.setattr(ui, "replies", growing)
+    monkeypatch.setattr(streaming, "replies", growing)
     new_chat(page)
     send(page, "Count for me.")
     expect(bot.first).to_contain_text(" 8")
@@ -899,7 +899,7 @@ def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, b
     # A reply ending, a setting changed or another chat chosen in a tab whose conversations another tab changed
     # wrote its whole copy back, silently replacing the other tab's exchanges (UI pass: 3 of 3). Now they are held
     # until the user keeps them.
-    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
+    monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until Stop
     context, page, other = two_tabs(served, browser)
     new_chat(page)
     send(page, "A long tale, please.")
@@ -1152,7 +1152,7 @@ def test_a_turns_notice_is_undone_alone_and_retry_sends_that_turn_again(page):
 
 
 def test_what_is_changed_while_a_reply_streams_is_kept_with_it(page, monkeypatch):
-    monkeypatch.setattr(ui, "replies", replies_held_open(30))  # 3 s for the page to be changed
+    monkeypatch.setattr(streaming, "replies", replies_held_open(30))  # 3 s for the page to be changed
     new_chat(page)
     send(page, "Speak of Verona.")
     expect(page.locator("#chat-stop")).to_be_visible()
@@ -1193,7 +1193,7 @@ LEAVING_IS_HELD = """() => {
 
 
 def test_leaving_while_a_reply_streams_asks_first(page, monkeypatch):
-    monkeypatch.setattr(ui, "replies", replies_held_open(600, " …"))  # until Stop
+    monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until Stop
     new_chat(page)
     assert page.evaluate(LEAVING_IS_HELD) is False  # nothing streams: leave freely
     send(page, "Tell me of the masque.")

@@ -206,9 +206,13 @@ def test_the_client_reaches_the_child_and_its_bound_is_checked_at_submit(prompts
 
 
 def test_a_request_the_child_refuses_ends_its_stream_with_the_reason(served, prompts):  # noqa: F811
-    stream = served.submit(prompts[0], 3, temperature=0)
-    rid = max(served._channels)  # the child's refusal, as it answers a submit it cannot take
-    served._route(("rejected", rid, "LlamaError", "the engine is closed"))
+    os.kill(served.pid, signal.SIGSTOP)  # the request is not answered (its 3 tokens were, before the refusal below)
+    try:
+        stream = served.submit(prompts[0], 3, temperature=0)
+        rid = max(served._channels)  # the child's refusal, as it answers a submit it cannot take
+        served._route(("rejected", rid, "LlamaError", "the engine is closed"))
+    finally:
+        os.kill(served.pid, signal.SIGCONT)
     with pytest.raises(RequestFailedError, match="the engine is closed"):
         _collect(stream)
     assert len(_collect(served.submit(prompts[1], 3, temperature=0))) == 3

@@ -47,8 +47,8 @@ class ModelInfo:
     kv_cache_bytes: int = 0
     kv_cache_dtype: Optional[str] = None  # where it differs from dtype
     cpu_products: Optional[str] = None  # on the CPU: "llama_core's kernels (AVX2, built for native)" or "torch's own"
-    # The checkpoint's generation_config.json: its sampling defaults (temperature, top_p; None where unstated)
-    # and end-of-sequence ids, for a front end's defaults where its user gave none
+    # The checkpoint's generation_config.json: its sampling defaults (temperature, top_p; None where unstated),
+    # a front end's defaults where its user gave none, and its end-of-sequence ids, where the engine ends a reply
     generation_config: GenerationConfig = GenerationConfig()
 
     @property

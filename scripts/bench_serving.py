@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-STREAM_UPDATE_SECONDS = 0.1  # as the app streams (llama_core.app.ui)
+STREAM_UPDATE_SECONDS = 0.1  # as the app streams (llama_core.app.streaming)
 PROMPTS = [
     "ROMEO:\nBut soft, what light through yonder",
     "First Citizen:\nBefore we proceed any further,",

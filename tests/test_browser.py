@@ -207,6 +207,25 @@ def test_stop_cancels_the_request_in_the_engine(browser, monkeypatch):
         page.close()
 
 
+def test_a_reply_waiting_for_a_slot_says_so_until_it_begins(browser):
+    # With every slot busy the chat showed only Gradio's timer: nothing said the reply waits for other people's.
+    with serve_app(max_batch_size=1, engine_process=False) as (engine, url):
+        engine._after_turn = lambda: time.sleep(0.05)  # a slower model: the blocker below takes 12 s
+        blocker = stream_completion(engine, "ROMEO:", 0.0, 0.9, 240, logit_bias={engine.tokenizer.eos_id: -100})
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(url)
+        new_chat(page)
+        send(page, "What news from the court?")
+        stats = page.locator("#chat-stats")
+        expect(stats).to_contain_text("Waiting for a free slot")
+        blocker.cancel()
+        expect(page.locator('#chatbot [data-testid="bot"]').last).to_have_text(re.compile(r"\S"))
+        expect(stats).to_contain_text("tokens/s")
+        expect(stats).not_to_contain_text("Waiting")
+        page.close()
+
+
 def stopping_a_completion_cancels_its_request(page, engine, monkeypatch) -> None:
     cancels = []  # per cancel() call: was the request still running?
 

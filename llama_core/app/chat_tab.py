@@ -167,6 +167,12 @@ class ChatTab:
         finally:
             self.turns.end(turn)
 
+    def waiting_line(self) -> str:
+        """Under a message whose reply waits for one of the engine's slots, all busy with other replies."""
+        slots = self.engine.info.max_batch_size
+        return (f"Waiting for a free slot: the model answers {slots} request{'s' if slots != 1 else ''} at once, and "
+                "all are busy. This reply starts when one ends (Stop gives up).")
+
     async def _turn_updates(self, pending: dict, store: Any, system_prompt: str, controls: tuple,
                             client: Optional[str]):
         store = await anyio.to_thread.run_sync(self.loaded, store)  # checking a long store: off the loop
@@ -190,12 +196,20 @@ class ChatTab:
         elif stream is not None:
             self.turns.running(turn, stream)
             try:
-                async with contextlib.aclosing(streaming.replies(stream)) as updates:
+                waited = False
+                async with contextlib.aclosing(streaming.replies(
+                        stream, waiting_after=streaming.WAITING_NOTE_SECONDS)) as updates:
                     async for update in updates:
                         if self.turns.stopped(turn):
                             break
+                        if update is None:  # every slot busy: said under the message until the reply begins
+                            waited = True
+                            yield [gr.skip(), self.waiting_line(), gr.skip(), gr.skip()]
+                            continue
                         reply = update
-                        yield [shown + [{"role": "assistant", "content": reply}]] + [gr.skip()] * 3
+                        yield [shown + [{"role": "assistant", "content": reply}], "" if waited else gr.skip(),
+                               gr.skip(), gr.skip()]
+                        waited = False
             except gr.Error as exc:
                 notice = f"The reply failed: {streaming.on_page(exc.message)} Send the message again."
             finally:

@@ -25,6 +25,7 @@ from ..tokenizer import StreamDecoder
 # server about as much as a decode step, and the thread streaming a reply sleeps in between instead of waking
 # for each token.
 STREAM_UPDATE_SECONDS = 0.1
+WAITING_NOTE_SECONDS = 1.0  # a chat turn says it waits for a slot once it has waited this long, and again as often
 TOP_ALTERNATIVES = 5  # alternatives listed for each token of a completion shown with probabilities
 ADVANCED = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed",
             "output_format", "output_grammar")
@@ -97,17 +98,22 @@ def open_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any
                        **_with_grammar(advanced_controls(advanced)))
 
 
-async def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS) -> AsyncIterator[str]:
+async def replies(stream: TextStream, seconds: float = STREAM_UPDATE_SECONDS, waiting_after: Optional[float] = None
+                  ) -> AsyncIterator[Optional[str]]:
     """The reply so far when it has grown, at most every `seconds`; at least once (the refusal for a refused
-    chat, or an empty reply). Read on the event loop, which it never blocks (llama_core.serving.aio)."""
+    chat, or an empty reply). With `waiting_after`, None after each `waiting_after` seconds the request still
+    waits for a slot in the engine (every one busy), before its reply begins. Read on the event loop, which it
+    never blocks (llama_core.serving.aio)."""
     reply, shown = stream.refusal or "", False
     with _streaming(stream):
-        async for chunks in aio.batches(stream, seconds):
+        async for chunks in aio.batches(stream, seconds, idle=waiting_after):
             added = "".join(chunk.text for chunk in chunks)
             if added:
                 reply += added
                 yield reply
                 shown = True
+            elif not chunks and not shown and not stream.admitted:
+                yield None
     if not shown:
         yield reply
 

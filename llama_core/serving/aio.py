@@ -39,9 +39,12 @@ async def submitted(submit: Callable[[], T], characters: float) -> T:
     return await anyio.to_thread.run_sync(submit)
 
 
-async def batches(stream: TextStream, seconds: float = 0.0) -> AsyncIterator[list[StreamChunk]]:
+async def batches(stream: TextStream, seconds: float = 0.0, idle: Optional[float] = None
+                  ) -> AsyncIterator[list[StreamChunk]]:
     """As TextStream.batches, awaited: the chunks in lists, at most one list per `seconds` (the first at once);
-    raises RequestFailedError if the request failed. Leaving early leaves the stream running: cancel it."""
+    raises RequestFailedError if the request failed. Leaving early leaves the stream running: cancel it.
+    With `idle`, an empty list after each `idle` seconds with nothing new (where the stream wakes the loop:
+    TextStream.listen), for a reader that shows the wait (stream.admitted: for a slot, or for its first token)."""
     loop = asyncio.get_running_loop()
     arrived = asyncio.Event()
 
@@ -66,8 +69,13 @@ async def batches(stream: TextStream, seconds: float = 0.0) -> AsyncIterator[lis
             yield chunks
         if ended:
             return
-        if not chunks:
+        if not chunks and idle is None:
             await arrived.wait()
+        elif not chunks:
+            try:
+                await asyncio.wait_for(arrived.wait(), idle)
+            except asyncio.TimeoutError:
+                yield []
 
 
 async def _batches_in_thread(stream: TextStream, seconds: float) -> AsyncIterator[list[StreamChunk]]:

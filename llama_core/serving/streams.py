@@ -61,6 +61,7 @@ class TokenStream:
         self.finish_reason: Optional[str] = None  # "eos", "stop", "length", "cancelled" or "error"
         self.prompt_logprobs: Optional[list[float]] = None  # with prompt_logprobs=True: tokens 1..n-1
         self.prompt_top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # and with top_logprobs
+        self.admitted = False  # the request has a slot: it is no longer waiting for one
         self.cached_tokens = 0  # prompt tokens found in the engine's KV cache (known before the first chunk)
         self.drafted_tokens = 0  # tokens prompt lookup drafted and the model checked (known at the end)
         self.accepted_tokens = 0  # of those, the ones kept: part of the reply, several a step
@@ -134,6 +135,7 @@ class TokenStream:
         """The chunks among the events items, the others noted; the request's end if it came with them."""
         chunks, done = [], None
         for item in items:
+            self.admitted = True  # anything of the request ends its wait (Admitted first, where it got a slot)
             if isinstance(item, StreamChunk):
                 chunks.append(item)
             elif isinstance(item, PromptLogprobs):
@@ -218,6 +220,12 @@ class TextStream:
     def prompt_top_logprobs(self) -> Optional[list[list[tuple[int, float]]]]:
         """With prompt_logprobs and top_logprobs: the most likely tokens at prompt positions 1..n-1."""
         return None if self._tokens is None else self._tokens.prompt_top_logprobs
+
+    @property
+    def admitted(self) -> bool:
+        """Whether the request has a slot in the engine, as far as its reader has read: False while it waits for
+        one (every slot busy). A refused request has none to wait for: True."""
+        return self._tokens is None or self._tokens.admitted
 
     @property
     def cached_tokens(self) -> int:

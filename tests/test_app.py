@@ -818,3 +818,16 @@ def test_a_body_past_the_servers_bound_is_413_and_the_server_goes_on(served):
                                content=iter([body[:10], body[10:]]))  # read whole, then handed on
     assert small_chunked.status_code == 200 and small_chunked.json()["choices"][0]["text"] == \
         small.json()["choices"][0]["text"]
+
+
+def test_the_pages_own_head_script_comes_first_in_its_html_before_gradios(served):
+    # Gradio adds a Blocks' head to the page only once its client has connected, after its own listeners: the
+    # page's listener for leaving came after the one that closes the connection (staying froze the reply).
+    page = httpx.get(served[1], timeout=60)
+    assert page.status_code == 200 and int(page.headers["content-length"]) == len(page.content)
+    html = page.text
+    assert html.count("window.llamaCoreStore =") == 1  # once, and not also in the config Gradio adds it from
+    assert html.index("window.llamaCoreStore =") < html.index("window.gradio_config") < html.index('type="module"')
+    assert html.index("<meta charset") < html.index("window.llamaCoreStore =")
+    config = httpx.get(served[1] + "config", timeout=60)
+    assert config.status_code == 200 and "window.llamaCoreStore =" not in config.text  # only the page has it

@@ -1227,6 +1227,35 @@ def test_leaving_while_a_reply_streams_asks_first(page, monkeypatch):
     assert page.evaluate(LEAVING_IS_HELD) is False
 
 
+def test_staying_when_the_browser_asks_before_leaving_keeps_the_reply_streaming(page, monkeypatch):
+    # Gradio closes its connection to the server as the page is about to unload, before the user answers the
+    # browser's "leave?": choosing to stay left the reply frozen where it was, never finished nor saved.
+    real_replies = streaming.replies
+
+    async def counting(stream, *args, **kwargs):  # a reply that grows until Stop
+        async for _ in real_replies(stream, *args, **kwargs):
+            pass
+        for count in range(600):
+            await asyncio.sleep(0.1)
+            yield f"Count {count}."
+
+    monkeypatch.setattr(streaming, "replies", counting)
+    new_chat(page)
+    send(page, "Count for me.")
+    bot = page.locator('#chatbot [data-testid="bot"]').last
+    expect(bot).to_contain_text("Count")
+    assert page.evaluate(LEAVING_IS_HELD) is True  # the browser asks; the user stays
+    page.wait_for_timeout(300)
+    shown = bot.inner_text()
+    expect(bot).not_to_have_text(shown)  # still streaming
+    page.locator("#chat-stop").dispatch_event("click")
+    expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    expect(page.locator("#chat-send")).to_be_visible()
+    kept = bot.inner_text()
+    page.reload()
+    expect(page.locator('#chatbot [data-testid="bot"]').last).to_have_text(kept)
+
+
 def test_the_pages_turns_and_completions_name_their_browser_session_as_the_client(page, monkeypatch):
     sent = clients_sent(monkeypatch)
     new_chat(page)

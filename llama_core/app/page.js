@@ -1,7 +1,7 @@
 // The app page's script (llama_core.app.ui.PAGE_JS), run once the page loads (ui.py puts in its storage key).
-// The conversations' store, its marks, the note that another tab changed it and the events that carry it are
-// store.js's, run in the head: here, what the page does about them (a change made here asks first), and its keys.
-// Leaving or reloading the page while a chat reply streams, or with changes held, asks first.
+// The conversations' store, its marks, the note that another tab changed it, the events that carry it and asking
+// before leaving mid-reply are store.js's, run in the head: here, what the page does about them (a change made
+// here asks first), and its keys.
 () => {
   const key = STORAGE_KEY, store = window.llamaCoreStore;
   // While the note shows, a change here (sending, a new chat, retry, undo...) asks first: it would replace the
@@ -25,10 +25,7 @@
         event.target.closest("#chat-input, #chat-title")) guard(event);
   }, true);
   // Escape stops a streaming reply; after Stop (which hides itself), the message box has the focus.
-  const streaming = () => {  // Stop in Send's place: its own display, also while another tab of the page shows
-    const stop = document.getElementById("chat-stop");
-    return !!stop && !stop.closest(".hidden") && getComputedStyle(stop).display !== "none";
-  };
+  const streaming = store.replyStreaming;
   const toBox = () => {  // once Send is back in Stop's place (the page re-renders the buttons as the turn ends)
     const started = performance.now();
     const tick = () => {
@@ -114,10 +111,4 @@
       box.dispatchEvent(new Event("input", {bubbles: true}));
     }, 1500);
   }
-  window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
-    if (streaming() || store.unsaved()) {
-      event.preventDefault();
-      event.returnValue = "";
-    }
-  });
 }

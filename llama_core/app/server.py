@@ -18,6 +18,7 @@ from starlette.routing import Mount
 
 from ..openai_api import create_api
 from .body_limit import BodyLimit
+from .page_head import PageHead
 from .ui import CSS, PAGE_HEAD, PAGE_JS, THEME
 from .web_server import BackgroundServer
 
@@ -58,6 +59,7 @@ def web_app(demo: gr.Blocks, engine: Any, api_keys: Sequence[str] = (), auth: Op
     at / behind `auth` (user, password) pairs when given."""
     api = create_api(engine, model_name, api_keys)
     page = mount_page(api, demo, auth)
+    api.add_middleware(PageHead, html=PAGE_HEAD)  # the page's head script before Gradio's (page_head.py)
     api.add_middleware(BodyLimit)
     return api, page
 
@@ -70,7 +72,7 @@ def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] 
     name_miscounted_values(demo)
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(MONITORING_SUMMARY_EVERY))  # read by queue()
     demo.queue(max_size=QUEUE_SIZE)
-    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS, js=PAGE_JS, head=PAGE_HEAD,
+    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS, js=PAGE_JS,
                         max_file_size=MAX_UPLOAD_BYTES)
     # Gradio checks that a file a request names was uploaded to it only once the app "has launched", which
     # launch() marks and mounting does not: unmarked, the import button read any path on this machine.

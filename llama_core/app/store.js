@@ -1,7 +1,7 @@
 // The conversations' store in the browser (localStorage, written by gr.BrowserState), shared by the app's tabs.
-// Run in the page's head, before the app mounts (llama_core.app.ui.PAGE_HEAD; ui.py puts in its storage key), so
-// that no write and no other tab's change comes before it. The page's script (page.js) uses what it leaves in
-// window.llamaCoreStore.
+// Run first in the page's head, before Gradio's scripts (llama_core.app.ui.PAGE_HEAD, where its storage key is put
+// in; llama_core.app.page_head puts it there), so that no write, no other tab's change and no listener of Gradio's
+// comes before it. The page's script (page.js) uses what it leaves in window.llamaCoreStore.
 // Each tab holds the conversations as they were when it opened, and writes them all back when anything changes.
 // Another tab's change (the browser then fires "storage" here) makes this tab's copy stale: it says so at once,
 // offering a reload, and from then on writes nothing by itself. What it would write (a reply ending, a setting
@@ -12,7 +12,7 @@
 // As the app mounts, gr.BrowserState reads the store and writes it back at once (the same, encrypted anew): written
 // after another tab's change, that copy undid it, and no tab said so. That write is not made.
 // A write the browser refuses (its storage for the app is full) is said in a note until a write succeeds.
-// The events that carry the store to the server run one at a time.
+// The events that carry the store to the server run one at a time. Leaving while a reply streams asks first.
 (() => {
   const key = STORAGE_KEY, mark = key + "-by", tab = Math.random().toString(36).slice(2);
   const write = Storage.prototype.setItem, read = Storage.prototype.getItem;
@@ -126,9 +126,24 @@
     queue = sent.catch(() => {});
     return sent;
   };
+  // Leaving or reloading the page while a chat reply streams, or with changes held, asks first. Gradio's own
+  // listener closes the page's connection to the server as soon as the browser is about to leave: a user who
+  // then chose to stay had the reply frozen, and the page reloaded. This one comes first, and while it asks,
+  // Gradio's does not run (leaving closes the connection anyway).
+  const replyStreaming = () => {  // Stop in Send's place: its own display, also while another tab of the page shows
+    const stop = document.getElementById("chat-stop");
+    return !!stop && !stop.closest(".hidden") && getComputedStyle(stop).display !== "none";
+  };
+  window.addEventListener("beforeunload", (event) => {  // a reply still streaming is kept when it ends
+    if (replyStreaming() || (held !== null && !leaving)) {
+      event.preventDefault();
+      event.returnValue = "";
+      event.stopImmediatePropagation();
+    }
+  });
   window.llamaCoreStore = {
     stale: () => stale,  // another tab changed the conversations since this one read them
     keep,
-    unsaved: () => held !== null && !leaving,  // changes held here, and the page is not reloading to drop them
+    replyStreaming,
   };
 })();

@@ -57,7 +57,8 @@ CSS = (APP_DIR / "page.css").read_text(encoding="utf-8")
 
 # Run once the page loads: a change in a stale tab, leaving mid-reply, Escape, a message a reload cut off (page.js).
 PAGE_JS = (APP_DIR / "page.js").read_text(encoding="utf-8").replace("STORAGE_KEY", json.dumps(STORAGE_KEY))
-# Run in the page's head, before the app mounts: the conversations' store shared by the app's tabs (store.js).
+# Run first in the page's head, before Gradio's scripts (page_head.py): the conversations' store shared by the
+# app's tabs, and asking before leaving mid-reply (store.js).
 PAGE_HEAD = "<script>%s</script>" % (APP_DIR / "store.js").read_text(encoding="utf-8").replace(
     "STORAGE_KEY", json.dumps(STORAGE_KEY))
 

@@ -831,3 +831,19 @@ def test_the_pages_own_head_script_comes_first_in_its_html_before_gradios(served
     assert html.index("<meta charset") < html.index("window.llamaCoreStore =")
     config = httpx.get(served[1] + "config", timeout=60)
     assert config.status_code == 200 and "window.llamaCoreStore =" not in config.text  # only the page has it
+
+
+def test_replies_past_the_engines_slots_wait_in_its_queue_where_admission_is_fair():
+    # Gradio let twice the engine's slots through: a third chat on a one-slot server waited in Gradio's queue,
+    # under its timer and outside the engine's fair admission, and was never said to wait for a slot.
+    with serve_app(max_batch_size=1, engine_process=False) as (engine, url):
+        engine._after_turn = lambda: time.sleep(0.02)  # a slower model: the blocker takes seconds
+        blocker = stream_completion(engine, "ROMEO:", 0.0, 0.9, 200, logit_bias={engine.tokenizer.eos_id: -100})
+        client = Client(url, verbose=False)
+        jobs = [client.submit(**chat_args(max_new_tokens=4), api_name="/chat") for _ in range(3)]
+        deadline = time.monotonic() + 30
+        while engine.waiting_count < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.waiting_count == 3  # all three in the engine's queue
+        blocker.cancel()
+        assert all(job.result(timeout=60) for job in jobs)

@@ -1076,6 +1076,8 @@ def test_a_change_made_as_the_app_mounts_is_saved_and_makes_the_other_tabs_stale
     other.reload()
     other.wait_for_function("() => window.doneAsMounted")
     expect(page.locator("#other-tab-note")).to_contain_text("changed in another tab")
+    other.wait_for_timeout(1000)  # the page's opening view came back: it left the box as the user set it
+    expect(other.locator("#chat-temperature input[type=number]")).to_have_value("1.3")
     fresh = context.new_page()  # reads what the other tab saved
     fresh.set_default_timeout(TIMEOUT_MS)
     fresh.goto(served[1])

@@ -91,7 +91,14 @@ class ChatTab:
         """The page as the browser's store has it. The store is written back only where reading it changed it
         (a new one, or one left from an older version): any write tells the app's other tabs they are stale."""
         kept = self.loaded(store)
-        return [gr.skip() if kept == store else kept, *self.view(kept)[1:]]
+        shown = self.view(kept)
+        # A box whose saved value is the one the page opened with is left alone: a change made in it before this
+        # came back stays in it (that change is saved after this: the page's events run one at a time)
+        first = [self.system_prompt.value, *(self.defaults[name] for name in conversations.SETTINGS)]
+        boxes = range(3, 4 + len(conversations.SETTINGS))  # view's system prompt, then the settings
+        shown[3:4 + len(conversations.SETTINGS)] = [gr.skip() if shown[i] == value else shown[i]
+                                                    for i, value in zip(boxes, first)]
+        return [gr.skip() if kept == store else kept, *shown[1:]]
 
     def begin(self, message: str, store: Any, pending: Optional[dict]):
         """Shows the user's message at once and marks a reply as under way; a message sent while one streams

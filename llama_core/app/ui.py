@@ -105,7 +105,9 @@ def _sampling_controls(info: ModelInfo, prefix: str) -> list[gr.components.Compo
 def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
     """The app on a running engine: Chat, Completion and Model tabs, and the /chat and /complete API."""
     info = engine.info
-    generating = dict(concurrency_id="generate", concurrency_limit=2 * info.max_batch_size)  # the engine batches
+    # Replies wait for a slot in the engine's queue, where admission is fair across clients and the chat says it
+    # waits; past what the engine holds, in Gradio's queue
+    generating = dict(concurrency_id="generate", concurrency_limit=engine.capacity)
     ui = dict(api_visibility="private")
     routes, completion_tab = ApiRoutes(engine), CompletionTab(engine)
 

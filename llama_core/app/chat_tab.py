@@ -95,9 +95,8 @@ class ChatTab:
         # A box whose saved value is the one the page opened with is left alone: a change made in it before this
         # came back stays in it (that change is saved after this: the page's events run one at a time)
         first = [self.system_prompt.value, *(self.defaults[name] for name in conversations.SETTINGS)]
-        boxes = range(3, 4 + len(conversations.SETTINGS))  # view's system prompt, then the settings
-        shown[3:4 + len(conversations.SETTINGS)] = [gr.skip() if shown[i] == value else shown[i]
-                                                    for i, value in zip(boxes, first)]
+        boxes = slice(3, 4 + len(conversations.SETTINGS))  # view's system prompt, then the settings
+        shown[boxes] = [gr.skip() if value == opened else value for value, opened in zip(shown[boxes], first)]
         return [gr.skip() if kept == store else kept, *shown[1:]]
 
     def begin(self, message: str, store: Any, pending: Optional[dict]):

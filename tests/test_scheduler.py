@@ -1,7 +1,9 @@
-"""Admission across clients: a free slot goes to the client with the fewest requests running (first queued
-among equals), each client's requests in their order, one client's alone first come, first served; and a named
-client's bound on the requests it holds. Turns are run by hand (Engine.pump) and the order of admission read
-from the Admitted events, so nothing here depends on timing."""
+"""Admission across clients: a free slot goes to the client served the fewest tokens (its counter: prompt tokens
+computed, weighted 1, and tokens generated, weighted 2), then with the fewest requests running (first queued
+among equals), each client's requests in their order, one client's alone first come, first served; a client
+arriving starts from the least counter of those holding requests; and a named client's bound on the requests it
+holds. Turns are run by hand (Engine.pump) and the order of admission read from the Admitted events, so nothing
+here depends on timing. A request named "a1" has the prompt [1, ord("a"), ord("1")]: 3 tokens."""
 
 from __future__ import annotations
 
@@ -79,7 +81,8 @@ def test_the_client_with_fewer_requests_running_goes_first_and_equals_go_in_queu
     engine.pump()
     channels += [_add(engine, log, "a3", "A", 2), _add(engine, log, "c1", "C", 2), _add(engine, log, "b2", "B", 2)]
     _run(engine, channels)
-    # b1 ends: A runs 2, B and C none, and c1 was queued before b2; c1 ends: A runs 2, B none.
+    # A runs two long ones and has had the most throughout. b1 ends: C came in at B's counter while b1 ran (and
+    # was queued before b2); c1 ends: B has had less than C.
     assert log == ["a1", "a2", "b1", "c1", "b2", "a3"]
 
 
@@ -131,3 +134,67 @@ def test_a_request_sharing_a_prefix_being_computed_waits_for_it_and_the_next_in_
     assert log == ["a1", "c1"]
     _run(engine, channels)
     assert log == ["a1", "c1", "b1"] and channels[1].events.cached_tokens == len(shared)
+
+
+def test_a_client_served_more_tokens_waits_behind_one_served_fewer_though_both_run_as_many(engine):
+    log: list[str] = []
+    channels = [_add(engine, log, "a1", "A", 40), _add(engine, log, "a2", "A", 20),
+                _add(engine, log, "b1", "B", 40, [1] + [200 + i for i in range(9)])]
+    engine.pump()
+    channels += [_add(engine, log, "a3", "A", 2), _add(engine, log, "b2", "B", 2)]
+    _run(engine, channels)
+    # a2 ends: A and B run one each, but A has had twice B's tokens generated (2 * 20 in each of a1 and a2), while
+    # B's longer prompt counted more (10 against 3 + 3)
+    assert log == ["a1", "b1", "a2", "b2", "a3"]
+
+
+def test_prompt_tokens_computed_count_and_those_found_in_the_prefix_cache_do_not(engine):
+    log: list[str] = []
+    shared = [1] + [10 + i for i in range(60)]
+    _run(engine, [_add(engine, log, "z", None, 1, shared + [99])])  # its slot keeps the shared prefix
+    log.clear()
+    channels = [_add(engine, log, "a1", "A", 40, shared + [98]),  # 62 tokens, 61 of them cached: counts 1
+                _add(engine, log, "b1", "B", 40, [1] + [200 + i for i in range(30)]),  # 31 tokens computed
+                _add(engine, log, "c1", "C", 2)]
+    engine.pump()
+    channels += [_add(engine, log, "b2", "B", 2), _add(engine, log, "a2", "A", 2)]
+    _run(engine, channels)
+    assert channels[0].events.cached_tokens == len(shared)
+    # c1 ends: A and B run one each, as many tokens generated; A's prompt cost 1, B's 31: a2 goes first
+    assert log == ["a1", "b1", "c1", "a2", "b2"]
+
+
+def test_an_arriving_client_starts_from_the_least_counter_and_fewer_running_breaks_the_tie(engine):
+    """C arrives at B's counter: not behind B for all B was served before, nor ahead of B for all of it (from
+    nothing, C would take every slot until it had had as much)."""
+    log: list[str] = []
+    channels = [_add(engine, log, "b1", "B", 30), _add(engine, log, "b2", "B", 30), _add(engine, log, "b3", "B", 40)]
+    _run(engine, channels[:2])  # b3 runs on: two slots are free
+    channels += [_add(engine, log, "b4", "B", 2)] + [_add(engine, log, f"c{i}", "C", 2) for i in (1, 2, 3)]
+    _run(engine, channels)
+    # Equal counters: C runs none, B one, so c1; then C's counter has its prompt, and b4 goes before c2.
+    assert log == ["b1", "b2", "b3", "c1", "b4", "c2", "c3"]
+
+
+def test_a_client_back_after_a_pause_keeps_what_it_was_served_above_the_others(engine):
+    log: list[str] = []
+    channels = [_add(engine, log, "a1", "A", 20), _add(engine, log, "a2", "A", 20), _add(engine, log, "x1", "X", 60)]
+    _run(engine, channels[:2])  # A has nothing left, and had twice X's tokens
+    channels += [_add(engine, log, "x2", "X", 60), _add(engine, log, "x3", "X", 60)]
+    engine.pump()  # they take the freed slots
+    channels += [_add(engine, log, "a3", "A", 2), _add(engine, log, "b1", "B", 2)]
+    _run(engine, channels)
+    # x1 ends: B arrived at X's counter, A came back with more (lifted to X's, it would go first as queued first)
+    assert log == ["a1", "x1", "a2", "x2", "x3", "b1", "a3"]
+
+
+def test_the_counters_of_clients_gone_are_forgotten_once_the_others_have_had_as_much(engine):
+    log: list[str] = []
+    running = [_add(engine, log, "x1", "X", 100), _add(engine, log, "x2", "X", 100)]
+    engine.pump()
+    for i in range(5):  # each has 3 + 2 * 10 while X has 2 * 2 * 10
+        _run(engine, [_add(engine, log, f"c{i}", f"C{i}", 10)])
+    assert set(engine._scheduler.served) <= {"X", "C4"}
+    for channel in running:
+        channel.cancelled.set()
+    _run(engine, running)

@@ -1,11 +1,19 @@
 """Scheduling: the queue of waiting requests and the KV cache's slots, which request runs in which slot
 (placed by the prefix cache, see prefix_cache), and which admitted prompts are prefilled together.
 
-Admission is fair across clients (a request's `client`; every anonymous request counts as one client): a free
-slot goes to the waiting request of the client with the fewest requests running, the one queued first among
-those, so each client's requests keep their order, and with one client it is first come, first served. Nothing
-running is preempted. A named client holds at most `client_capacity` requests, running and waiting, so that
-part of the queue is always left to the others.
+Admission is fair across clients (a request's `client`; every anonymous request counts as one client) by the
+service each has had, as the Virtual Token Counter does (Sheng et al., "Fairness in Serving Large Language
+Models", OSDI 2024): a client's counter adds PROMPT_TOKEN_WEIGHT for each prompt token computed (charged as the
+request is admitted; those found in the prefix cache are free) and OUTPUT_TOKEN_WEIGHT for each token generated
+(read from its requests as the scheduler chooses, nothing counted per step). A free slot goes to the waiting
+request of the client with the least counter, then the fewest requests running, the one queued first among
+those, so each client's requests keep their order, and with one client it is first come, first served. A client
+that arrives (nothing running or waiting, then a request) has its counter lifted to the least counter of the
+clients holding requests, so that time away is not banked as credit. That least never falls while requests are
+held, so a gone client's counter is forgotten once it is no more than the least (it would be lifted to that on
+return), and every counter once nothing is held: those kept are the present clients' and those served more.
+Nothing running is preempted. A named client holds at most `client_capacity` requests, running and waiting, so
+that part of the queue is always left to the others.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from .events import Admitted
 from .prefix_cache import Placement, PrefixCache
 from .sequence import EngineCounts, Sequence
 
+PROMPT_TOKEN_WEIGHT = 1  # added to a client's counter per prompt token computed for it
+OUTPUT_TOKEN_WEIGHT = 2  # and per token generated (VTC's weights: a token decoded costs more than one prefilled)
+
 
 def client_capacity(slots: int, max_waiting: int) -> int:
     """The most requests one named client may hold at once, running and waiting: every slot and half the
@@ -27,6 +38,13 @@ def client_capacity(slots: int, max_waiting: int) -> int:
     not bounded so: they come from callers in the serving process itself (every route of a server names its
     client), and the engine's own bound holds them."""
     return slots + (max_waiting + 1) // 2
+
+
+def service(sequence: Sequence) -> int:
+    """What an admitted request adds to its client's counter so far: its prompt tokens computed, its tokens
+    generated, weighted."""
+    computed = len(sequence.prompt_tokens) - sequence.cached_tokens
+    return PROMPT_TOKEN_WEIGHT * computed + OUTPUT_TOKEN_WEIGHT * sequence.generated
 
 
 class Scheduler:
@@ -43,6 +61,7 @@ class Scheduler:
         self.prefix_cache = PrefixCache(runner.max_batch_size, enabled=prefix_caching)
         self.slots: list[Optional[Sequence]] = [None] * runner.max_batch_size
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self.served: dict[Optional[str], int] = {}  # per client: its counter less its running requests' service
         self._admitted = admitted
 
     @property
@@ -73,12 +92,32 @@ class Scheduler:
         """
         if len(self.waiting) >= max_waiting + self.free_slots:
             raise ServerBusyError.full(len(self.slots), len(self.waiting))
-        if sequence.client is not None:
-            held = sum(s.client == sequence.client for s in self.active + list(self.waiting))
-            if held >= client_capacity(len(self.slots), max_waiting):
-                raise ServerBusyError.client_full(held)
+        held = sum(s.client == sequence.client for s in self.active + list(self.waiting))
+        if sequence.client is not None and held >= client_capacity(len(self.slots), max_waiting):
+            raise ServerBusyError.client_full(held)
+        if not held:
+            self._arrive(sequence.client)
         self.waiting.append(sequence)
         self.wakeup.notify()
+
+    def _arrive(self, client: Optional[str]) -> None:
+        """Lifts an arriving client's counter to the least of the clients holding requests, and forgets the
+        counters of the clients gone that are no more than that (see the module's docstring)."""
+        counters = self._counters(list(self.waiting))
+        least = min(counters.values(), default=None)
+        if least is None:
+            self.served.clear()
+            return
+        self.served = {c: n for c, n in self.served.items() if c in counters or n > least}
+        self.served[client] = max(self.served.get(client, 0), least)
+
+    def _counters(self, waiting: list[Sequence]) -> collections.Counter:
+        """The counters of the clients with requests running or in waiting (the caller holds `wakeup`)."""
+        active = self.active
+        counters = collections.Counter({s.client: self.served.get(s.client, 0) for s in active + waiting})
+        for sequence in active:
+            counters[sequence.client] += service(sequence)
+        return counters
 
     def take_waiting(self) -> list[Sequence]:
         """Empties the waiting queue; what it held."""
@@ -108,6 +147,7 @@ class Scheduler:
         free_slots = [slot for slot, s in enumerate(self.slots) if s is None]
         with self.wakeup:
             waiting = list(self.waiting) if free_slots else []
+            counters = self._counters(waiting) if waiting else collections.Counter()
         busy, computing = {}, []  # what the busy slots hold and will hold, for the prefix cache to choose
         if waiting and self.prefix_cache.enabled:
             busy = {slot: s.written_tokens for slot, s in enumerate(self.slots) if s is not None}
@@ -115,7 +155,8 @@ class Scheduler:
         running = collections.Counter(s.client for s in self.slots if s is not None)
         admitted = []
         while free_slots and waiting:
-            sequence = min(waiting, key=lambda s: running[s.client])  # min keeps the first of a tie: queue order
+            # min keeps the first of a tie: queue order
+            sequence = min(waiting, key=lambda s: (counters[s.client], running[s.client]))
             waiting.remove(sequence)
             if sequence.channel.cancelled.is_set():
                 self._dequeue(sequence)
@@ -127,11 +168,11 @@ class Scheduler:
                                                 targets=self.runner.slots_to_fill(free_slots, taken))
             if placement is None:
                 continue
-            self._dequeue(sequence)
             free_slots.remove(placement.slot)
             self._occupy(sequence, placement)
             admitted.append(sequence)
             running[sequence.client] += 1
+            counters[sequence.client] += service(sequence)  # its prompt, charged as it is admitted
             busy[sequence.slot] = sequence.written_tokens
             computing.append(sequence.prompt_tokens)
         short = [s for s in admitted if len(s.uncomputed) <= self.prefill_chunk]  # longer: chunk by chunk
@@ -165,7 +206,9 @@ class Scheduler:
         sequence.slot = placement.slot
         sequence.prefilled = sequence.written = sequence.cached_tokens = cached
         self.counts.cached_tokens += cached
-        self.slots[sequence.slot] = sequence
+        with self.wakeup:  # from the queue to its slot at once: a request arriving never sees its client gone
+            self.waiting.remove(sequence)
+            self.slots[sequence.slot] = sequence
         sequence.channel.events.put(Admitted(cached))
         self._admitted(sequence)
 
@@ -176,7 +219,10 @@ class Scheduler:
     def free(self, slot: int, reason: str, message: str = "", failure: str = "") -> None:
         """Ends slot's request; the slot keeps what it wrote for later prompts, unless the request failed."""
         sequence = self.slots[slot]
-        self.slots[slot] = None
+        with self.wakeup:  # its service goes to its client's counter as it leaves its slot, both at once
+            self.slots[slot] = None
+            if sequence is not None:
+                self.served[sequence.client] = self.served.get(sequence.client, 0) + service(sequence)
         if sequence is not None:
             if reason == "error":
                 self.prefix_cache.forget(slot)

@@ -1021,6 +1021,48 @@ def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
     context.close()
 
 
+def test_each_tab_shows_a_chat_of_its_own_and_choosing_one_makes_no_other_tab_stale(served, browser):
+    # The chat shown was kept in the store all tabs share: choosing another chat in one tab made every other tab
+    # stale, so two tabs on two chats each held what they wrote for Keep (QA: 4 of 4). The choice is still
+    # written (a tab opening shows the chat last chosen), but marked as no change.
+    context, page, other = two_tabs(served, browser)
+    user = '#chatbot [data-testid="user"]'
+    for message in ("First chat.", "Second chat."):
+        new_chat(page)
+        send(page, message)
+        expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    page.wait_for_timeout(1000)  # the turn's last write landed
+    other.reload()
+    expect(other.locator(user)).to_have_text("Second chat.")
+    before = stored(page)
+    page.locator("#chat-list label", has_text="First chat.").first.click()
+    expect(page.locator(user)).to_have_text("First chat.")
+    wait_saved(page, before)  # the choice is written
+    other.wait_for_timeout(1000)
+    expect(other.locator("#other-tab-note")).to_have_count(0)
+    expect(other.locator(user)).to_have_text("Second chat.")  # each tab its own chat
+    set_number(other, "#chat-temperature", 1.2)  # a change in the other tab's chat: saved, not held
+    page.wait_for_timeout(1000)
+    expect(other.locator("#other-tab-note")).to_have_count(0)
+    expect(page.locator("#other-tab-note")).to_contain_text("changed in another tab")  # a change is still told
+    page.locator("#chat-list label", has_text="Second chat.").first.click()  # choosing in a stale tab:
+    page.wait_for_timeout(1000)                                             # nothing here to keep
+    expect(page.locator("#other-tab-keep")).to_have_count(0)
+    page.get_by_role("button", name="Reload").click()
+    expect(page.locator("#chat-input textarea")).to_be_visible()
+    page.locator("#chat-list label", has_text="Second chat.").first.click()
+    expect(page.locator("#chat-temperature input[type=number]")).to_have_value("1.2")  # the other tab's change
+    fresh = context.new_page()  # a tab opening shows the chat last chosen
+    fresh.set_default_timeout(TIMEOUT_MS)
+    other.locator("#chat-list label", has_text="First chat.").first.click()
+    expect(other.locator(user)).to_have_text("First chat.")
+    other.wait_for_timeout(1000)
+    fresh.goto(served[1])
+    expect(fresh.locator(user)).to_have_text("First chat.")
+    expect(page.locator("#other-tab-note")).to_have_count(0)
+    context.close()
+
+
 def test_a_change_made_as_another_tab_opens_makes_that_tab_stale_and_what_it_writes_next_is_held(served, browser):
     # A tab's opening was told from a change by timing: a change within 3 s of another tab opening did not make
     # that tab stale, and what a tab wrote in the 1.5 s before its note showed replaced the other tab's changes

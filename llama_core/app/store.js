@@ -8,15 +8,27 @@
 // changed, another chat chosen) is held, and the note offers to keep it, replacing the other tab's; a change the
 // user makes here asks first (page.js).
 // A change is told apart by a mark: each write of the store comes after a mark under key + "-by", so the other
-// tabs see the mark, then the store. An unmarked write is no change (from a page older than this script).
+// tabs see the mark, then the store. An unmarked write is no change: only which chat the writing tab shows
+// (each tab shows a chat of its own, and the store keeps the one last chosen, which a tab opening shows), or a
+// page older than this script.
 // As the app mounts, gr.BrowserState reads the store and writes it back at once (the same, encrypted anew): written
 // after another tab's change, that copy undid it, and no tab said so. That write is not made.
 // A write the browser refuses (its storage for the app is full) is said in a note until a write succeeds.
 // The events that carry the store to the server run one at a time. Leaving while a reply streams asks first.
 (() => {
   const key = STORAGE_KEY, mark = key + "-by", tab = Math.random().toString(36).slice(2);
-  const write = Storage.prototype.setItem, read = Storage.prototype.getItem;
+  const write = Storage.prototype.setItem, read = Storage.prototype.getItem, stringify = JSON.stringify;
   let held = null, leaving = false, marked = false, stale = false, echo = false, writes = 0;
+  // What a write of the store holds, bar the chat shown: gr.BrowserState writes it encrypted, so it is taken as
+  // BrowserState turns the store into text, just before it writes. That of the last write, and of what is held.
+  const isStore = (value) => value !== null && typeof value === "object" && !Array.isArray(value) &&
+                             "version" in value && Array.isArray(value.conversations);
+  let writing = null, written = null, heldContent = null;
+  JSON.stringify = function (value, ...rest) {
+    const text = stringify.call(this, value, ...rest);
+    if (isStore(value)) writing = stringify.call(JSON, {...value, active: null});
+    return text;
+  };
   const note = () => document.getElementById("other-tab-note");
   const whenShown = (show) => {  // the head runs before the body is there
     if (document.body) show();
@@ -31,11 +43,12 @@
     document.body.prepend(shown);
     return shown;
   };
-  const save = (value) => {  // the mark, then the store; a write refused for want of room is said
-    try {
-      write.call(localStorage, mark, tab + ":" + ++writes);
+  const save = (value, content, change = true) => {  // the mark, then the store; a write refused for want of
+    try {                                                // room is said
+      if (change) write.call(localStorage, mark, tab + ":" + ++writes);
       write.call(localStorage, key, value);
-      held = null;  // this tab's copy is saved: nothing it held is left unsaved
+      written = content;
+      held = heldContent = null;  // this tab's copy is saved: nothing it held is left unsaved
       document.getElementById("storage-full-note")?.remove();
     } catch (error) {
       localStorage.removeItem(mark);  // the other tabs drop the mark: no write of the store follows it
@@ -50,7 +63,7 @@
     stale = false;
     note()?.remove();
     try {
-      if (held !== null) save(held);
+      if (held !== null) save(held, heldContent);
     } catch {}  // a store too full for it says so, and it stays held until a save succeeds
   };
   let mounted = false;
@@ -65,9 +78,14 @@
   };
   Storage.prototype.setItem = function (name, value) {
     if (this !== localStorage || name !== key) return write.call(this, name, value);
-    if (echo) { echo = false; return; }
-    if (!stale) return save(value);
+    const content = writing;
+    writing = null;
+    if (echo) { echo = false; written = content; return; }
+    const chatChosen = content !== null && content === (held !== null ? heldContent : written);
+    if (!stale) return save(value, content, !chatChosen);  // another chat chosen: written, unmarked
+    if (chatChosen && held === null) return;  // nothing here to keep
     held = value;  // the other tab's changes stay until the user chooses
+    heldContent = content;
     const shown = note();
     if (shown && !shown.querySelector("#other-tab-keep")) {
       shown.firstChild.textContent = "Your conversations were changed in another tab of this app. What changed " +
@@ -104,8 +122,6 @@
   // quick changes (New chat, then a setting) each changed the conversations as they were before both, and the
   // one to land last undid the other. An event fired before another's conversations came back is sent once
   // they have, with them in place of its own.
-  const isStore = (value) => value !== null && typeof value === "object" && !Array.isArray(value) &&
-                             "version" in value && Array.isArray(value.conversations);
   const fetchNow = window.fetch;
   let queue = Promise.resolve(), latest = null, returned = 0;
   window.fetch = function (input, init) {

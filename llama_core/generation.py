@@ -100,10 +100,11 @@ class Llama:
     def from_model(cls, model: Transformer, tokenizer: Tokenizer, max_seq_len: int, max_batch_size: int,
                    seed: Optional[int] = None, compile: bool = False,
                    kv_cache_dtype: str | torch.dtype = "auto", prompt_lookup: Optional[int] = None) -> "Llama":
-        """A Llama over a Transformer already in memory (weights loaded, eval mode)."""
+        """A Llama over a Transformer already in memory (weights loaded, eval mode). With compile, its step is
+        warmed up as build's is: on the thread that runs the steps, or now by warm_up()."""
         runner = ModelRunner(model, max_batch_size, max_seq_len, compile,
-                             kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype))
-        return cls(LoadedModel.from_runner(runner, tokenizer), seed, prompt_lookup)
+                             kv_cache_dtype=resolve_kv_cache_dtype(kv_cache_dtype), warm_up=False)
+        return cls(LoadedModel.from_runner(runner, tokenizer), seed, prompt_lookup, warmed_up=not compile)
 
     @staticmethod
     def build(
@@ -191,6 +192,12 @@ class Llama:
             if self._engine is None:
                 self._engine = Engine(self.loaded, seed=self._seed, **self._engine_options)
             return self._engine
+
+    def warm_up(self) -> None:
+        """Compiles a compiled step now, in this thread, rather than in the first generation (a no-op where it
+        is done, or nothing is compiled). Call it from the thread that will run the generations: serve() warms
+        the step up on the engine's own thread instead (CUDA graphs are per thread)."""
+        self._engine_here()
 
     def _engine_here(self) -> Engine:
         """The engine, for a generation whose turns run in the calling thread unless it is served: a step not yet

@@ -739,6 +739,22 @@ def test_a_compiled_llama_warms_its_step_up_once_on_the_thread_that_runs_its_ste
         assert len(unserved.generate([[1, 5, 9]], 4, temperature=0)[0][0]) == 4
     assert warmed_up_on == [threading.get_ident()]  # once, on the thread that ran the steps
 
+    # A Llama over a model in memory, the same way (it warmed up as it was made, and again on serve()'s thread).
+    warmed_up_on.clear()
+    model = Llama.build(meta_ckpt_dir, max_seq_len=64, max_batch_size=2, device="cpu", dtype="float32").model
+    served = Llama.from_model(model, unserved.tokenizer, 64, 2, seed=0, compile=True)
+    assert warmed_up_on == []
+    with served.serve() as engine:
+        assert len(_collect(engine.submit([1, 5, 9], 4, temperature=0))) == 4
+    assert len(warmed_up_on) == 1 and warmed_up_on[0] != threading.get_ident()
+    warmed_up_on.clear()
+    unserved = Llama.from_model(model, unserved.tokenizer, 64, 2, seed=0, compile=True)
+    unserved.warm_up()  # now, rather than in the first generation
+    assert warmed_up_on == [threading.get_ident()]
+    assert len(unserved.generate([[1, 5, 9]], 4, temperature=0)[0][0]) == 4
+    unserved.warm_up()
+    assert warmed_up_on == [threading.get_ident()]
+
 
 def test_the_apps_engine_in_this_process_is_closed_when_it_fails_to_start(meta_ckpt_dir, monkeypatch):
     """open_engine(single_process=True) whose engine fails as it starts (its compiled step does not warm up):

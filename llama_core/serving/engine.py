@@ -288,8 +288,8 @@ class Engine:
         it first (the reply itself is the same, sooner where the prediction is right). standalone_text: stop
         strings are found in the reply's text read alone (a chat reply's content), not after the prompt.
         client: who sends it (an address, a session, an API key's name): free slots go first to the clients
-        with the fewest requests running, and a named client holds at most client_capacity requests; None,
-        anonymous (every such request counts as one client, not bounded so: see scheduler).
+        served the fewest tokens lately (see scheduler), and a named client holds at most client_capacity
+        requests; None, anonymous (every such request counts as one client, not bounded so: see scheduler).
 
         Raises:
             InvalidRequestError / ContextLengthError: bad prompt or parameters.

@@ -10,7 +10,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from markdown_it import MarkdownIt
 
 from llama_core.app import branches as b
 from llama_core.app import conversations as c
@@ -179,78 +178,6 @@ def test_json_export_round_trips():
 def test_markdown_export_lists_the_system_prompt_and_each_message():
     text = c.to_markdown(chat(("Who goes there?", "A friend.")))
     assert "You are Juliet." in text and "**User:**\n\nWho goes there?" in text and "**Assistant:**" in text
-
-
-def rendered(markdown: str) -> list[str]:
-    """markdown as a viewer shows it, HTML in it let through: CommonMark, and CommonMark with GitHub's tables."""
-    return [MarkdownIt("commonmark").render(markdown), MarkdownIt("commonmark").enable("table").render(markdown)]
-
-
-def test_markdown_export_shows_html_in_messages_as_text():
-    # The export copied each message raw: a Markdown viewer ran the HTML in it (a script, an image's onerror)
-    # instead of showing what was written.
-    conversation = chat(("<script>alert(1)</script> and <b>bold?</b>",
-                         'Try <img src=x onerror="alert(2)">, AT&amp;T, &#60;tag&#62; and \\<i>.'))
-    for html in rendered(c.to_markdown(conversation)):
-        assert "<script" not in html and "<img" not in html and "<b>" not in html and "<i>" not in html
-        assert "<p>&lt;script&gt;alert(1)&lt;/script&gt; and &lt;b&gt;bold?&lt;/b&gt;</p>" in html
-        assert ("<p>Try &lt;img src=x onerror=&quot;alert(2)&quot;&gt;, AT&amp;amp;T, &amp;#60;tag&amp;#62; and "
-                "&lt;i&gt;.</p>") in html  # entities as typed; \\< showed <, and still does
-
-
-def test_markdown_export_keeps_code_and_markdown_as_written():
-    code = '```html\n<div class="a">&amp;</div>\n```'
-    reply = (f"Use **bold**, a list and `<br>`:\n\n- one & *two*\n- three\n\n{code}\n\n~~~\n<script>x</script>\n~~~"
-             "\n\n| tag | use |\n|---|---|\n| `<p>` | a paragraph |")
-    text = c.to_markdown(chat(("Show me", reply)))
-    assert reply in text  # no HTML outside code: nothing to escape
-    commonmark, with_tables = rendered(text)
-    for html in (commonmark, with_tables):
-        assert "<p>Use <strong>bold</strong>, a list and <code>&lt;br&gt;</code>:</p>" in html
-        assert "<li>one &amp; <em>two</em></li>" in html
-        assert '<code class="language-html">&lt;div class=&quot;a&quot;&gt;&amp;amp;&lt;/div&gt;\n</code>' in html
-        assert "<pre><code>&lt;script&gt;x&lt;/script&gt;\n</code></pre>" in html
-    assert "<td><code>&lt;p&gt;</code></td>" in with_tables
-
-
-@pytest.mark.parametrize("reply, shown", [
-    # an HTML block holding a fence: escaped, the fence is a code block
-    ("<div>\n```\n<b>x</b>\n```\n</div>", "<p>&lt;div&gt;</p>\n<pre><code>&lt;b&gt;x&lt;/b&gt;\n</code></pre>\n"
-                                           "<p>&lt;/div&gt;</p>"),
-    # a tag holding a backtick: escaped, its backtick opens a code span (as the export is read), <i> is text
-    ("<a title='`'>`<i>` x", "<p>&lt;a title='<code>'&gt;</code>&lt;i&gt;` x</p>"),
-    # a code span running onto a line that opens with <: that one stays escaped (there it would open HTML)
-    ("a `b\n<div> c`", "<p>a <code>b &amp;lt;div&gt; c</code></p>"),
-])
-def test_markdown_export_finds_code_as_a_viewer_reads_the_export(reply, shown):
-    for html in rendered(c.to_markdown(chat(("?", reply)))):
-        assert html.endswith(f"<p><strong>Assistant:</strong></p>\n{shown}\n")
-
-
-def test_markdown_export_title_is_one_heading_shown_as_written():
-    conversation = dict(chat(("hi", "ho")), title="# <b>Plan</b> *now*\n=====")
-    text = c.to_markdown(conversation)
-    for html in rendered(text):
-        assert html.startswith("<h1># &lt;b&gt;Plan&lt;/b&gt; *now* =====</h1>\n<p><strong>System prompt:</strong>")
-
-
-def test_markdown_export_quotes_the_system_prompt_with_its_html_as_text():
-    conversation = dict(chat(("hi", "ho")), system_prompt="Be <i>brief</i>.\n<img src=x onerror=alert(1)>")
-    for html in rendered(c.to_markdown(conversation)):
-        assert ("<blockquote>\n<p>Be &lt;i&gt;brief&lt;/i&gt;.\n&lt;img src=x onerror=alert(1)&gt;</p>\n"
-                "</blockquote>") in html
-
-
-def test_a_code_block_left_open_by_a_reply_ends_with_it_in_the_export():
-    # A reply cut off inside a code block (at the token limit) left it open: the next messages were in it, and
-    # the next fence, in a later message, closed it, so that the code after that fence was HTML.
-    conversation = chat(("Code?", "```python\nprint('cut off"), ("Go on", "```\n<img src=x onerror=alert(1)>\n```"))
-    for html in rendered(c.to_markdown(conversation)):
-        assert html.count("<strong>") == 5  # the system prompt's label and each message's
-        assert "<pre><code>&lt;img src=x onerror=alert(1)&gt;\n</code></pre>" in html and "<img" not in html
-    table_or_code = chat(("?", "```|\n|---|"), ("<b>", "."))  # markdown-it: a table; CommonMark: a code block
-    for html in rendered(c.to_markdown(table_or_code)):
-        assert html.count("<strong>") == 5 and "<b>" not in html
 
 
 @pytest.mark.parametrize("data, named", [
@@ -432,7 +359,7 @@ def test_a_bad_tree_gets_a_message_naming_what_is_wrong(tree, named):
 
 
 # -- any file, any store --------------------------------------------------------------------------------------
-from hypothesis import HealthCheck, assume, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 _JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
                                st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=10)),
@@ -490,50 +417,6 @@ def test_any_store_the_browser_holds_opens(path, replacement):
     assert store["conversations"] and any(x["id"] == store["active"] for x in store["conversations"])
     for kept in store["conversations"]:
         _usable(kept)
-
-
-_MARKDOWN_PIECES = ["<b>", "</b>", "<img src=x onerror=alert(1)>", "<div>", "<pre>", "<!--", "-->", "<?", "<", "`",
-                    "``", "```", "~~~", "|", "\n|---|\n", "\n", "\n\n", "    ", "\t", "> ", "- ", "1. ", "*", "_", "[",
-                    "]", "\\", "a", " b "]
-
-
-_MORE_PIECES = ["&amp;", "&#60;", "<http://x>", "```|", "](", ")", "[x]: <u>"]  # not shown as CommonMark shows them
-
-
-def _markdown(*more: str) -> st.SearchStrategy[str]:
-    return st.lists(st.sampled_from(_MARKDOWN_PIECES + list(more)), max_size=30).map("".join)
-
-
-def _walk(tokens: list) -> list:
-    return [t for token in tokens for t in [token] + _walk(token.children or [])]
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(system_prompt=_markdown(),
-       exchanges=st.lists(st.tuples(*[_markdown(*_MORE_PIECES)] * 2), min_size=1, max_size=2))
-def test_no_message_in_the_markdown_export_is_html_or_takes_in_the_next(system_prompt, exchanges):
-    conversation = c.new_conversation(system_prompt, {}, messages=[
-        {"role": role, "content": content} for pair in exchanges for role, content in zip(("user", "assistant"), pair)])
-    labels = ["**System prompt:**"] * bool(system_prompt.strip()) + ["**User:**", "**Assistant:**"] * len(exchanges)
-    text = c.to_markdown(conversation)
-    for parser in (MarkdownIt("commonmark"), MarkdownIt("commonmark").enable("table")):
-        tokens = _walk(parser.parse(text))
-        assert not [t for t in tokens if t.type in ("html_block", "html_inline") or t.markup == "autolink"], text
-        assert [t.content for t in tokens if t.level == 1 and t.content in labels] == labels, text
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(message=_markdown().map(str.strip))
-def test_a_message_in_the_markdown_export_shows_as_commonmark_with_html_off_shows_it(message):
-    # CommonMark with HTML off shows each tag as text and all else as Markdown: what the export is to show. Not so
-    # _MORE_PIECES: the export shows entities and autolinks as typed, a link's <destination> as text, and makes text
-    # of a fence markdown-it reads as a table's head; and a code span's < opening a line stays escaped.
-    shown = c.as_written(message)
-    plain = [MarkdownIt("commonmark", {"html": False}), MarkdownIt("commonmark", {"html": False}).enable("table")]
-    for html, parser in zip(rendered(shown), plain):
-        assume("&lt;" not in "".join(t.content for t in _walk(parser.parse(shown)) if t.type == "code_inline"))
-        same = [re.sub(r" +", " ", h.replace("\n</code>", "</code>")) for h in (html, parser.render(message))]
-        assert same[0] == same[1], shown  # the same but for spaces, and a code block left open closed
 
 
 def test_a_setting_is_kept_as_its_control_holds_it():

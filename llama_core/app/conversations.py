@@ -13,7 +13,6 @@ Everything here returns new values and never changes its arguments (Gradio share
 from __future__ import annotations
 
 import atexit
-import bisect
 import html
 import json
 import math
@@ -24,11 +23,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
-
-from markdown_it import MarkdownIt
-from markdown_it.rules_inline import backtick
-from markdown_it.rules_inline.state_inline import StateInline
-from markdown_it.token import Token
 
 from ..dialog import SPECIAL_TAGS, encode_dialog, reply_room
 from ..errors import ContextLengthError, DialogError, LlamaError
@@ -295,137 +289,14 @@ def prompt_preview(engine: TextEngine, message: Any, messages: list[dict], syste
     return "\n\n".join(lines)
 
 
-def _html_lines(text: str) -> str:
-    return "<br>".join(html.escape(line) for line in text.strip().splitlines())
-
-
-# -- Markdown shown as written ------------------------------------------------------------------------------
 def as_markdown_text(text: str) -> str:
     """text shown as it is in Markdown: no HTML tags, links or emphasis made of it (a title from an imported
     file, say)."""
     return re.sub(r"([\\`*_{}\[\]()#+\-.!|~>])", r"\\\1", html.escape(text, quote=False))
 
 
-def as_written(markdown: str) -> str:
-    """markdown whose HTML shows as written: every < and every & that starts an entity outside code is escaped
-    (&lt;, &amp;); code, in blocks and in spans, is left as it is, and Markdown stays Markdown. A code block left
-    open at the end is closed, so that what follows is not in it.
-
-    markdown-it finds the code, in markdown with all of them escaped: unescaped, HTML could hide code (an HTML
-    block holding a fence) or make code of what is not (a tag holding a backtick). Escapes are undone only where
-    CommonMark, with and without GitHub's tables, sees code; both then read the result as they read the text
-    they were given."""
-    text = markdown.replace("\r\n", "\n").replace("\r", "\n")
-    while True:
-        source, escapes = _escaped_everywhere(text)
-        parsed = [parser.parse(source) for parser in _PARSERS]
-        open_fences = {_open_fence(tokens, source) for tokens in parsed}
-        if len(open_fences) == 1:
-            break
-        text = _fences_made_text(text, parsed, open_fences)
-    blocks, spans = set(range(len(escapes))), set(range(len(escapes)))
-    for tokens in parsed:
-        in_blocks, in_spans = _escapes_in_code(tokens, source, escapes)
-        blocks, spans = blocks & in_blocks, spans & in_spans
-    parts, at = [], 0
-    for i in sorted(blocks | spans):
-        start, end, written = escapes[i]
-        if i in spans and written == "<" and not source[source.rfind("\n", 0, start) + 1 : start].strip(" \t>"):
-            continue  # a < opening a line that a code span runs onto would begin an HTML block: kept escaped
-        parts += [source[at:start], written]
-        at = end
-    (open_fence,) = open_fences
-    closing = "" if open_fence is None else ("" if source.endswith("\n") else "\n") + open_fence[1]
-    return "".join(parts) + source[at:] + closing
-
-
-# A < and an & that starts an entity, each with the backslashes before it: an odd one escapes it.
-_HTML_START = re.compile(r"(\\*)(<|&(?=#[0-9]{1,7};|#[xX][0-9a-fA-F]{1,6};|[A-Za-z][A-Za-z0-9]{1,31};))")
-_ESCAPE = re.compile(r"&(?:lt|amp);")  # in _escaped_everywhere's text, only the escapes it wrote
-
-
-def _escaped_everywhere(text: str) -> tuple[str, list[tuple[int, int, str]]]:
-    """text with each < and each & starting an entity escaped (a backslash escaping one goes with it: the entity
-    shows it as text), and the escapes: (start, end) in the text returned, and the text each replaced."""
-    parts, escapes, length, at = [], [], 0, 0
-    for match in _HTML_START.finditer(text):
-        backslashes, char = match.groups()
-        kept = backslashes[: len(backslashes) // 2 * 2]
-        parts += [text[at : match.start()], kept]
-        length += match.start() - at + len(kept)
-        entity = "&lt;" if char == "<" else "&amp;"
-        escapes.append((length, length + len(entity), match.group()[len(kept):]))
-        parts.append(entity)
-        length += len(entity)
-        at = match.end()
-    return "".join(parts) + text[at:], escapes
-
-
-def _escapes_in_code(tokens: list[Token], source: str,
-                     escapes: list[tuple[int, int, str]]) -> tuple[set[int], set[int]]:
-    """The escapes (their indices) in code blocks and in code spans. markdown-it places a block by its lines, and
-    a code span within its block's text: a span's escapes are told by counting those of its block before it."""
-    line_starts = [0] + [m.end() for m in re.finditer("\n", source)] + [len(source) + 1]
-    starts = [start for start, _, _ in escapes]
-
-    def first_on(line: int) -> int:
-        return bisect.bisect_left(starts, line_starts[line])
-
-    in_blocks, in_spans, seen = set(), set(), 0  # seen: the escapes before the block being read
-    for token in tokens:
-        if token.type in ("fence", "code_block"):
-            in_blocks.update(range(first_on(token.map[0]), first_on(token.map[1])))
-        elif token.type == "inline":
-            seen = max(seen, first_on(token.map[0]))  # a table row's cells are blocks on one line
-            found = [m.start() for m in _ESCAPE.finditer(token.content)]
-            for child in token.children:
-                if "span" in child.meta:
-                    start, end = (seen + bisect.bisect_left(found, at) for at in child.meta["span"])
-                    in_spans.update(range(start, end))
-            seen += len(found)
-    return in_blocks, in_spans
-
-
-def _open_fence(tokens: list[Token], source: str) -> Optional[tuple[int, str]]:
-    """(its first line, its fence) for a code block source leaves open at its end, outside any quote or list
-    (those end at the next blank line, and it with them)."""
-    if not tokens or tokens[-1].type != "fence" or tokens[-1].level:
-        return None
-    fence, lines = tokens[-1], source.split("\n")
-    closer = rf" {{0,3}}{re.escape(fence.markup[0])}{{{len(fence.markup)},}}[ \t]*"
-    closed = fence.map[1] - 1 > fence.map[0] and re.fullmatch(closer, lines[fence.map[1] - 1])
-    return None if closed else (fence.map[0], fence.markup)
-
-
-def _fences_made_text(text: str, parsed: list[list[Token]], open_fences: set) -> str:
-    """text with the first line of each code block left open for one reading and not another made text (its
-    fence escaped): no closing line ends it for both. The two differ where markdown-it reads "```|" over "|---|"
-    as a table's head, CommonMark as a code block's first line: those lines are made text too."""
-    heads = {fence[0] for fence in open_fences if fence}
-    heads.update(t.map[0] for tokens in parsed for t in tokens if t.type == "table_open" and not t.level)
-    lines = text.split("\n")
-    for i in heads:
-        lines[i] = re.sub(r"^( {0,3})(?=```|~~~)", r"\1\\", lines[i])
-    return "\n".join(lines)
-
-
-def _code_span(state: StateInline, silent: bool) -> bool:
-    """markdown-it's rule for code spans, noting in each span's token where the span lies in its block's text."""
-    start, count = state.pos, len(state.tokens)
-    if not backtick(state, silent):
-        return False
-    if len(state.tokens) > count and state.tokens[-1].type == "code_inline":
-        state.tokens[-1].meta["span"] = (start, state.pos)
-    return True
-
-
-def _parser(*extensions: str) -> MarkdownIt:
-    parser = MarkdownIt("commonmark").enable(list(extensions))
-    parser.inline.ruler.at("backticks", _code_span)
-    return parser
-
-
-_PARSERS = (_parser(), _parser("table"))  # a table's cells are split at "|" before their code spans are found
+def _html_lines(text: str) -> str:
+    return "<br>".join(html.escape(line) for line in text.strip().splitlines())
 
 
 # -- export and import --------------------------------------------------------------------------------------
@@ -439,13 +310,11 @@ def to_json(conversation: dict) -> str:
 
 
 def to_markdown(conversation: dict) -> str:
-    """The conversation as a Markdown file showing each message as it is written: its Markdown kept, the HTML
-    in it shown as text, and a code block it leaves open closed with it."""
-    lines = [f"# {as_markdown_text(clean_title(conversation['title']))}", ""]
+    lines = [f"# {conversation['title']}", ""]
     if conversation["system_prompt"].strip():
-        lines += ["**System prompt:**", "", as_written(_quoted(conversation["system_prompt"])), ""]
+        lines += ["**System prompt:**", "", _quoted(conversation["system_prompt"]), ""]
     for message in conversation["messages"]:
-        lines += [f"**{message['role'].capitalize()}:**", "", as_written(message["content"].strip()), ""]
+        lines += [f"**{message['role'].capitalize()}:**", "", message["content"].strip(), ""]
     return "\n".join(lines)
 
 

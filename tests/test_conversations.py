@@ -180,6 +180,20 @@ def test_markdown_export_lists_the_system_prompt_and_each_message():
     assert "You are Juliet." in text and "**User:**\n\nWho goes there?" in text and "**Assistant:**" in text
 
 
+def test_markdown_export_closes_a_code_block_a_reply_left_open_and_its_title_is_one_heading():
+    # A reply cut off inside a code block (at its token limit) took in the messages after it in the export.
+    from markdown_it import MarkdownIt
+
+    conversation = chat(("Some code?", "```python\nprint('hi')"), ("More?", "~~~\nx\n~~~\n\n````\na ```\n"))
+    conversation["title"] = "# A <b>bold</b>\nheading"
+    text = c.to_markdown(conversation)
+    tokens = MarkdownIt("commonmark").parse(text)
+    fences = [t.content for t in tokens if t.type == "fence"]
+    assert fences == ["print('hi')\n", "x\n", "a ```\n"]  # each message's own code, the last closed too
+    assert MarkdownIt("commonmark").render(text).startswith("<h1># A &lt;b&gt;bold&lt;/b&gt; heading</h1>\n")
+    assert "**User:**" in [t.content for t in tokens if t.type == "inline"]  # the second exchange is text
+
+
 @pytest.mark.parametrize("data, named", [
     (b"\xff\xfe not json", "not JSON"),
     (b"{bad", "not JSON"),

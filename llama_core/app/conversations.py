@@ -310,12 +310,32 @@ def to_json(conversation: dict) -> str:
 
 
 def to_markdown(conversation: dict) -> str:
-    lines = [f"# {conversation['title']}", ""]
+    """The conversation as Markdown, each message as the chat shows it (its HTML too: viewers clean it as the
+    chat does); the title one heading of plain text."""
+    lines = [f"# {as_markdown_text(clean_title(conversation['title']))}", ""]
     if conversation["system_prompt"].strip():
         lines += ["**System prompt:**", "", _quoted(conversation["system_prompt"]), ""]
     for message in conversation["messages"]:
-        lines += [f"**{message['role'].capitalize()}:**", "", message["content"].strip(), ""]
+        lines += [f"**{message['role'].capitalize()}:**", "", _fences_closed(message["content"].strip()), ""]
     return "\n".join(lines)
+
+
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})([^`]*)$")  # a code fence's line: the fence, its info string
+
+
+def _fences_closed(markdown: str) -> str:
+    """markdown with a code block it leaves open closed at its end (a reply cut off at its token limit): left
+    open, it took in the messages after it, until a fence of theirs."""
+    opened = None
+    for line in markdown.splitlines():
+        fence = _FENCE.match(line)
+        if fence is None:
+            continue
+        if opened is None:
+            opened = fence.group(1)
+        elif fence.group(1)[0] == opened[0] and len(fence.group(1)) >= len(opened) and not fence.group(2).strip():
+            opened = None
+    return markdown if opened is None else f"{markdown}\n{opened}"
 
 
 class ExportFiles:

@@ -905,9 +905,13 @@ def test_html_in_a_message_cannot_cover_the_page(page):
     expect(page.locator("#chatbot #cover")).to_have_count(0)
 
 
-def two_tabs(served, browser):
-    """A browser context (one localStorage) with two tabs of the app open, the store written by the first."""
+def two_tabs(served, browser, merging: bool):
+    """A browser context (one localStorage) with two tabs of the app open, the store written by the first.
+    merging False: pages without BroadcastChannel (an older browser), which send their changes to no other tab:
+    a change in one makes the other stale."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
+    if not merging:
+        context.add_init_script("delete window.BroadcastChannel;")
     page, other = context.new_page(), context.new_page()
     for tab in (page, other):
         tab.set_default_timeout(TIMEOUT_MS)
@@ -923,7 +927,7 @@ def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, b
     # wrote its whole copy back, silently replacing the other tab's exchanges (UI pass: 3 of 3). Now they are held
     # until the user keeps them.
     monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until Stop
-    context, page, other = two_tabs(served, browser)
+    context, page, other = two_tabs(served, browser, merging=False)
     new_chat(page)
     send(page, "A long tale, please.")
     expect(page.locator("#chat-stop")).to_be_visible()
@@ -965,7 +969,7 @@ def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, b
 
 
 def test_a_tab_whose_conversations_another_tab_changed_says_so(served, browser):
-    context, page, other = two_tabs(served, browser)
+    context, page, other = two_tabs(served, browser, merging=False)
     saved = stored(page)
     other.reload()  # a tab opening writes nothing (its older copy, written back, could undo another tab's change)
     expect(other.locator("#chat-input textarea")).to_be_visible()
@@ -1025,7 +1029,7 @@ def test_each_tab_shows_a_chat_of_its_own_and_choosing_one_makes_no_other_tab_st
     # The chat shown was kept in the store all tabs share: choosing another chat in one tab made every other tab
     # stale, so two tabs on two chats each held what they wrote for Keep (QA: 4 of 4). The choice is still
     # written (a tab opening shows the chat last chosen), but marked as no change.
-    context, page, other = two_tabs(served, browser)
+    context, page, other = two_tabs(served, browser, merging=False)
     user = '#chatbot [data-testid="user"]'
     for message in ("First chat.", "Second chat."):
         new_chat(page)
@@ -1041,17 +1045,11 @@ def test_each_tab_shows_a_chat_of_its_own_and_choosing_one_makes_no_other_tab_st
     other.wait_for_timeout(1000)
     expect(other.locator("#other-tab-note")).to_have_count(0)
     expect(other.locator(user)).to_have_text("Second chat.")  # each tab its own chat
-    set_number(other, "#chat-temperature", 1.2)  # a change in the other tab's chat: saved, not held
-    page.wait_for_timeout(1000)
-    expect(other.locator("#other-tab-note")).to_have_count(0)
-    expect(page.locator("#other-tab-note")).to_contain_text("changed in another tab")  # a change is still told
+    set_number(other, "#chat-temperature", 1.2)  # a change: told (no merging here)
+    expect(page.locator("#other-tab-note")).to_contain_text("changed in another tab")
     page.locator("#chat-list label", has_text="Second chat.").first.click()  # choosing in a stale tab:
     page.wait_for_timeout(1000)                                             # nothing here to keep
     expect(page.locator("#other-tab-keep")).to_have_count(0)
-    page.get_by_role("button", name="Reload").click()
-    expect(page.locator("#chat-input textarea")).to_be_visible()
-    page.locator("#chat-list label", has_text="Second chat.").first.click()
-    expect(page.locator("#chat-temperature input[type=number]")).to_have_value("1.2")  # the other tab's change
     fresh = context.new_page()  # a tab opening shows the chat last chosen
     fresh.set_default_timeout(TIMEOUT_MS)
     other.locator("#chat-list label", has_text="First chat.").first.click()
@@ -1059,7 +1057,58 @@ def test_each_tab_shows_a_chat_of_its_own_and_choosing_one_makes_no_other_tab_st
     other.wait_for_timeout(1000)
     fresh.goto(served[1])
     expect(fresh.locator(user)).to_have_text("First chat.")
-    expect(page.locator("#other-tab-note")).to_have_count(0)
+    context.close()
+
+
+def test_a_change_in_one_tab_is_merged_into_the_others_at_once_and_none_is_lost(served, browser, monkeypatch):
+    # Each tab held the conversations as they were when it opened: another tab's change made it stale, and going
+    # on there (or keeping its copy) threw the other tab's changes away. Each tab now sends what it saves to the
+    # others, which merge it into theirs at once.
+    context, page, other = two_tabs(served, browser, merging=True)
+    user, listed = '#chatbot [data-testid="user"]', "#chat-list"
+    new_chat(page)
+    send(page, "From the first tab.")
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    expect(other.locator(listed)).to_contain_text("From the first tab.")  # no reload
+    new_chat(other)
+    send(other, "From the second tab.")
+    expect(other.locator("#chat-stats")).to_contain_text("tokens/s")
+    expect(page.locator(listed)).to_contain_text("From the second tab.")
+    expect(page.locator(user)).to_have_text("From the first tab.")  # each tab still shows its own chat
+    set_number(page, "#chat-temperature", 1.3)  # the chat changed last comes first in the list
+    expect(other.locator("#chat-list label").first).to_have_text("From the first tab.")
+    other.locator("#chat-list label", has_text="From the first tab.").first.click()  # the other's change is there
+    expect(other.locator("#chat-temperature input[type=number]")).to_have_value("1.3")
+    send(page, "Again from the first tab.")  # the same chat open in both: the other shows the new exchange
+    expect(other.locator(user)).to_have_text(["From the first tab.", "Again from the first tab."])
+    # a reply streaming in one tab while the other saves a change: both kept as the reply ends
+    monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until Stop
+    new_chat(page)
+    send(page, "A long tale, please.")
+    expect(page.locator('#chatbot [data-testid="bot"]').last).to_have_text(re.compile(r"\S"))
+    expect(other.locator("#chat-list label").first).to_have_text("New chat")  # the page's new chat merged
+    other.locator("#chat-list label", has_text="From the second tab.").first.click()
+    expect(other.locator("#chat-title input")).to_have_value("From the second tab.")  # switched
+    other.locator("#chat-title input").fill("Renamed in the second tab")
+    other.locator("#chat-title input").press("Enter")
+    expect(page.locator(listed)).to_contain_text("Renamed in the second tab")
+    page.locator("#chat-stop").dispatch_event("click")
+    expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    expect(other.locator(listed)).to_contain_text("A long tale, please.")
+    # a chat deleted in one tab is not brought back by the other's next save
+    other.once("dialog", lambda dialog: dialog.accept())
+    other.click("#chat-delete")
+    expect(page.locator(listed)).not_to_contain_text("Renamed in the second tab")
+    set_number(page, "#chat-top-p", 0.5)
+    page.wait_for_timeout(1000)
+    for tab in (page, other):
+        expect(tab.locator("#other-tab-note")).to_have_count(0)
+    fresh = context.new_page()  # what the browser saved: everything, the deleted chat gone
+    fresh.set_default_timeout(TIMEOUT_MS)
+    fresh.goto(served[1])
+    for title in ("From the first tab.", "A long tale, please."):
+        expect(fresh.locator(listed)).to_contain_text(title)
+    expect(fresh.locator(listed)).not_to_contain_text("Renamed in the second tab")
     context.close()
 
 
@@ -1067,7 +1116,7 @@ def test_a_change_made_as_another_tab_opens_makes_that_tab_stale_and_what_it_wri
     # A tab's opening was told from a change by timing: a change within 3 s of another tab opening did not make
     # that tab stale, and what a tab wrote in the 1.5 s before its note showed replaced the other tab's changes
     # (UI pass: 1 of 1 and 2 of 2). Changes are marked now, and the note shows at once.
-    context, page, other = two_tabs(served, browser)
+    context, page, other = two_tabs(served, browser, merging=False)
     other.reload()
     expect(other.locator("#chat-input textarea")).to_be_visible()
     # Soon after, not at once: changed at once, in two fresh-clone CI runs out of many, the other tab showed no note
@@ -1101,7 +1150,7 @@ def test_a_write_of_the_store_as_the_app_mounts_is_made_and_marked(served, brows
     # so that the write back of the store as a tab opens undid no other tab's change: a change whose reply came
     # back in that moment was lost, and the other tabs were not told (a fresh-clone CI run, under load). The store
     # is looked after from the page's head now, before the app mounts: here a write at that moment stands for it.
-    context, page, other = two_tabs(served, browser)
+    context, page, other = two_tabs(served, browser, merging=False)
     older = stored(page)
     set_number(page, "#chat-temperature", 0.9)
     wait_saved(page, older)
@@ -1115,7 +1164,7 @@ def test_a_write_of_the_store_as_the_app_mounts_is_made_and_marked(served, brows
 
 
 def test_a_change_made_as_the_app_mounts_is_saved_and_makes_the_other_tabs_stale(served, browser):
-    context, page, other = two_tabs(served, browser)
+    context, page, other = two_tabs(served, browser, merging=False)
     change = ('Object.getOwnPropertyDescriptor(HTMLInputElement.prototype, "value").set.call(box, "1.3"); '
               'box.dispatchEvent(new Event("input", {bubbles: true}))')
     other.add_init_script(AS_MOUNTED % ("the temperature changed", change))
@@ -1144,7 +1193,7 @@ FILL_STORAGE = """() => {  // fill the rest of the origin's storage, leaving les
 
 def test_keep_in_a_full_store_holds_the_tabs_copy_until_a_save_succeeds(served, browser):
     # Keep with the store too full for this tab's copy: the leave question stayed for good, after later saves too.
-    context, page, other = two_tabs(served, browser)
+    context, page, other = two_tabs(served, browser, merging=False)
     set_number(other, "#chat-temperature", 1.25)
     expect(page.locator("#other-tab-note")).to_contain_text("changed in another tab")
     page.fill("#system-prompt textarea", "You are Juliet, and you speak at length. " * 12)

@@ -469,3 +469,74 @@ def test_exports_are_written_each_in_a_folder_of_their_own_and_old_ones_removed(
     monkeypatch.setattr(c.time, "time", lambda: later)
     third = Path(files.write(conversation, "json"))
     assert not first.exists() and not second.exists() and third.is_file()  # handed over long since: gone
+
+
+# -- the stores of the page's tabs, merged ------------------------------------------------------------------
+def stores_of_two_tabs():
+    """Two tabs' stores, both from one store of two conversations, one, then the other changed since."""
+    first, second = chat(("First?", "One.")), chat(("Second?", "Two."))
+    shared = c.with_conversation(dict(c.new_store("", SETTINGS), conversations=[first], active=first["id"]), second)
+    return shared, first, second
+
+
+def test_merging_keeps_each_conversation_as_it_was_saved_last_in_either_tab():
+    shared, first, second = stores_of_two_tabs()
+    mine = c.switched(shared, first["id"])
+    time.sleep(0.01)
+    theirs = c.with_conversation(shared, c.with_exchange(second, 2, "Again?", "Twice."))  # changed there
+    time.sleep(0.01)
+    mine = c.with_conversation(mine, c.renamed(mine, "Renamed here")["conversations"][0])  # and here
+    third = chat(("Third?", "Three."))
+    theirs = c.with_conversation(theirs, third)  # a new one there
+    kept = c.merged(mine, theirs, "", SETTINGS)
+    by_id = {conversation["id"]: conversation for conversation in kept["conversations"]}
+    assert by_id[first["id"]]["title"] == "Renamed here"
+    assert [m["content"] for m in by_id[second["id"]]["messages"]] == ["Second?", "Two.", "Again?", "Twice."]
+    assert third["id"] in by_id
+    updated = [conversation["updated"] for conversation in kept["conversations"]]
+    assert updated == sorted(updated, reverse=True)  # most recent first
+    assert kept["active"] == first["id"]  # this tab's chat still shown
+    assert c.merged(kept, kept, "", SETTINGS) == kept  # merged again: nothing changes
+    assert c.merged(theirs, kept, "", SETTINGS)["conversations"] == kept["conversations"]  # either way round
+    # the new store in a browser's first tab is one conversation among the others, never in place of them
+    assert c.loaded_store(kept, "", SETTINGS) == kept
+
+
+def test_a_conversation_deleted_in_either_tab_stays_deleted_as_their_stores_merge():
+    shared, first, second = stores_of_two_tabs()
+    theirs = c.deleted(c.switched(shared, first["id"]), "", SETTINGS)
+    assert set(theirs["deleted"]) == {first["id"]} and c.loaded_store(theirs, "", SETTINGS) == theirs
+    mine = c.switched(shared, first["id"])  # this tab shows it, and saves it once more
+    mine = c.with_conversation(mine, c.with_exchange(c.active(mine), 2, "Still here?", "Yes."))
+    for kept in (c.merged(mine, theirs, "", SETTINGS), c.merged(theirs, mine, "", SETTINGS)):
+        assert [conversation["id"] for conversation in kept["conversations"]] == [second["id"]]
+        assert kept["active"] == second["id"] and first["id"] in kept["deleted"]
+    everything = c.deleted(c.deleted(shared, "", SETTINGS), "", SETTINGS)  # both deleted: a new one
+    kept = c.merged(everything, shared, "Be brief.", SETTINGS)
+    assert len(kept["conversations"]) == 1 and c.is_new(kept["conversations"][0])
+    assert kept["conversations"][0]["id"] not in (first["id"], second["id"])
+    # a reply that ends in a conversation deleted in another tab as it streamed is kept, and no longer deleted
+    finished = {"id": first["id"], "conversation": first, "keep": 2, "message": "Late?", "reply": "Kept.",
+                "stats": ""}
+    kept = c.with_reply_kept(c.merged(shared, theirs, "", SETTINGS), finished)
+    assert first["id"] in [conversation["id"] for conversation in kept["conversations"]]
+    assert first["id"] not in kept.get("deleted", {})
+
+
+def test_a_store_remembers_its_latest_deleted_conversations_only():
+    store = c.new_store("", SETTINGS)
+    store["deleted"] = {f"id{i}": float(i) for i in range(c.MAX_DELETED + 5)}
+    store["deleted"]["bad"] = "yesterday"
+    kept = c.loaded_store(store, "", SETTINGS)["deleted"]
+    assert len(kept) == c.MAX_DELETED and "id4" not in kept and f"id{c.MAX_DELETED + 4}" in kept
+
+
+@pytest.mark.parametrize("sent", [None, 3, "", "{not json", "[]", json.dumps({"version": 1}),
+                                  json.dumps({"version": 1, "conversations": [{"id": 1}]})])
+def test_what_another_tab_sent_is_read_only_where_it_is_a_store(sent):
+    assert c.sent_store(sent) is None
+
+
+def test_what_another_tab_sent_reads_as_its_store():
+    shared, _, _ = stores_of_two_tabs()
+    assert c.sent_store(json.dumps(shared)) == shared

@@ -313,6 +313,24 @@ class ChatTab:
             return self.unchanged()
         return self.view(conversations.switched(self.loaded(store), chosen))
 
+    def merge_sent(self, sent: Any, store: Any, pending: Optional[dict]):
+        """The conversations another tab sent as it saved them (store.js), merged into this tab's (see
+        conversations.merged). The chat shown is drawn anew only where the merge changed it, and not while a
+        reply streams into it (the reply is kept in the merged conversation as it ends)."""
+        theirs = conversations.sent_store(sent)
+        if theirs is None:
+            return self.unchanged()
+        mine = self.loaded(store)
+        kept = conversations.merged(mine, theirs, self.prompts.system_prompt, self.defaults)
+        if pending is None and conversations.active(kept) != conversations.active(mine):
+            return self.view(kept)
+        shown = self.unchanged()
+        shown[0] = kept
+        if conversations.choices(kept) != conversations.choices(mine):  # drawn anew, a click on it is lost
+            listed = 4 + len(conversations.SETTINGS)  # view's store, chat, stats, system prompt, settings, list
+            shown[listed] = gr.update(choices=conversations.choices(kept), value=kept["active"])
+        return shown
+
     def rename(self, title: Any, store: Any):
         """The title typed (Enter, or leaving the box); the same title writes nothing (nor moves its chat up)."""
         store = self.loaded(store)

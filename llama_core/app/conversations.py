@@ -6,7 +6,9 @@ A conversation is a dict:
    "stats", "updated"}
 its messages the branch shown, complete (user, assistant) exchanges; its tree (llama_core.app.branches) every
 message kept, an edited message or a retried reply beside the old one. The store holds them all:
-  {"version": STORE_VERSION, "active": id, "conversations": [conversation, ...]}  (most recent first)
+  {"version": STORE_VERSION, "active": id, "conversations": [conversation, ...], "deleted": {id: time}}
+the conversations most recent first, "deleted" (where any was) the latest deleted ones' ids, so that a tab that
+still holds one does not bring it back as its store is merged (merged).
 Everything here returns new values and never changes its arguments (Gradio shares the values it passes).
 """
 
@@ -38,6 +40,7 @@ READ_VERSIONS = (1, 2)  # the versions import reads
 STORE_VERSION = 1
 MAX_IMPORT_BYTES = 2_000_000  # the largest export file accepted
 MAX_TITLE_CHARS = 80
+MAX_DELETED = 1000  # the deleted conversations a store remembers, the latest
 # The sampling controls a conversation keeps, as the chat tab's controls name them (stop: one string per line).
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "stop", "seed", "output_format", "output_grammar")
@@ -68,8 +71,21 @@ def new_store(system_prompt: str, settings: dict[str, Any]) -> dict:
 def loaded_store(value: Any, system_prompt: str, settings: dict[str, Any]) -> dict:
     """The store read from the browser; a new one when there is none, or it is unreadable (an older version,
     edited by hand): the page must open whatever the browser holds. Unreadable conversations are left out."""
+    return _read_store(value) or new_store(system_prompt, settings)
+
+
+def sent_store(text: Any) -> Optional[dict]:
+    """The store another tab of the page sent as it saved it (its JSON text), read as loaded_store reads one;
+    None where it holds no conversation."""
+    try:
+        return _read_store(json.loads(text)) if type(text) is str else None
+    except ValueError:
+        return None
+
+
+def _read_store(value: Any) -> Optional[dict]:
     if type(value) is not dict or value.get("version") != STORE_VERSION or type(value.get("conversations")) is not list:
-        return new_store(system_prompt, settings)
+        return None
     kept = []
     for item in value["conversations"]:
         try:
@@ -77,9 +93,45 @@ def loaded_store(value: Any, system_prompt: str, settings: dict[str, Any]) -> di
         except ConversationFileError:
             continue
     if not kept:
-        return new_store(system_prompt, settings)
+        return None
     active = value.get("active") if any(c["id"] == value.get("active") for c in kept) else kept[0]["id"]
-    return {"version": STORE_VERSION, "active": active, "conversations": kept}
+    store = {"version": STORE_VERSION, "active": active, "conversations": kept}
+    deleted = value.get("deleted")
+    if type(deleted) is dict:
+        deleted = {key: at for key, at in deleted.items()
+                   if type(key) is str and type(at) in (int, float) and math.isfinite(at)}
+        if deleted:
+            store["deleted"] = _latest(deleted)
+    return store
+
+
+def _latest(deleted: dict[str, float]) -> dict[str, float]:
+    if len(deleted) <= MAX_DELETED:
+        return deleted
+    return dict(sorted(deleted.items(), key=lambda item: item[1], reverse=True)[:MAX_DELETED])
+
+
+def merged(mine: dict, theirs: dict, system_prompt: str, settings: dict[str, Any]) -> dict:
+    """Another tab's store merged into this tab's: each conversation as it was saved last in either (the later
+    "updated"; this tab's on a tie), none that either deleted; the chat shown still this tab's, unless deleted
+    (then the other tab's). Both deleted all: a new conversation."""
+    deleted = dict(theirs.get("deleted", {}))
+    for key, at in mine.get("deleted", {}).items():
+        deleted[key] = max(at, deleted.get(key, at))
+    latest: dict[str, dict] = {}
+    for conversation in theirs["conversations"] + mine["conversations"]:
+        known = latest.get(conversation["id"])
+        if conversation["id"] not in deleted and (known is None or conversation["updated"] >= known["updated"]):
+            latest[conversation["id"]] = conversation
+    store = {"version": STORE_VERSION, "active": None,
+             "conversations": sorted(latest.values(), key=lambda c: c["updated"], reverse=True)}
+    if not store["conversations"]:
+        store = new_store(system_prompt, settings)
+    if deleted:
+        store["deleted"] = _latest(deleted)
+    store["active"] = next((s["active"] for s in (mine, theirs) if s["active"] in latest),
+                           store["conversations"][0]["id"])
+    return store
 
 
 def active(store: dict) -> dict:
@@ -114,6 +166,8 @@ def with_reply_kept(store: dict, finished: dict) -> dict:
     kept = _checked_conversation(finished["conversation"], "conversation")
     if is_new(active(store)):
         store = dict(store, conversations=[c for c in store["conversations"] if c["id"] != store["active"]])
+    if kept["id"] in store.get("deleted", {}):  # deleted in another tab as the reply streamed here: kept after all
+        store = dict(store, deleted={key: at for key, at in store["deleted"].items() if key != kept["id"]})
     return with_conversation(store, kept)
 
 
@@ -130,11 +184,13 @@ def renamed(store: dict, title: Any) -> dict:
 
 
 def deleted(store: dict, system_prompt: str, settings: dict[str, Any]) -> dict:
-    """The store without its active conversation; the next one (or a new one) becomes active."""
+    """The store without its active conversation, remembered as deleted; the next one (or a new one) becomes
+    active."""
+    gone = _latest(dict(store.get("deleted", {}), **{store["active"]: time.time()}))
     others = [c for c in store["conversations"] if c["id"] != store["active"]]
     if not others:
-        return new_store(system_prompt, settings)
-    return dict(store, conversations=others, active=others[0]["id"])
+        return dict(new_store(system_prompt, settings), deleted=gone)
+    return dict(store, conversations=others, active=others[0]["id"], deleted=gone)
 
 
 def choices(store: dict) -> list[tuple[str, str]]:

@@ -2,15 +2,18 @@
 // Run first in the page's head, before Gradio's scripts (llama_core.app.ui.PAGE_HEAD, where its storage key is put
 // in; llama_core.app.page_head puts it there), so that no write, no other tab's change and no listener of Gradio's
 // comes before it. The page's script (page.js) uses what it leaves in window.llamaCoreStore.
-// Each tab holds the conversations as they were when it opened, and writes them all back when anything changes.
-// Another tab's change (the browser then fires "storage" here) makes this tab's copy stale: it says so at once,
-// offering a reload, and from then on writes nothing by itself. What it would write (a reply ending, a setting
-// changed, another chat chosen) is held, and the note offers to keep it, replacing the other tab's; a change the
-// user makes here asks first (page.js).
+// Each tab holds the conversations, and writes them all back when anything changes. It then sends them to the
+// app's other tabs (a BroadcastChannel), and each merges them into its own at once (the hidden #chat-sync event,
+// conversations.merged on the server: each conversation as it was changed last, in either tab), so that every
+// tab shows every tab's changes, and the next write holds them all.
 // A change is told apart by a mark: each write of the store comes after a mark under key + "-by", so the other
 // tabs see the mark, then the store. An unmarked write is no change: only which chat the writing tab shows
 // (each tab shows a chat of its own, and the store keeps the one last chosen, which a tab opening shows), or a
 // page older than this script.
+// A change that comes with no conversations sent (a page without BroadcastChannel) makes this tab's copy stale:
+// it says so, offering a reload, and from then on writes nothing by itself. What it would write (a reply ending,
+// a setting changed) is held, and the note offers to keep it, replacing the other tab's; a change the user makes
+// here asks first (page.js).
 // As the app mounts, gr.BrowserState reads the store and writes it back at once (the same, encrypted anew): written
 // after another tab's change, that copy undid it, and no tab said so. That write is not made.
 // A write the browser refuses (its storage for the app is full) is said in a note until a write succeeds.
@@ -18,17 +21,21 @@
 (() => {
   const key = STORAGE_KEY, mark = key + "-by", tab = Math.random().toString(36).slice(2);
   const write = Storage.prototype.setItem, read = Storage.prototype.getItem, stringify = JSON.stringify;
-  let held = null, leaving = false, marked = false, stale = false, echo = false, writes = 0;
-  // What a write of the store holds, bar the chat shown: gr.BrowserState writes it encrypted, so it is taken as
-  // BrowserState turns the store into text, just before it writes. That of the last write, and of what is held.
+  let leaving = false, marked = null, stale = false, echo = false, writes = 0;
+  // A write of the store as text, and what it holds bar the chat shown (its content): gr.BrowserState writes it
+  // encrypted, so both are taken as BrowserState turns the store into text, just before it writes. The content
+  // the browser holds (this tab's last write, or the last one another tab sent), and what is held.
   const isStore = (value) => value !== null && typeof value === "object" && !Array.isArray(value) &&
                              "version" in value && Array.isArray(value.conversations);
-  let writing = null, written = null, heldContent = null;
+  let writing = null, written = null, held = null;  // {text, content}; held also {value}: encrypted
   JSON.stringify = function (value, ...rest) {
     const text = stringify.call(this, value, ...rest);
-    if (isStore(value)) writing = stringify.call(JSON, {...value, active: null});
+    if (isStore(value)) writing = {text, content: stringify.call(JSON, {...value, active: null})};
     return text;
   };
+  const channel = typeof BroadcastChannel === "function" ? new BroadcastChannel(key) : null;
+  const sent = new Set();  // the marks of the changes other tabs sent here
+  let incoming = null;  // the last conversations another tab sent, not yet merged here
   const note = () => document.getElementById("other-tab-note");
   const whenShown = (show) => {  // the head runs before the body is there
     if (document.body) show();
@@ -43,12 +50,14 @@
     document.body.prepend(shown);
     return shown;
   };
-  const save = (value, content, change = true) => {  // the mark, then the store; a write refused for want of
-    try {                                                // room is said
-      if (change) write.call(localStorage, mark, tab + ":" + ++writes);
+  const save = (value, store, change = true) => {  // the mark, the store, then the store sent to the other tabs;
+    const by = tab + ":" + ++writes;               // a write refused for want of room is said
+    try {
+      if (change) write.call(localStorage, mark, by);
       write.call(localStorage, key, value);
-      written = content;
-      held = heldContent = null;  // this tab's copy is saved: nothing it held is left unsaved
+      written = store;
+      held = null;  // this tab's copy is saved: nothing it held is left unsaved
+      if (change) channel?.postMessage({by, ...store});
       document.getElementById("storage-full-note")?.remove();
     } catch (error) {
       localStorage.removeItem(mark);  // the other tabs drop the mark: no write of the store follows it
@@ -63,7 +72,7 @@
     stale = false;
     note()?.remove();
     try {
-      if (held !== null) save(held, heldContent);
+      if (held !== null) save(held.value, {text: held.text, content: held.content});
     } catch {}  // a store too full for it says so, and it stays held until a save succeeds
   };
   let mounted = false;
@@ -78,14 +87,13 @@
   };
   Storage.prototype.setItem = function (name, value) {
     if (this !== localStorage || name !== key) return write.call(this, name, value);
-    const content = writing;
+    const store = writing;
     writing = null;
-    if (echo) { echo = false; written = content; return; }
-    const chatChosen = content !== null && content === (held !== null ? heldContent : written);
-    if (!stale) return save(value, content, !chatChosen);  // another chat chosen: written, unmarked
-    if (chatChosen && held === null) return;  // nothing here to keep
-    held = value;  // the other tab's changes stay until the user chooses
-    heldContent = content;
+    if (echo) { echo = false; written = store; return; }
+    const same = store !== null && store.content === (held ?? written)?.content;  // another chat chosen, or
+    if (!stale) return save(value, store, !same);                                  // the other tabs' merged
+    if (same && held === null) return;  // nothing here to keep
+    held = {value, ...store};  // the other tab's changes stay until the user chooses
     const shown = note();
     if (shown && !shown.querySelector("#other-tab-keep")) {
       shown.firstChild.textContent = "Your conversations were changed in another tab of this app. What changed " +
@@ -101,11 +109,16 @@
   localStorage.removeItem(key + "-opened");  // what earlier versions of the page wrote as a tab opened
   window.addEventListener("storage", (event) => {
     if (event.storageArea !== localStorage) return;
-    if (event.key === mark) marked = event.newValue !== null;
+    if (event.key === mark) marked = event.newValue;
     if (event.key !== key) return;
-    const changed = marked;
-    marked = false;
-    if (!changed || stale) return;
+    const by = marked;
+    marked = null;
+    if (by === null || stale || sent.has(by)) return;
+    if (channel) setTimeout(() => { if (!sent.has(by)) goStale(); }, 3000);  // its conversations come soon
+    else goStale();
+  });
+  const goStale = () => {
+    if (stale) return;
     stale = true;
     whenShown(() => {
       if (!stale || note()) return;
@@ -116,6 +129,22 @@
       reload.onclick = () => { leaving = true; setTimeout(() => { leaving = false; }, 0); location.reload(); };
       shown.append(reload);
     });
+  };
+  // Another tab's change: merged here by the page's #chat-sync event (its script takes the conversations sent),
+  // once the page has it. Changes sent while one merges are merged next, the last of them.
+  const merge = () => {
+    const button = document.getElementById("chat-sync");
+    if (button) button.click();
+    else setTimeout(merge, 100);
+  };
+  channel?.addEventListener("message", ({data}) => {
+    if (typeof data?.by !== "string" || typeof data.text !== "string" || typeof data.content !== "string") return;
+    sent.add(data.by);
+    if (stale) return;  // this tab's copy is held apart until the user chooses
+    const waiting = incoming !== null;
+    incoming = data.text;
+    written = {text: data.text, content: data.content};
+    if (!waiting) merge();
   });
   // The events that carry the conversations run one at a time, each with the latest of them. Gradio sends an
   // event's inputs as the page holds them when it fires, and runs events outside its queue side by side: two
@@ -161,5 +190,6 @@
     stale: () => stale,  // another tab changed the conversations since this one read them
     keep,
     replyStreaming,
+    takeSent: () => { const text = incoming; incoming = null; return text; },  // for #chat-sync
   };
 })();

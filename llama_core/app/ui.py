@@ -49,6 +49,7 @@ ASK_UNLESS_STREAMING = """() => {
   if (stop && stop.checkVisibility()) { alert("A reply is still coming: Stop it first."); return false; }
   return confirm(%s);
 }"""
+TAKE_SENT = "() => window.llamaCoreStore.takeSent()"  # the conversations another tab sent (store.js)
 CLEAR_QUESTION = "Clear this chat? Its messages, every version of them, are removed; this cannot be undone."
 DELETE_QUESTION = "Delete this chat? It and every version of its messages are removed; this cannot be undone."
 OUTPUT_FORMATS = [("Text", "text"), ("JSON", "json"), ("JSON schema", "json_schema"), ("Regular expression", "regex"),
@@ -117,6 +118,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         store = gr.BrowserState(None, storage_key=STORAGE_KEY, secret=STORAGE_SECRET)
         pending = gr.State(None)  # {"message", "keep"} while a reply is under way
         confirmed = gr.Checkbox(False, visible=False)  # what the page's last confirm() dialog answered
+        # Another tab's change: the conversations it sent (store.js), merged into this tab's by sync's click
+        sent = gr.Textbox(None, visible=False)
+        sync = gr.Button(visible="hidden", elem_id="chat-sync")
         with gr.Tabs(elem_id="tabs"):  # one bar: a component between two tabs would start another
             with gr.Tab("Chat", elem_id="chat-tab"), gr.Row(elem_id="chat-row"):
                 with gr.Column(scale=1, min_width=200, elem_id="chat-sidebar"):
@@ -232,6 +236,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         new_button.click(chat.new_chat, [store, pending, system_prompt, *chat_controls], view_outputs, queue=False,
                          **ui)
         chat_list.input(chat.switch, [chat_list, store, pending], view_outputs, queue=False, **ui)
+        sync.click(None, None, sent, js=TAKE_SENT, queue=False, **ui) \
+            .then(chat.merge_sent, [sent, store, pending], view_outputs, queue=False, show_progress="hidden", **ui)
         for renaming in (chat_title.submit, chat_title.blur):  # Enter, or leaving the box, renames
             # No loading cover over the list: a click on it as the box loses the focus is kept.
             renaming(chat.rename, [chat_title, store], [store, chat_list, chat_title], queue=False,

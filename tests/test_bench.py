@@ -146,6 +146,20 @@ def test_serving_bench_reports_serial_and_batched(tmp_path, through):
     assert "time to first token, median of the runs' p50s: serial " in result.stdout
 
 
+def test_fairness_bench_reports_each_rule_in_each_scenario(tmp_path):
+    report_path = tmp_path / "fairness.json"
+    result = _run("bench_fairness.py", "--seconds", "0.3", "--heavy-prompt", "16", "--heavy-new", "4",
+                  "--light-new", "4", "--json", str(report_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    for scenario in ("chat", "busy"):
+        for rule in ("tokens", "requests", "fcfs"):
+            figures = report["results"][scenario][rule]
+            assert figures["light_requests"] > 0 and figures["heavy_tokens_per_s"] > 0
+        assert set(report["ratios"][f"{scenario}: requests / tokens"]) >= {"light_done_p50", "light_ttft_p50"}
+    assert "busy      requests" in result.stdout
+
+
 def test_serving_bench_compares_the_app_with_gradio_alone_after_serving_requests_first(tmp_path):
     report_path = tmp_path / "floor.json"
     result = _run("bench_serving.py", "--gradio-floor", "--client", "http", "--clients", "2", "--slots", "2",

@@ -22,6 +22,7 @@ from llama_core import DEFAULT_CKPT_DIR, load  # noqa: E402
 from llama_core.app import server, streaming, ui  # noqa: E402
 from llama_core.app.address import listen_socket  # noqa: E402
 from llama_core.checkpoint_files import read_model_args  # noqa: E402
+from llama_core.openai_api.metrics import MeteredEngine  # noqa: E402
 from llama_core.prompt_library import load_prompts  # noqa: E402
 from llama_core.serving import Engine  # noqa: E402
 from llama_core.serving.engine_process import EngineProcess  # noqa: E402
@@ -65,8 +66,9 @@ def serve_app(max_seq_len: int = MAX_SEQ_LEN, max_batch_size: int = 8, engine_pr
     engine = (EngineProcess(dict(build, seed=0), threads=1, draft_price=DRAFT_PRICE) if engine_process
               else Engine(load(**build), seed=0, draft_price=DRAFT_PRICE)).start()
     try:
-        demo = ui.build_demo(engine, load_prompts())
-        running = server.launch(demo, engine, listen_socket("127.0.0.1", port), api_keys=api_keys, auth=auth)
+        served = MeteredEngine(engine)  # as llama-chat serves it: the page's replies and the API's in /metrics
+        demo = ui.build_demo(served, load_prompts())
+        running = server.launch(demo, served, listen_socket("127.0.0.1", port), api_keys=api_keys, auth=auth)
         try:
             yield engine, running.local_url
         finally:

@@ -228,6 +228,16 @@ def test_a_stream_dropped_unread_is_cancelled(prompts):
         assert engine.steps - steps <= 5 and engine.active_count == 0
 
 
+def test_stats_count_every_token_handed_to_a_reply(llama, prompts):
+    with llama.serve() as engine:
+        before = engine.stats()["generated_tokens"]
+        streams = [engine.submit(prompt, 30, temperature=0) for prompt in prompts[:4]]
+        read = sum(len(_collect(stream)) for stream in streams)
+        stats = engine.stats()
+    assert stats["generated_tokens"] - before == read > 4
+    assert stats["generated_tokens"] == engine.generated_tokens
+
+
 def test_queue_past_its_bound_answers_busy(prompts):
     llama = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=1, seed=0)
     with llama.serve(max_waiting=2) as engine:

@@ -59,6 +59,13 @@ def test_prompt_logprobs_and_text_equal_in_process(served, llama, prompts):  # n
     assert text == "".join(c.text for c in llama.stream(tokens, 20, temperature=0)) and text.strip()
 
 
+def test_stats_carry_the_tokens_generated_from_the_child(served, prompts):  # noqa: F811
+    before = served.stats()["generated_tokens"]
+    read = len(_collect(served.submit(prompts[2], 12, temperature=0)))
+    assert served.stats()["generated_tokens"] - before == read > 0
+    assert served.generated_tokens == before + read
+
+
 def test_the_app_engine_with_a_float16_kv_cache_holds_it_in_its_process_and_says_so(prompts):  # noqa: F811
     from llama_core.serving.launch import open_engine
 

@@ -199,11 +199,13 @@ def _run(argv: Optional[list[str]]) -> int:
         else:  # a failure of another kind (not the sizes: lowering them would not help)
             print(f"error: the model could not be loaded: {reason}", file=sys.stderr)
         return EXIT_FAILURE
+    from ..openai_api.metrics import MeteredEngine
     from .server import EngineFailedError, serve
     from .ui import build_demo
 
+    served = MeteredEngine(engine)  # the page's replies and the API's, counted together at /metrics
     try:
-        serve(build_demo(engine, prompts), engine, sock, args.share, api_keys, logins, args.model_name,
+        serve(build_demo(served, prompts), served, sock, args.share, api_keys, logins, args.model_name,
               args.stop_grace, args.access_log)
     except EngineFailedError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Serving the app over HTTP: one FastAPI app holding the OpenAI-compatible API (/v1, /health), with the
+"""Serving the app over HTTP: one FastAPI app holding the OpenAI-compatible API (/v1, /health, /metrics), with the
 Gradio interface mounted at /, run by uvicorn on the socket the command line bound; and a share link."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API on a running engine: /v1/models, /v1/chat/completions, /v1/completions and
-/health, as a FastAPI app that the web app mounts its Gradio interface into (one host and port for both).
+"""The OpenAI-compatible HTTP API on a running engine: /v1/models, /v1/chat/completions, /v1/completions,
+/health and /metrics (Prometheus: .metrics), as a FastAPI app that the web app mounts its Gradio interface
+into (one host and port for both).
 
 Requests are read by the models of .schemas, their values judged by llama_core.serving.requests (the
 validator of every route), and run by the same engine as the web page's. Replies follow the OpenAI API,
@@ -16,7 +17,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..dialog import UNSAFE_ERROR, encode_dialog
 from ..errors import EngineUnavailableError, LlamaError
@@ -25,6 +26,7 @@ from ..serving.streams import TextEngine, TextStream, stream_chat, stream_comple
 from . import responses, tools
 from .cors import LocalOrigins
 from .errors import APIError, from_llama_error, install_error_handlers
+from .metrics import CONTENT_TYPE, MeteredEngine
 from .reading import (SAMPLING_FIELDS, check_reply_start, choice_count, choice_seeds, completion_prompts, content_text,
                       include_usage, llama_dialog, new_token_limit, predicted_text, refuse_unsupported_chat,
                       reply_tools, sampling_controls)
@@ -40,11 +42,15 @@ log = logging.getLogger(__name__)
 
 def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: Sequence[str] = ()) -> FastAPI:
     """The API serving `engine` as the model `model_name` (default: the checkpoint folder's name). With
-    api_keys, every /v1 route needs `Authorization: Bearer <one of them>`; /health never does."""
+    api_keys, every /v1 route and /metrics need `Authorization: Bearer <one of them>`; /health never does.
+    /metrics counts the replies of the requests submitted through a MeteredEngine: given one (the page's
+    too), its own; given a plain engine, the API's alone. The metrics are also `api.state.metrics`."""
+    engine = engine if isinstance(engine, MeteredEngine) else MeteredEngine(engine)
     model_id = model_name or engine.info.name
     created = int(time.time())
     api = FastAPI(title="llama_core OpenAI-compatible API", docs_url="/v1/docs", openapi_url="/v1/openapi.json",
                   redoc_url=None)
+    api.state.metrics = engine.metrics
     api.add_middleware(LocalOrigins)
     keys = [key.encode() for key in api_keys]
 
@@ -98,6 +104,11 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             state = getattr(engine, "state", "stopped")
         return JSONResponse({"status": "restarting" if state == "running" else state, "model": model_id},
                             status_code=503, headers={"Retry-After": "5"})
+
+    @api.get("/metrics", dependencies=v1, include_in_schema=False)
+    def metrics() -> Response:  # a plain def: a model process's counters are waited for in a worker thread
+        """Prometheus' text format: the engine's counters, asked for now, and the replies served so far."""
+        return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE)
 
     @api.get("/v1/models", dependencies=v1)
     def list_models() -> dict[str, Any]:

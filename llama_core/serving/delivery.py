@@ -10,18 +10,21 @@ import torch
 from .events import StreamChunk
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import EngineCounts, Sequence
 
 
 class Delivery:
     """Hands each request its tokens, ending it (and freeing its slot) where its reply ends."""
 
-    def __init__(self, scheduler: Scheduler, sampler: Sampler, end_ids: frozenset[int], max_seq_len: int) -> None:
-        """end_ids: the tokens that end a reply as EOS does (the tokenizer's EOS and generation_config.json's)."""
+    def __init__(self, scheduler: Scheduler, sampler: Sampler, end_ids: frozenset[int], max_seq_len: int,
+                 counts: EngineCounts) -> None:
+        """end_ids: the tokens that end a reply as EOS does (the tokenizer's EOS and generation_config.json's);
+        counts: the engine's, whose generated_tokens each token handed over adds to."""
         self.scheduler = scheduler
         self.sampler = sampler
         self.end_ids = end_ids
         self.max_seq_len = max_seq_len
+        self.counts = counts
 
     def deliver(self, sequences: list[Sequence], next_tokens: torch.Tensor, logprobs: torch.Tensor,
                 alternatives: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
@@ -52,6 +55,7 @@ class Delivery:
             return False
         sequence.output.append(token)
         sequence.last_token = token
+        self.counts.generated_tokens += 1
         if sequence.lookup is not None:
             sequence.lookup.extend((token,))
         top = None

@@ -154,7 +154,7 @@ class Engine:
         self._scheduler = Scheduler(runner, self._wakeup, counts, prefill_chunk, prefix_caching, self._watch)
         self.prefix_cache = self._scheduler.prefix_cache
         self._sampler = Sampler(self.words, runner.args.vocab_size, runner.max_batch_size, runner.device)
-        self._delivery = Delivery(self._scheduler, self._sampler, self.end_ids, runner.max_seq_len)
+        self._delivery = Delivery(self._scheduler, self._sampler, self.end_ids, runner.max_seq_len, counts)
         self._prefiller = Prefiller(runner, self._scheduler, self._sampler, self._delivery, counts, prefill_chunk,
                                     self.eos_id)
         drafter = Drafter(runner, self._scheduler, self._sampler, self._delivery, counts, prompt_lookup,
@@ -186,6 +186,8 @@ class Engine:
     prefilled_tokens = property(lambda self: self._counts.prefilled_tokens, doc="Prompt tokens computed.")
     cached_tokens = property(lambda self: self._counts.cached_tokens,
                              doc="Prompt tokens found in the KV cache instead of computed.")
+    generated_tokens = property(lambda self: self._counts.generated_tokens,
+                                doc="Tokens handed to requests as their replies (EOS left out).")
     drafted_tokens = property(lambda self: self._counts.drafted_tokens,
                               doc="Tokens drafted by prompt lookup and verified.")
     accepted_tokens = property(lambda self: self._counts.accepted_tokens, doc="Of those, the ones kept.")
@@ -381,11 +383,14 @@ class Engine:
     def waiting_count(self) -> int:
         return len(self._scheduler.waiting)
 
-    def stats(self) -> dict[str, int]:
-        """Its counters: requests running ("active") and waiting, decode steps run, and prompt tokens computed
-        ("prefilled_tokens") and found in the KV cache instead ("cached_tokens": the prefix cache's work)."""
+    def stats(self, seconds: Optional[float] = None) -> dict[str, int]:
+        """Its counters: requests running ("active") and waiting, decode steps run, prompt tokens computed
+        ("prefilled_tokens") and found in the KV cache instead ("cached_tokens": the prefix cache's work), and
+        tokens generated ("generated_tokens"). seconds: what a caller would wait for them from a model process
+        (EngineProcess.stats); this engine answers at once."""
         return dict(active=self.active_count, waiting=self.waiting_count, steps=self.steps,
-                    prefilled_tokens=self.prefilled_tokens, cached_tokens=self.cached_tokens)
+                    prefilled_tokens=self.prefilled_tokens, cached_tokens=self.cached_tokens,
+                    generated_tokens=self.generated_tokens)
 
     # -- the loop -----------------------------------------------------------------------------
     def pump(self) -> bool:

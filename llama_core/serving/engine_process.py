@@ -300,6 +300,11 @@ class EngineProcess:
         """Prompt tokens the engine found in its KV cache instead of computing them."""
         return self._stats()["cached_tokens"]
 
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the engine has handed to requests as their replies."""
+        return self._stats()["generated_tokens"]
+
     def _stats(self) -> dict:  # the child answers between two turns
         return self._ask(("stats", next(self._ids)))[2]
 

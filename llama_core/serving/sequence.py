@@ -100,6 +100,7 @@ class EngineCounts:
     steps: int = 0  # decode steps run
     prefilled_tokens: int = 0  # prompt tokens computed
     cached_tokens: int = 0  # prompt tokens found in the KV cache instead
+    generated_tokens: int = 0  # tokens handed to requests as their replies (EOS left out)
     drafted_tokens: int = 0  # tokens drafted by prompt lookup and verified
     accepted_tokens: int = 0  # of those, the ones kept
 

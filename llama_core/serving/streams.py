@@ -47,6 +47,18 @@ class Driver(Protocol):
         """Runs one engine turn in the calling thread unless the engine's own loop runs; whether it did."""
 
 
+class RequestMeter(Protocol):
+    """What counts the replies a server streams (its metrics: llama_core.openai_api.metrics), told by each reply's
+    text stream as its reader reads it."""
+
+    def first_token(self, seconds: float) -> None:
+        """A reply's first token was read, `seconds` after its request was submitted."""
+
+    def request_ended(self, reason: str, seconds: float, generated_tokens: int) -> None:
+        """A reply ended, `seconds` after its request was submitted: reason is its finish_reason, or "cancelled"
+        where its reader left it before its end; generated_tokens, the tokens it was given."""
+
+
 class TokenStream:
     """The tokens of one request, as they are produced. Iterate to receive `StreamChunk`s (text empty);
     iteration raises RequestFailedError if the request failed. Leaving the iteration early cancels it, as
@@ -66,6 +78,7 @@ class TokenStream:
         self.drafted_tokens = 0  # tokens prompt lookup drafted and the model checked (known at the end)
         self.accepted_tokens = 0  # of those, the ones kept: part of the reply, several a step
         self.finished_at: Optional[float] = None  # time.perf_counter() when the engine ended the request
+        self.meter: Optional[RequestMeter] = None  # told of the reply a TextStream reads from this stream
         self._failure: Optional[RequestFailedError] = None  # for poll: raised once the chunks before it are read
         weakref.finalize(self, _cancel_dropped, channel)
 
@@ -204,6 +217,8 @@ class TextStream:
         self._started = time.perf_counter()
         self._first_token_at: Optional[float] = None
         self._finished_at: Optional[float] = None
+        self._meter = None if tokens is None else tokens.meter
+        self._metered = False  # whether the meter was told of the reply's end
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -262,6 +277,8 @@ class TextStream:
     def cancel(self) -> None:
         if self._tokens is not None:
             self._tokens.cancel()
+            if self.finish_reason is None:
+                self._ended("cancelled")
 
     def __iter__(self) -> Iterator[StreamChunk]:
         for chunks in self.batches():
@@ -288,6 +305,7 @@ class TextStream:
             self._finished_at = self._tokens.finished_at or time.perf_counter()
             if self._tokens.finish_reason is None:
                 self.cancel()
+            self._ended(self.finish_reason or "cancelled")
 
     def listen(self, listener: Callable[[], None]) -> bool:
         """As TokenStream.listen: listener is called whenever news of this request arrives, for a reader that
@@ -299,19 +317,26 @@ class TextStream:
         ended). Raises RequestFailedError if the request failed. Read until it ends, or cancel()."""
         if self._tokens is None:
             return [], True
-        batch, ended = self._tokens.poll()
+        try:
+            batch, ended = self._tokens.poll()
+        except RequestFailedError:
+            self._ended("error")
+            raise
         chunks = self._decoded(batch) if batch else []
         ended = ended or self._stops.stopped
         if ended:
             if not chunks and not self._stops.stopped:
                 chunks = self._tail()  # the end came alone
             self._finished_at = self._tokens.finished_at or time.perf_counter()
+            self._ended(self.finish_reason)
         return chunks, ended
 
     def _decoded(self, batch: list[StreamChunk]) -> list[StreamChunk]:
         """A batch of the token stream as text chunks, up to a stop string, the held-back text added at the end."""
         if self._first_token_at is None:
             self._first_token_at = time.perf_counter()
+            if self._meter is not None:
+                self._meter.first_token(self._first_token_at - self._started)
         chunks = []
         for c in batch:
             chunks.append(StreamChunk(c.token, c.logprob, self._stops.feed(self._decoder.push(c.token)), c.top_logprobs))
@@ -322,6 +347,14 @@ class TextStream:
         if self.finish_reason is not None:
             chunks += self._tail()
         return chunks
+
+    def _ended(self, reason: str) -> None:
+        """Tells the meter, once, that the reply ended (read to its end, failed, or left by its reader)."""
+        if self._meter is None or self._metered:
+            return
+        self._metered = True
+        ended_at = self._finished_at or time.perf_counter()
+        self._meter.request_ended(reason, ended_at - self._started, self.generated_tokens)
 
     def _tail(self) -> list[StreamChunk]:
         tail = self._stops.feed(self._decoder.flush())
@@ -343,7 +376,8 @@ class TextEngine(Protocol):
     @property
     def client_capacity(self) -> int: ...
 
-    def stats(self) -> Optional[dict[str, int]]: ...
+    def stats(self, seconds: float = ...) -> Optional[dict[str, int]]:
+        """Its counters (Engine.stats), or None where its model process does not answer within seconds."""
 
     def submit(self, prompt_tokens: list[int], max_new_tokens: int, temperature: float = 0.6, top_p: float = 0.9,
                prompt_logprobs: bool = False, logprobs: bool = True, *, params: Optional[SamplingParams] = None,

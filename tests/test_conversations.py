@@ -502,12 +502,13 @@ def test_merging_keeps_each_conversation_as_it_was_saved_last_in_either_tab():
     assert c.loaded_store(kept, "", SETTINGS) == kept
 
 
-def test_a_conversation_deleted_in_either_tab_stays_deleted_as_their_stores_merge():
+def test_a_conversation_deleted_in_either_tab_stays_deleted_as_their_stores_merge_unless_saved_after():
     shared, first, second = stores_of_two_tabs()
-    theirs = c.deleted(c.switched(shared, first["id"]), "", SETTINGS)
-    assert set(theirs["deleted"]) == {first["id"]} and c.loaded_store(theirs, "", SETTINGS) == theirs
     mine = c.switched(shared, first["id"])  # this tab shows it, and saves it once more
     mine = c.with_conversation(mine, c.with_exchange(c.active(mine), 2, "Still here?", "Yes."))
+    time.sleep(0.01)
+    theirs = c.deleted(c.switched(shared, first["id"]), "", SETTINGS)  # then the other tab deletes it
+    assert set(theirs["deleted"]) == {first["id"]} and c.loaded_store(theirs, "", SETTINGS) == theirs
     for kept in (c.merged(mine, theirs, "", SETTINGS), c.merged(theirs, mine, "", SETTINGS)):
         assert [conversation["id"] for conversation in kept["conversations"]] == [second["id"]]
         assert kept["active"] == second["id"] and first["id"] in kept["deleted"]
@@ -516,11 +517,31 @@ def test_a_conversation_deleted_in_either_tab_stays_deleted_as_their_stores_merg
     assert len(kept["conversations"]) == 1 and c.is_new(kept["conversations"][0])
     assert kept["conversations"][0]["id"] not in (first["id"], second["id"])
     # a reply that ends in a conversation deleted in another tab as it streamed is kept, and no longer deleted
+    time.sleep(0.01)
     finished = {"id": first["id"], "conversation": first, "keep": 2, "message": "Late?", "reply": "Kept.",
                 "stats": ""}
-    kept = c.with_reply_kept(c.merged(shared, theirs, "", SETTINGS), finished)
-    assert first["id"] in [conversation["id"] for conversation in kept["conversations"]]
-    assert first["id"] not in kept.get("deleted", {})
+    replied = c.with_reply_kept(c.merged(shared, theirs, "", SETTINGS), finished)
+    for kept in (c.merged(replied, theirs, "", SETTINGS), c.merged(theirs, replied, "", SETTINGS)):
+        assert first["id"] in [conversation["id"] for conversation in kept["conversations"]]
+        assert first["id"] not in kept.get("deleted", {})
+
+
+def test_two_tabs_changes_to_one_conversations_parts_are_both_kept():
+    # A system prompt typed in one tab while the other's reply ended in the same chat: the reply's save, the
+    # later, took the whole conversation, and the prompt typed was lost (QA: 3 of 3).
+    shared, first, _ = stores_of_two_tabs()
+    mine = c.switched(shared, first["id"])
+    theirs = mine
+    time.sleep(0.01)
+    mine = c.with_conversation(mine, dict(c.active(mine), system_prompt="Typed here."))
+    time.sleep(0.01)
+    theirs = c.with_conversation(theirs, c.with_exchange(c.active(theirs), 2, "And there?", "Replied."))
+    for kept in (c.merged(mine, theirs, "", SETTINGS), c.merged(theirs, mine, "", SETTINGS)):
+        conversation = c.active(kept)
+        assert conversation["system_prompt"] == "Typed here."
+        assert [m["content"] for m in conversation["messages"]][-2:] == ["And there?", "Replied."]
+        assert conversation["settings"] == first["settings"] and conversation["title"] == first["title"]
+    assert c.merged(mine, theirs, "", SETTINGS) == c.merged(theirs, mine, "", SETTINGS) | {"active": first["id"]}
 
 
 def test_a_store_remembers_its_latest_deleted_conversations_only():

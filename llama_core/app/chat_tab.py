@@ -315,21 +315,25 @@ class ChatTab:
 
     def merge_sent(self, sent: Any, store: Any, pending: Optional[dict]):
         """The conversations another tab sent as it saved them (store.js), merged into this tab's (see
-        conversations.merged). The chat shown is drawn anew only where the merge changed it, and not while a
-        reply streams into it (the reply is kept in the merged conversation as it ends)."""
+        conversations.merged). Only what the merge changed is drawn anew: a box being typed in, or the chat list
+        being clicked, is left alone unless the other tab changed it. While a reply streams, the chat, its stats
+        and buttons are the reply's (it is kept in the merged conversation as it ends), and the boxes show the
+        settings of the chat it streams into."""
         theirs = conversations.sent_store(sent)
         if theirs is None:
             return self.unchanged()
         mine = self.loaded(store)
         kept = conversations.merged(mine, theirs, self.prompts.system_prompt, self.defaults)
-        if pending is None and conversations.active(kept) != conversations.active(mine):
-            return self.view(kept)
-        shown = self.unchanged()
+        shown = [new if new != old else gr.skip() for new, old in zip(self.view(kept), self.view(mine))]
         shown[0] = kept
-        if conversations.choices(kept) != conversations.choices(mine):  # drawn anew, a click on it is lost
-            listed = 4 + len(conversations.SETTINGS)  # view's store, chat, stats, system prompt, settings, list
-            shown[listed] = gr.update(choices=conversations.choices(kept), value=kept["active"])
-        return shown
+        if pending is None:
+            return shown
+        listed = 4 + len(conversations.SETTINGS)  # view's store, chat, stats, system prompt, settings, then list
+        boxes = shown[3:listed] if kept["active"] == mine["active"] else [gr.skip()] * (listed - 3)
+        choices = conversations.choices(kept)
+        return [kept, gr.skip(), gr.skip(), *boxes,
+                gr.update(choices=choices) if choices != conversations.choices(mine) else gr.skip(),
+                *[gr.skip()] * (len(shown) - listed - 1)]
 
     def rename(self, title: Any, store: Any):
         """The title typed (Enter, or leaving the box); the same title writes nothing (nor moves its chat up)."""

@@ -3,12 +3,13 @@ Markdown), its import with clear messages for bad files, and the notices shown f
 
 A conversation is a dict:
   {"id", "title", "system_prompt", "settings": {name: value}, "messages": [{"role", "content"}], "tree",
-   "stats", "updated"}
+   "stats", "updated", "edited": {part: time}}
 its messages the branch shown, complete (user, assistant) exchanges; its tree (llama_core.app.branches) every
 message kept, an edited message or a retried reply beside the old one. The store holds them all:
   {"version": STORE_VERSION, "active": id, "conversations": [conversation, ...], "deleted": {id: time}}
-the conversations most recent first, "deleted" (where any was) the latest deleted ones' ids, so that a tab that
-still holds one does not bring it back as its store is merged (merged).
+the conversations most recent first, "deleted" (where any was) the latest deleted ones' ids and when, so that a
+tab that still holds one does not bring it back as its store is merged (merged); "edited" says when each of a
+conversation's PARTS was last changed, so that two tabs' changes to its parts are both kept.
 Everything here returns new values and never changes its arguments (Gradio shares the values it passes).
 """
 
@@ -41,6 +42,9 @@ STORE_VERSION = 1
 MAX_IMPORT_BYTES = 2_000_000  # the largest export file accepted
 MAX_TITLE_CHARS = 80
 MAX_DELETED = 1000  # the deleted conversations a store remembers, the latest
+# A conversation's parts changed apart (its keys): as two tabs' stores merge, each part is kept as changed last.
+PARTS = {"title": ("title",), "system_prompt": ("system_prompt",), "settings": ("settings",),
+         "messages": ("messages", "tree", "stats")}
 # The sampling controls a conversation keeps, as the chat tab's controls name them (stop: one string per line).
 SETTINGS = ("temperature", "top_p", "max_new_tokens", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "stop", "seed", "output_format", "output_grammar")
@@ -105,6 +109,25 @@ def _read_store(value: Any) -> Optional[dict]:
     return store
 
 
+def _merged_conversation(mine: dict, theirs: dict) -> dict:
+    """One conversation as two tabs hold it: each part as changed last (mine on a tie)."""
+    if mine == theirs:
+        return mine
+    kept = dict(mine if mine["updated"] >= theirs["updated"] else theirs, updated=max(mine["updated"], theirs["updated"]))
+    edited = {}
+    for part, keys in PARTS.items():
+        times = [c.get("edited", {}).get(part, c["updated"]) for c in (mine, theirs)]
+        source = mine if times[0] >= times[1] else theirs
+        for key in keys:
+            if key in source:
+                kept[key] = source[key]
+            else:
+                kept.pop(key, None)
+        edited[part] = max(times)
+    kept["edited"] = edited
+    return kept
+
+
 def _latest(deleted: dict[str, float]) -> dict[str, float]:
     if len(deleted) <= MAX_DELETED:
         return deleted
@@ -112,17 +135,21 @@ def _latest(deleted: dict[str, float]) -> dict[str, float]:
 
 
 def merged(mine: dict, theirs: dict, system_prompt: str, settings: dict[str, Any]) -> dict:
-    """Another tab's store merged into this tab's: each conversation as it was saved last in either (the later
-    "updated"; this tab's on a tie), none that either deleted; the chat shown still this tab's, unless deleted
-    (then the other tab's). Both deleted all: a new conversation."""
+    """Another tab's store merged into this tab's: each conversation's parts (PARTS) as changed last in either
+    (this tab's on a tie); a conversation deleted in either gone, unless saved since; the chat shown still this
+    tab's, unless it is gone (then the other tab's). Both deleted all: a new conversation."""
     deleted = dict(theirs.get("deleted", {}))
     for key, at in mine.get("deleted", {}).items():
         deleted[key] = max(at, deleted.get(key, at))
     latest: dict[str, dict] = {}
     for conversation in theirs["conversations"] + mine["conversations"]:
         known = latest.get(conversation["id"])
-        if conversation["id"] not in deleted and (known is None or conversation["updated"] >= known["updated"]):
-            latest[conversation["id"]] = conversation
+        latest[conversation["id"]] = conversation if known is None else _merged_conversation(conversation, known)
+    for key, conversation in list(latest.items()):
+        if key in deleted and conversation["updated"] <= deleted[key]:
+            del latest[key]
+        else:
+            deleted.pop(key, None)  # saved after it was deleted (a reply that ended there): kept
     store = {"version": STORE_VERSION, "active": None,
              "conversations": sorted(latest.values(), key=lambda c: c["updated"], reverse=True)}
     if not store["conversations"]:
@@ -131,7 +158,7 @@ def merged(mine: dict, theirs: dict, system_prompt: str, settings: dict[str, Any
         store["deleted"] = _latest(deleted)
     store["active"] = next((s["active"] for s in (mine, theirs) if s["active"] in latest),
                            store["conversations"][0]["id"])
-    return store
+    return _read_store(store)  # each conversation's keys in one order: a merge that changes nothing reads the same
 
 
 def active(store: dict) -> dict:
@@ -139,8 +166,14 @@ def active(store: dict) -> dict:
 
 
 def with_conversation(store: dict, conversation: dict, *, activate: bool = True) -> dict:
-    """The store with this conversation saved (replacing the one of its id) and moved first."""
-    conversation = dict(conversation, updated=time.time())
+    """The store with this conversation saved (replacing the one of its id) and moved first; the parts it
+    changed marked as edited now."""
+    now = time.time()
+    before = next((c for c in store["conversations"] if c["id"] == conversation["id"]), {})
+    edited = {part: now if any(conversation.get(key) != before.get(key) for key in keys)
+              else conversation.get("edited", {}).get(part, before.get("updated", now))
+              for part, keys in PARTS.items()}
+    conversation = dict(conversation, updated=now, edited=edited)
     others = [c for c in store["conversations"] if c["id"] != conversation["id"]]
     return dict(store, conversations=[conversation] + others,
                 active=conversation["id"] if activate else store["active"])
@@ -150,7 +183,7 @@ def same_in_store(store: dict, conversation: dict) -> Optional[dict]:
     """The store's conversation holding what this one holds (title, system prompt, settings, messages and their
     versions), if any: an export file imported twice, or where it was exported, is there already."""
     def content(c: dict) -> dict:
-        return {k: v for k, v in c.items() if k not in ("id", "updated", "stats")}
+        return {k: v for k, v in c.items() if k not in ("id", "updated", "edited", "stats")}
     return next((c for c in store["conversations"] if content(c) == content(conversation)), None)
 
 
@@ -166,9 +199,7 @@ def with_reply_kept(store: dict, finished: dict) -> dict:
     kept = _checked_conversation(finished["conversation"], "conversation")
     if is_new(active(store)):
         store = dict(store, conversations=[c for c in store["conversations"] if c["id"] != store["active"]])
-    if kept["id"] in store.get("deleted", {}):  # deleted in another tab as the reply streamed here: kept after all
-        store = dict(store, deleted={key: at for key, at in store["deleted"].items() if key != kept["id"]})
-    return with_conversation(store, kept)
+    return with_conversation(store, kept)  # deleted in another tab as the reply streamed: saved after, so kept
 
 
 def switched(store: dict, conversation_id: Any) -> dict:
@@ -475,6 +506,12 @@ def _checked_conversation(value: Any, where: str) -> dict:
                     "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
                     "updated": updated if type(updated) in (int, float) else time.time(),
                     "stats": stats if type(stats) is str else ""}
+    edited = value.get("edited")
+    if type(edited) is dict:  # a store's, not an export file's
+        edited = {part: at for part, at in edited.items()
+                  if part in PARTS and type(at) in (int, float) and math.isfinite(at)}
+        if edited:
+            conversation["edited"] = edited
     if "tree" not in value:
         return conversation
     try:

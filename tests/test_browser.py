@@ -1095,7 +1095,26 @@ def test_a_change_in_one_tab_is_merged_into_the_others_at_once_and_none_is_lost(
     page.locator("#chat-stop").dispatch_event("click")
     expect(page.locator("#chat-stats")).to_contain_text("Stopped")
     expect(other.locator(listed)).to_contain_text("A long tale, please.")
+    # the same chat: a setting changed in one tab as the other streams a reply into it shows there at once, and
+    # a system prompt typed in one as the other's reply ends there is kept with the reply (QA: 3 of 3 each)
+    page.locator("#chat-list label", has_text="From the first tab.").first.click()
+    expect(page.locator("#chat-title input")).to_have_value("From the first tab.")
+    other.locator("#chat-list label", has_text="From the first tab.").first.click()
+    expect(other.locator("#chat-title input")).to_have_value("From the first tab.")
+    send(page, "And then?")
+    expect(page.locator('#chatbot [data-testid="bot"]').last).to_have_text(re.compile(r"\S"))
+    set_number(other, "#chat-temperature", 1.45)
+    expect(page.locator("#chat-temperature input[type=number]")).to_have_value("1.45")  # while it streams
+    other.fill("#system-prompt textarea", "Typed in the second tab.")
+    page.locator("#chat-stop").dispatch_event("click")
+    expect(page.locator("#chat-stats")).to_contain_text("Stopped")
+    for tab in (page, other):
+        expect(tab.locator(user).last).to_have_text("And then?")
+        expect(tab.locator("#system-prompt textarea")).to_have_value("Typed in the second tab.")
+        expect(tab.locator("#chat-temperature input[type=number]")).to_have_value("1.45")
     # a chat deleted in one tab is not brought back by the other's next save
+    other.locator("#chat-list label", has_text="Renamed in the second tab").first.click()
+    expect(other.locator("#chat-title input")).to_have_value("Renamed in the second tab")
     other.once("dialog", lambda dialog: dialog.accept())
     other.click("#chat-delete")
     expect(page.locator(listed)).not_to_contain_text("Renamed in the second tab")

@@ -1131,6 +1131,30 @@ def test_a_change_in_one_tab_is_merged_into_the_others_at_once_and_none_is_lost(
     context.close()
 
 
+def test_a_reloaded_tab_shows_the_chat_it_showed_not_the_one_another_tab_chose_last(served, browser):
+    # A tab opened on the chat chosen last in any tab: reloading one showed the other tab's chat (QA).
+    context, page, other = two_tabs(served, browser, merging=True)
+    user = '#chatbot [data-testid="user"]'
+    for tab, message in ((page, "Shown in the first tab."), (other, "Shown in the second tab.")):
+        new_chat(tab)
+        send(tab, message)
+        expect(tab.locator("#chat-stats")).to_contain_text("tokens/s")
+    expect(page.locator("#chat-list")).to_contain_text("Shown in the second tab.")  # merged
+    page.reload()
+    expect(page.locator(user)).to_have_text("Shown in the first tab.")
+    expect(page.locator("#chat-title input")).to_have_value("Shown in the first tab.")
+    send(page, "Still the first tab's chat.")  # the store's chosen chat is this tab's again: the reply goes there
+    expect(page.locator(user)).to_have_text(["Shown in the first tab.", "Still the first tab's chat."])
+    expect(other.locator(user)).to_have_text("Shown in the second tab.")
+    other.reload()
+    expect(other.locator(user)).to_have_text("Shown in the second tab.")
+    fresh = context.new_page()  # a new tab: the chat chosen last in any
+    fresh.set_default_timeout(TIMEOUT_MS)
+    fresh.goto(served[1])
+    expect(fresh.locator("#chat-title input")).to_have_value("Shown in the second tab.")
+    context.close()
+
+
 def test_a_change_made_as_another_tab_opens_makes_that_tab_stale_and_what_it_writes_next_is_held(served, browser):
     # A tab's opening was told from a change by timing: a change within 3 s of another tab opening did not make
     # that tab stale, and what a tab wrote in the 1.5 s before its note showed replaced the other tab's changes

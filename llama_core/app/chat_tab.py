@@ -87,10 +87,12 @@ class ChatTab:
     def unchanged(self, extra: int = 0) -> list:
         return [gr.skip()] * (len(self.view_outputs) + extra)
 
-    def restore(self, store: Any):
-        """The page as the browser's store has it. The store is written back only where reading it changed it
-        (a new one, or one left from an older version): any write tells the app's other tabs they are stale."""
-        kept = self.loaded(store)
+    def restore(self, store: Any, shown_here: Any = None):
+        """The page as the browser's store has it, showing the chat this tab showed before a reload (shown_here,
+        where the store still has it), else the one chosen last in any tab. The store is written back only where
+        reading it changed it (a new one, or one left from an older version: any change tells the app's other
+        tabs), or to show another chat (a write that tells them nothing)."""
+        kept = conversations.switched(self.loaded(store), shown_here)
         shown = self.view(kept)
         # A box whose saved value is the one the page opened with is left alone: a change made in it before this
         # came back stays in it (that change is saved after this: the page's events run one at a time)

@@ -16,10 +16,12 @@
 // here asks first (page.js).
 // As the app mounts, gr.BrowserState reads the store and writes it back at once (the same, encrypted anew): written
 // after another tab's change, that copy undid it, and no tab said so. That write is not made.
+// The chat a tab shows is kept in its sessionStorage too, as it writes the store: a reload of that tab opens it
+// again (ui.py's SHOWN_HERE), rather than the one chosen last in any tab.
 // A write the browser refuses (its storage for the app is full) is said in a note until a write succeeds.
 // The events that carry the store to the server run one at a time. Leaving while a reply streams asks first.
 (() => {
-  const key = STORAGE_KEY, mark = key + "-by", tab = Math.random().toString(36).slice(2);
+  const key = STORAGE_KEY, mark = key + "-by", shownHere = key + "-shown", tab = Math.random().toString(36).slice(2);
   const write = Storage.prototype.setItem, read = Storage.prototype.getItem, stringify = JSON.stringify;
   let leaving = false, marked = null, stale = false, echo = false, writes = 0;
   // A write of the store as text, and what it holds bar the chat shown (its content): gr.BrowserState writes it
@@ -27,10 +29,10 @@
   // the browser holds (this tab's last write, or the last one another tab sent), and what is held.
   const isStore = (value) => value !== null && typeof value === "object" && !Array.isArray(value) &&
                              "version" in value && Array.isArray(value.conversations);
-  let writing = null, written = null, held = null;  // {text, content}; held also {value}: encrypted
+  let writing = null, written = null, held = null;  // {text, content, active}; held also {value}: encrypted
   JSON.stringify = function (value, ...rest) {
     const text = stringify.call(this, value, ...rest);
-    if (isStore(value)) writing = {text, content: stringify.call(JSON, {...value, active: null})};
+    if (isStore(value)) writing = {text, content: stringify.call(JSON, {...value, active: null}), active: value.active};
     return text;
   };
   const channel = typeof BroadcastChannel === "function" ? new BroadcastChannel(key) : null;
@@ -90,6 +92,9 @@
     const store = writing;
     writing = null;
     if (echo) { echo = false; written = store; return; }
+    if (typeof store?.active === "string") {
+      try { sessionStorage.setItem(shownHere, store.active); } catch {}
+    }
     const same = store !== null && store.content === (held ?? written)?.content;  // another chat chosen, or
     if (!stale) return save(value, store, !same);                                  // the other tabs' merged
     if (same && held === null) return;  // nothing here to keep
@@ -191,5 +196,6 @@
     keep,
     replyStreaming,
     takeSent: () => { const text = incoming; incoming = null; return text; },  // for #chat-sync
+    shownHere: () => { try { return sessionStorage.getItem(shownHere); } catch { return null; } },  // as it opens
   };
 })();

@@ -50,6 +50,7 @@ ASK_UNLESS_STREAMING = """() => {
   return confirm(%s);
 }"""
 TAKE_SENT = "() => window.llamaCoreStore.takeSent()"  # the conversations another tab sent (store.js)
+SHOWN_HERE = "(store) => [store, window.llamaCoreStore.shownHere()]"  # the chat this tab showed before a reload
 CLEAR_QUESTION = "Clear this chat? Its messages, every version of them, are removed; this cannot be undone."
 DELETE_QUESTION = "Delete this chat? It and every version of its messages are removed; this cannot be undone."
 OUTPUT_FORMATS = [("Text", "text"), ("JSON", "json"), ("JSON schema", "json_schema"), ("Regular expression", "regex"),
@@ -121,6 +122,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         # Another tab's change: the conversations it sent (store.js), merged into this tab's by sync's click
         sent = gr.Textbox(None, visible=False)
         sync = gr.Button(visible="hidden", elem_id="chat-sync")
+        shown_here = gr.Textbox(None, visible=False)  # as the page opens: the chat this tab showed (store.js)
         with gr.Tabs(elem_id="tabs"):  # one bar: a component between two tabs would start another
             with gr.Tab("Chat", elem_id="chat-tab"), gr.Row(elem_id="chat-row"):
                 with gr.Column(scale=1, min_width=200, elem_id="chat-sidebar"):
@@ -250,7 +252,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         export_json.click(lambda s: chat.export(s, "json"), store, exported, queue=False, **ui)
         export_markdown.click(lambda s: chat.export(s, "md"), store, exported, queue=False, **ui)
         import_button.upload(chat.import_file, [import_button, store, pending], view_outputs, queue=False, **ui)
-        demo.load(chat.restore, store, view_outputs, queue=False, **ui)
+        demo.load(chat.restore, [store, shown_here], view_outputs, js=SHOWN_HERE, queue=False, **ui)
         # An empty Number shown only later (under Advanced, closed) shows, and sends, 0 unless set empty after load.
         demo.load(lambda: None, None, completion_controls[conversations.SETTINGS.index("seed")], queue=False, **ui)
 

@@ -561,3 +561,40 @@ def test_what_another_tab_sent_is_read_only_where_it_is_a_store(sent):
 def test_what_another_tab_sent_reads_as_its_store():
     shared, _, _ = stores_of_two_tabs()
     assert c.sent_store(json.dumps(shared)) == shared
+
+
+# -- a setting saved by the chat tab ---------------------------------------------------------------------------
+SKIP = {"__type__": "update"}  # gr.skip(): a component left as it is
+
+
+def saving_tab():
+    from llama_core.app.chat_tab import ChatTab
+    defaults = {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 256, "top_k": 0, "min_p": 0.0,
+                "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop": "",
+                "seed": None, "output_format": "text", "output_grammar": ""}
+    bounds = {"temperature": (0.0, 2.0, 0.05), "top_p": (0.0, 1.0, 0.05), "max_new_tokens": (1, 512, 1)}
+    return ChatTab(None, SimpleNamespace(system_prompt=""), defaults, bounds, [], [], [], None), defaults
+
+
+def test_a_setting_saved_is_that_one_only_not_what_the_other_boxes_hold():
+    # Every box's value was saved with any one's change: a box another tab had changed (its merge not yet shown
+    # here) went back to the value this tab showed.
+    tab, defaults = saving_tab()
+    store = c.new_store("Be brief.", dict(defaults, temperature=1.3))  # 1.3: what the other tab saved
+    shown = dict(defaults, top_p=0.5)  # this tab's boxes: the old temperature, and top_p just changed
+    saved, *boxes = tab.save_settings("top_p", store, "An older prompt.", *shown.values())
+    settings = c.active(saved)["settings"]
+    assert settings["top_p"] == 0.5 and settings["temperature"] == 1.3
+    assert c.active(saved)["system_prompt"] == "Be brief."
+    assert boxes == [SKIP] * len(c.SETTINGS)
+    saved, *boxes = tab.save_settings("system_prompt", store, "Be verbose.", *shown.values())
+    assert c.active(saved)["system_prompt"] == "Be verbose."
+    assert c.active(saved)["settings"] == c.active(store)["settings"]
+    # typed past its slider's end: saved at the end, and the box shows it; only that box
+    past = dict(shown, max_new_tokens=9999, temperature=-4)
+    saved, *boxes = tab.save_settings("max_new_tokens", store, "Be brief.", *past.values())
+    assert c.active(saved)["settings"]["max_new_tokens"] == 512 and c.active(saved)["settings"]["temperature"] == 1.3
+    assert boxes[c.SETTINGS.index("max_new_tokens")] == 512
+    # the value saved already (the page set it): nothing written
+    nothing, *_ = tab.save_settings("temperature", store, "Be brief.", *dict(defaults, temperature=1.3).values())
+    assert nothing == SKIP

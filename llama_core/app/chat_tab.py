@@ -352,25 +352,32 @@ class ChatTab:
         return self.view(conversations.deleted(self.loaded(store), self.prompts.system_prompt, self.defaults))
 
     def save_settings(self, name: str, store: Any, system_prompt: Any, *controls):
-        """Saves what was typed or chosen into the conversation, when control `name` (the system prompt or a
-        setting) changed it. The values come as the page holds them (the event skips Gradio's checks, which
-        would refuse a slider's box typed past its range, and log it): a number outside its slider's range is
-        saved at the nearest end, and the box shows it; an emptied box keeps the value it had. Where `name`
-        holds the value saved already, the page set it (a load, a switch) and nothing is written: the controls
-        after it may not be shown yet (their old values were saved: a seed and a reply format lost on reload),
-        and the app's other tabs are not told they are stale."""
+        """Saves what was typed or chosen in control `name` (the system prompt or a setting) into the
+        conversation, and only that: the other boxes may hold what another tab changed since, not yet merged
+        here. The values come as the page holds them (the event skips Gradio's checks, which would refuse a
+        slider's box typed past its range, and log it): a number outside its slider's range is saved at the
+        nearest end, and the box shows it; an emptied box keeps the value it had. Where `name` holds the value
+        saved already, the page set it (a load, a switch, a merge) and nothing is written, so the app's other tabs
+        are not told of a change."""
         store = self.loaded(store)
         conversation = conversations.active(store)
+        if name == "system_prompt":
+            value = conversations.kept_setting(name, system_prompt, conversation["system_prompt"])
+            if value == conversation["system_prompt"]:
+                return [gr.skip()] * (1 + len(controls))
+            saved = dict(conversation, system_prompt=value)
+            return [conversations.with_conversation(store, saved), *[gr.skip()] * len(controls)]
         settings = dict(self.defaults, **conversation["settings"])
-        kept = [conversations.kept_setting(setting, value, settings[setting], self.bounds.get(setting))
-                for setting, value in zip(conversations.SETTINGS, controls)]
-        prompt = conversations.kept_setting("system_prompt", system_prompt, conversation["system_prompt"])
-        shown = [gr.skip() if value == typed else value for value, typed in zip(kept, controls)]  # a box's fix
-        if name == "system_prompt" and prompt == conversation["system_prompt"] or \
-                name != "system_prompt" and kept[conversations.SETTINGS.index(name)] == settings[name]:
+        at = conversations.SETTINGS.index(name)
+        value = conversations.kept_setting(name, controls[at], settings[name], self.bounds.get(name))
+        shown = [gr.skip()] * len(controls)
+        if value != controls[at]:  # a box's fix
+            shown[at] = value
+        if value == settings[name]:
             return [gr.skip(), *shown]
-        saved = dict(conversation, system_prompt=prompt, settings=settings_of(kept))
-        return [conversations.with_conversation(store, saved) if saved != conversation else gr.skip(), *shown]
+        saved = dict(conversation, settings=settings_of(settings[setting] if setting != name else value
+                                                        for setting in conversations.SETTINGS))
+        return [conversations.with_conversation(store, saved), *shown]
 
     def export(self, store: Any, kind: str):
         return gr.update(value=self.exports.write(conversations.active(self.loaded(store)), kind), visible=True)

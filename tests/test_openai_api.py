@@ -533,6 +533,64 @@ def test_with_tools_and_a_response_format_a_reply_is_a_call_or_follows_the_forma
     assert response.status == "completed" and response.output[0].type in ("message", "function_call")
 
 
+def test_a_forced_call_is_a_call_whatever_stop_strings_it_holds_and_one_cut_short_is_no_text(served, client,
+                                                                                                model_id):
+    # With a stop string the call's JSON holds, a forced call came back as its text cut there, finish_reason
+    # "stop"; one cut short by max_tokens came back as text ('{"name": "get_'), the server's format for calls.
+    ask = dict(model=model_id, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0)
+    stopped = client.chat.completions.create(**ask, max_tokens=60, stop=[":", '"'])
+    assert called(stopped.choices[0])[0] == "get_weather"
+    for max_tokens in range(1, 16):
+        whole = client.chat.completions.create(**ask, max_tokens=max_tokens).choices[0]
+        chunks = [c.choices[0] for c in client.chat.completions.create(**ask, max_tokens=max_tokens, stream=True)]
+        assert whole.finish_reason == chunks[-1].finish_reason == "length", (max_tokens, whole, chunks)
+        assert not whole.message.content and not "".join(c.delta.content or "" for c in chunks), (max_tokens, whole)
+        calls = [call for c in chunks for call in c.delta.tool_calls or []]
+        assert [(c.function.name, c.function.arguments) for c in calls] == \
+            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+        if whole.message.tool_calls:  # the function told: its arguments as far as written
+            (call,) = whole.message.tool_calls
+            assert call.function.name == "get_weather"
+            assert call.function.arguments == "" or call.function.arguments.startswith("{"), call
+    named = [c.message.tool_calls for c in
+             (client.chat.completions.create(**ask, max_tokens=n).choices[0] for n in range(1, 16))]
+    assert any(named) and not all(named)  # cut short before the name, and after it
+    response = client.responses.create(model=model_id, input=ASK, tools=[{"type": "function", **WEATHER["function"]}],
+                                       tool_choice="required", max_output_tokens=12, temperature=0)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    (item,) = response.output
+    assert item.type == "function_call" and item.status == "incomplete" and item.name == "get_weather"
+    going_on = client.responses.create(model=model_id, previous_response_id=response.id, input="Go on.",
+                                       max_output_tokens=4, temperature=0)  # the cut call kept as the text it was
+    assert going_on.status in ("completed", "incomplete")
+    events = list(client.responses.create(model=model_id, input=ASK, tools=[{"type": "function", **WEATHER["function"]}],
+                                          tool_choice="required", max_output_tokens=12, temperature=0, stream=True))
+    assert events[-1].type == "response.incomplete"
+    streamed = events[-1].response
+    assert streamed.status == "incomplete" and streamed.output[0].type == "function_call"
+    assert [e.delta for e in events if e.type == "response.function_call_arguments.delta"] == [item.arguments]
+    assert streamed.output[0].arguments == item.arguments
+
+
+def test_a_call_cut_short_is_told_by_what_it_wrote():
+    from llama_core.openai_api.schemas import Tool
+    from llama_core.openai_api.tools import Call, call_made, check_tools, is_call
+
+    functions = check_tools([Tool(**WEATHER), Tool(**SUMMON), Tool(**{**SUMMON, "function": {
+        **SUMMON["function"], "name": "summon_all"}})])
+    whole = '{"name": "get_weather", "arguments": {"city": "Verona"}}'
+    assert call_made(whole, functions, "eos") == Call("get_weather", '{"city": "Verona"}')
+    assert call_made(whole[:-7], functions, "length") == Call("get_weather", '{"city": "Ve', complete=False)
+    assert call_made('{"name": "get_w', functions, "length") == Call("get_weather", "", complete=False)
+    assert call_made('{"name": "summon', functions, "length") is None  # summon, or summon_all
+    assert call_made('{"name": "summon"', functions, "stop") == Call("summon", "", complete=False)
+    for cut in ("{", '{"na', '{"name": "', '{"name": "summon'):
+        assert is_call(cut, functions) and call_made(cut, functions, "length") is None
+    for text in ("Sunny.", '{"verdict": "ay"}', '{"name": "Romeo"}'):  # text, or JSON of a response format
+        assert not is_call(text, functions) and call_made(text, functions, "eos") is None
+    assert not is_call(whole, [])
+
+
 def test_a_conversation_goes_on_after_a_tool_result(client, model_id):
     """The call and its result go back into the dialog; with tool_choice auto the reply is text or another
     call, and a text reply streams as it is written."""
@@ -634,6 +692,17 @@ def test_a_user_message_after_tool_results_is_answered_on_both_apis(served, clie
         *ASK, {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Verona"}'},
         {"type": "function_call_output", "call_id": "c1", "output": "Sunny"}, {"role": "user", "content": "And tomorrow?"}])
     assert response.output_text == reply.choices[0].message.content  # the same dialog, the same greedy reply
+    parts = client.responses.create(model=model_id, max_output_tokens=4, temperature=0, input=[
+        *ASK, {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Verona"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "Sun"},
+                                                                     {"type": "input_text", "text": "ny"}]},
+        {"role": "user", "content": "And tomorrow?"}])  # an output as text parts, as the SDK's types allow
+    assert parts.output_text == response.output_text
+    unknown = raw(served, "POST", "/responses", {"max_output_tokens": 4, "input": [
+        *ASK, {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c2", "output": "Sunny"}]})
+    assert unknown.status_code == 400 and error_of(unknown)["param"] == "input[2].call_id", unknown.text
+    assert "call_id 'c2'" in error_of(unknown)["message"] and "input[1]" in error_of(unknown)["message"]
 
 
 def test_any_order_of_roles_openai_takes_is_laid_out_as_llama_2s_turns():
@@ -692,6 +761,15 @@ def test_a_reply_started_by_the_caller_is_continued(served, client, model_id):
                    {"role": "tool", "tool_call_id": "1", "content": "x"}]}, "messages[4].role"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{"}}]},
                    {"role": "tool", "tool_call_id": "1", "content": "x"}]}, "messages[1].tool_calls[0].function.arguments"),
+    # a result must name the call it answers (it was taken as the function's whatever it named, or none)
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "2", "content": "x"}]}, "messages[2].tool_call_id"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "content": "x"}]}, "messages[2].tool_call_id"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "1", "content": "x"}, {"role": "user", "content": "y"},
+                   {"role": "assistant", "tool_calls": [{"id": "2", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "1", "content": "x"}]}, "messages[5].tool_call_id"),  # an older call
 ])
 def test_a_bad_tool_request_is_a_400_naming_the_field(served, body, param):
     response = raw(served, "POST", "/chat/completions", {"messages": ASK, **body})
@@ -726,9 +804,9 @@ def test_vllms_guided_fields_hold_the_reply_on_both_routes(client, model_id, ext
 
 
 def test_a_grammar_that_fails_after_its_start_is_the_requests_error_not_the_servers(served):
-    """`a{1000000}` passes the check at submit and then exceeds llguidance's lexer: a 400, and in a stream an
-    error event of the same type (a 500 says a bug here)."""
-    body = {"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0, "guided_regex": "a{1000000}"}
+    """`a|[b-z]{2}a{1000000}` passes the check of its first steps (`a`) and the reply (two letters) then exceeds
+    llguidance's lexer: a 400, and in a stream an error event of the same type (a 500 says a bug here)."""
+    body = {"prompt": "ROMEO:", "max_tokens": 8, "temperature": 0, "guided_regex": "a|[b-z]{2}a{1000000}"}
     response = raw(served, "POST", "/completions", body)
     assert response.status_code == 400 and "lexer error" in error_of(response)["message"], response.text
     assert error_of(response)["type"] == "invalid_request_error"

@@ -148,7 +148,10 @@ class ChatReply(Reply):
             message, finish = {"role": "assistant", "content": text, "refusal": None}, self.finish_reason(i)
             call = self._call(i, text)
             if call is not None:
-                message, finish = {**message, "content": None, "tool_calls": [tools.tool_call(call)]}, "tool_calls"
+                message = {**message, "content": None, "tool_calls": [tools.tool_call(call)]}
+                finish = "tool_calls" if call.complete else finish
+            elif tools.is_call(text, self.functions):  # cut short before its function could be told
+                message = {**message, "content": ""}
             choices.append({"index": i, "message": message, "logprobs": self._logprobs(i, chunks),
                             "finish_reason": finish})
         return {"choices": choices}
@@ -170,8 +173,12 @@ class ChatReply(Reply):
             call = self._call(batch.index, text) if batch.done else None
             if call is not None:  # the call, then its end alone, as OpenAI sends them (clients finish a call so)
                 delta = {**role, "content": None, "tool_calls": [{"index": 0, **tools.tool_call(call)}]}
+                finish = "tool_calls" if call.complete else self.finish_reason(batch.index)
                 return [self._chunk(batch.index, delta, self._logprobs(batch.index, held), None),
-                        self._chunk(batch.index, {}, None, "tool_calls")]
+                        self._chunk(batch.index, {}, None, finish)]
+            if batch.done and tools.is_call(text, self.functions):  # cut short before its function could be told
+                return [self._chunk(batch.index, {**role, "content": ""}, self._logprobs(batch.index, held), None),
+                        self._chunk(batch.index, {}, None, self.finish_reason(batch.index))]
             chunks = held
         text = "".join(c.text for c in chunks)
         logprobs = self._logprobs(batch.index, chunks)
@@ -180,7 +187,7 @@ class ChatReply(Reply):
             return [self._chunk(batch.index, {**role, "content": text}, logprobs, finish)]
         return [self._chunk(batch.index, {}, None, finish)] if batch.done else []
 
-    def _call(self, index: int, text: str) -> Optional[dict[str, Any]]:
+    def _call(self, index: int, text: str) -> Optional[tools.Call]:
         return tools.call_made(text, self.functions, self.streams[index].finish_reason)
 
     def _chunk(self, index: int, delta: dict, logprobs: Optional[dict], finish: Optional[str]) -> dict[str, Any]:

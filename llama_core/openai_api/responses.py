@@ -87,7 +87,8 @@ def chat_messages(body: ResponsesRequest, earlier: list[ChatMessage]) -> tuple[l
                 messages.append(ChatMessage(role="assistant", tool_calls=[call]))
                 origin.append(i)
         elif kind == "function_call_output":
-            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output or ""))
+            messages.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                        content="" if item.output is None else _content(item.output)))
             origin.append(i)
         else:
             raise APIError(400, f"input[{i}] is a {kind!r} item; this server reads message, function_call and "
@@ -148,6 +149,8 @@ def renamed(error: APIError, origin: list[Optional[int]]) -> APIError:
     def rename(text: str) -> str:
         text = re.sub(r"messages\[(\d+)\]", item, text)
         text = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text)
+        text = re.sub(r"\.tool_call_id\b", ".call_id", text)
+        text = re.sub(r"\btool_call_id\b", "call_id", text)
         for old, new in FIELDS.items():
             text = re.sub(rf"(?<![\w.\[]){re.escape(old)}(?![\w\[])", new, text)
         return text
@@ -202,15 +205,17 @@ class ResponseWriter:
     def status(self) -> str:
         return "incomplete" if self.stream.finish_reason == "length" else "completed"
 
-    def call(self, text: str) -> Optional[dict[str, Any]]:
+    def call(self, text: str) -> Optional[tools.Call]:
         return tools.call_made(text, self.functions, self.stream.finish_reason)
 
     def items(self, text: str) -> list[dict[str, Any]]:
         call = self.call(text)
-        if call is not None:
-            made = tools.tool_call(call)
-            return [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": made["id"],
-                     "name": call["name"], "arguments": made["function"]["arguments"], "status": "completed"}]
+        if call is not None:  # "incomplete" where max_output_tokens (or a stop string) cut it short
+            return [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": tools.tool_call(call)["id"],
+                     "name": call.name, "arguments": call.arguments,
+                     "status": "completed" if call.complete else "incomplete"}]
+        if tools.is_call(text, self.functions):  # cut short before its function could be told
+            text = ""
         return [self.message(text, self.status())]  # "incomplete" where max_output_tokens cut it
 
     def message(self, text: Optional[str], status: str) -> dict[str, Any]:
@@ -230,7 +235,10 @@ class ResponseWriter:
         if self.store is not None:
             said = []
             for item in response["output"]:
-                if item["type"] == "function_call":
+                if item["type"] == "function_call" and item["status"] == "incomplete":  # as the reply wrote it
+                    said.append(ChatMessage(role="assistant", content=f'{{"name": "{item["name"]}", "arguments": '
+                                            f'{item["arguments"]}'))
+                elif item["type"] == "function_call":
                     said.append(ChatMessage(role="assistant", tool_calls=[ToolCall(id=item["call_id"], function=(
                         FunctionCall(name=item["name"], arguments=item["arguments"])))]))
                 else:
@@ -262,6 +270,8 @@ class ResponseWriter:
                     async for event in self._call_events(piece):
                         yield event
                     return
+                if batch.done and tools.is_call(piece, self.functions):  # cut short before its function was told
+                    piece = ""
             if (piece or batch.done) and not started:
                 started = True
                 yield self.event("response.output_item.added", output_index=0, item=self.message(None, "in_progress"))
@@ -287,4 +297,5 @@ class ResponseWriter:
         yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=0,
                          name=item["name"], arguments=item["arguments"])
         yield self.event("response.output_item.done", output_index=0, item=item)
-        yield self.event("response.completed", response=self.kept(self.response("completed", [item])))
+        status = self.status()
+        yield self.event(f"response.{status}", response=self.kept(self.response(status, [item])))

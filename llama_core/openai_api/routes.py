@@ -138,6 +138,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                                          top_logprobs=body.top_logprobs or 0)
             if functions:
                 controls["grammar"] = call_grammar(functions, required, body.response_format)
+            if required:  # the reply is a call, ended by its grammar: stop strings are for text replies
+                controls["stop"] = ()
             return controls
 
         controls = await aio.submitted(reply_controls, size)
@@ -183,6 +185,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                 controls = sampling_controls(chat, logprobs=False)
                 if functions:
                     controls["grammar"] = call_grammar(functions, required, chat.response_format)
+                if required:  # as on the chat route
+                    controls["stop"] = ()
                 return controls
 
             controls = await aio.submitted(reply_controls, size)

@@ -155,7 +155,7 @@ class InputItem(_Request):
     call_id: Optional[StrictStr] = None  # a function call, or its output
     name: Optional[StrictStr] = None
     arguments: Optional[StrictStr] = None
-    output: Optional[StrictStr] = None
+    output: Union[StrictStr, list[TextPart], None] = None  # a function call's output: text, or text parts
 
 
 class TextFormat(_Request):

@@ -119,30 +119,68 @@ def call_grammar(functions: list[Function], required: bool, reply_schema: Option
                         name="tools")
 
 
+def is_call(text: str, functions: list[Function]) -> bool:
+    """Whether a reply is a call, or was to be one (cut short, even before its function could be told): its
+    text is then never the reply's content."""
+    text = text.lstrip()
+    if not functions or not text.startswith("{"):
+        return False
+    if '{"name": "'.startswith(text):
+        return True
+    written = PARTIAL_CALL.match(text)
+    return written is not None and any(f.name == written["name"] if written["closed"] else
+                                       f.name.startswith(written["name"]) for f in functions)
+
+
 def may_be_call(text: str) -> bool:
     """Whether a reply that begins so may still be a call: a streamed reply holds its text back until not."""
     return not text.strip() or text.lstrip().startswith("{")
 
 
-def call_made(text: str, functions: list[Function], finish_reason: Optional[str]) -> Optional[dict[str, Any]]:
-    """The call a finished reply makes ({"name", "arguments"}), or None for a reply that is text, or that did not
-    end by itself (a call cut short by the token limit is no call)."""
-    if not functions or finish_reason not in ("eos", "stop") or not text.lstrip().startswith("{"):
+@dataclass(frozen=True)
+class Call:
+    """A call a finished reply made. complete False: the reply was cut short in it (by the token limit, or a stop
+    string with tool_choice "auto"), its arguments then the JSON text as far as it was written."""
+
+    name: str
+    arguments: str  # JSON text
+    complete: bool = True
+
+
+# A call's text as the grammar writes it (JSON_OPTIONS' separators), its name and arguments as far as written
+PARTIAL_CALL = re.compile(r'\{"name": "(?P<name>[A-Za-z0-9_-]*)(?P<closed>")?(?:, "arguments": (?P<arguments>.*))?',
+                          re.DOTALL)
+
+
+def call_made(text: str, functions: list[Function], finish_reason: Optional[str]) -> Optional[Call]:
+    """The call a finished reply makes, or None for a reply that is text. A reply that starts with "{" is a call
+    (the grammar lets no text start so): one cut short is an incomplete call, never text, where its name is
+    written far enough to tell which function it calls."""
+    if not is_call(text, functions):
         return None
+    text = text.lstrip()
+    names = {f.name for f in functions}
     try:
         call = json.loads(text)
     except ValueError:
+        call = None
+    if (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments"), dict)
+            and finish_reason in ("eos", "stop")):
+        return Call(call["name"], json.dumps(call["arguments"]))
+    written = PARTIAL_CALL.match(text)
+    if written is None:
         return None
-    if (not isinstance(call, dict) or call.get("name") not in {f.name for f in functions}
-            or not isinstance(call.get("arguments"), dict)):
+    named = [name for name in names if name == written["name"] or not written["closed"] and
+             name.startswith(written["name"])]
+    if len(named) != 1:  # cut short in a name that more than one function's begins with
         return None
-    return call
+    return Call(named[0], written["arguments"] or "", complete=False)
 
 
-def tool_call(call: dict[str, Any]) -> dict[str, Any]:
+def tool_call(call: Call) -> dict[str, Any]:
     """A call as the OpenAI API gives it: its arguments as JSON text, with an id for the result to name."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def history_turns(messages: list[ChatMessage]) -> list[tuple[int, str, Optional[str]]]:
@@ -150,26 +188,33 @@ def history_turns(messages: list[ChatMessage]) -> list[tuple[int, str, Optional[
     have written, tool results merged into one user turn naming each call; None text for a message whose
     content the caller's own checks read (every other message)."""
     turns: list[tuple[int, str, Optional[str]]] = []
-    names: dict[str, str] = {}  # tool_call_id -> the function called
+    names: dict[str, str] = {}  # tool_call_id -> the function called, of the calls the tool messages answer
     answering = False  # the message before was an assistant's calls, or a result of them
+    calling = 0  # the index of the assistant's message with those calls
     for i, message in enumerate(messages):
         if message.role == "tool" and not answering:
             raise APIError(400, f"messages[{i}] has role 'tool' but answers no call: a tool message follows an "
                            "assistant message with tool_calls", param=f"messages[{i}].role")
+        if message.role == "tool" and message.tool_call_id not in names:
+            given = "has no tool_call_id" if message.tool_call_id is None else \
+                f"has tool_call_id {message.tool_call_id!r:.80}"
+            raise APIError(400, f"messages[{i}] is a tool result that {given}: it must be the id of the call it "
+                           f"answers, one of those in messages[{calling}]", param=f"messages[{i}].tool_call_id")
         answering = message.role == "tool" or (message.role == "assistant" and bool(message.tool_calls))
         if message.role == "assistant" and message.tool_calls:
-            calls = []
+            names, calling, calls = {}, i, []
             for j, call in enumerate(message.tool_calls):
                 try:
                     arguments = json.loads(call.function.arguments)
                 except ValueError:
                     raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON",
                                    param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
-                names[call.id or ""] = call.function.name
+                if call.id is not None:
+                    names[call.id] = call.function.name
                 calls.append(json.dumps({"name": call.function.name, "arguments": arguments}))
             turns.append((i, "assistant", "\n".join(calls)))
         elif message.role == "tool":
-            name = names.get(message.tool_call_id or "", message.name or "the function")
+            name = names[message.tool_call_id]
             result = f"{name} returned: {_result_text(message.content, i)}"
             if turns and turns[-1][1] == "tool":
                 result = f"{turns[-1][2]}\n{result}"

@@ -13,15 +13,17 @@ that (llguidance's JSON options, e.g. `{"whitespace_flexible": true}`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from .errors import InvalidRequestError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GRAMMAR_CHARS = 100_000  # the longest schema, pattern or grammar accepted, as text
 KINDS = ("json", "regex", "lark")
+FIRST_STEPS = 16  # bytes a grammar is followed for when it is made: where its lexer meets llguidance's limits
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,11 @@ class Grammar:
             raise InvalidRequestError(f"{name} is nested too deeply") from None
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"{name} is not a JSON Schema this server can follow: {exc}") from None
-        return cls._checked("json", grammar, name)
+        checked = cls._checked("json", grammar, name)
+        for pattern in _patterns(schema):  # each from its start: one deep in the schema is met late in a reply
+            whole = {"type": "string", "pattern": f"^(?:{pattern})$"}
+            _follow_first_steps(_matcher_class().grammar_from_json_schema(whole, defaults=JSON_OPTIONS), name)
+        return checked
 
     @classmethod
     def json_text(cls, text: str, name: str = "schema") -> "Grammar":
@@ -110,12 +116,64 @@ class Grammar:
         if failed:
             message = messages[0].split("(in regex): ", 1)[-1] if kind == "regex" else messages[0]
             raise InvalidRequestError(f"{name} is not valid: {first_lines(message)}")
+        _follow_first_steps(grammar, name)
         return cls(kind, grammar)
 
 
 def _check_length(text: str, name: str) -> None:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise InvalidRequestError(f"{name} must be at most {MAX_GRAMMAR_CHARS:,} characters, got {len(text):,}")
+
+
+def _follow_first_steps(grammar: str, name: str) -> None:
+    """Builds the grammar's matcher, lexer included, and follows it for its first FIRST_STEPS bytes (the
+    lowest each time): llguidance builds its lexer as a reply goes, so a grammar within its limits when it is
+    validated may still pass them there (`(a{1000}){1000}`, a million bytes forced) and fail a reply at its
+    first token. Raises InvalidRequestError naming `name` where it does (or fails otherwise: a schema that only
+    refers to itself); about a millisecond where it does not."""
+    matcher = _matcher_class()(_byte_tokenizer(), grammar, log_level=0)
+    for _ in range(FIRST_STEPS):
+        if matcher.is_error() or matcher.is_stopped():
+            break
+        mask = matcher.compute_bitmask()  # a bit a byte, the end of sequence last
+        lowest = next((b for b in range(256) if mask[b // 8] >> (b % 8) & 1), None)
+        if lowest is None:
+            break
+        matcher.consume_token(lowest)
+    if matcher.is_error():
+        raise InvalidRequestError(unfollowable(name, matcher.get_error()))
+
+
+def _patterns(schema: Any) -> Iterator[str]:
+    """The regular expressions of a JSON Schema's string `pattern`s, however deep."""
+    if isinstance(schema, list):
+        for item in schema:
+            yield from _patterns(item)
+    elif isinstance(schema, dict):
+        for key, value in schema.items():
+            if key == "pattern" and isinstance(value, str):
+                yield value
+            elif key not in ("enum", "const", "default", "examples"):
+                yield from _patterns(value)
+
+
+class _Bytes:
+    """A tokenizer whose tokens are the 256 bytes, and an end of sequence: a grammar's first steps as bytes."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"\xffend"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_tokenizer():
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    return LLTokenizer(TokenizerWrapper(_Bytes()))
 
 
 def _matcher_class():
@@ -127,6 +185,15 @@ def _matcher_class():
         raise InvalidRequestError(f"replies held to a grammar need llguidance, which is not installed here: pip "
                                   f"install 'llguidance>=1.0,<2' ({exc})") from None
     return LLMatcher
+
+
+def unfollowable(name: str, error: str) -> str:
+    """What to say of the grammar `name` that llguidance could not follow, saying `error`: past its limits on
+    the work a grammar may take (not ones a caller sets), it is too large or too complex."""
+    error = first_lines(error, 1)
+    if "limits." in error or error.startswith("lexer error"):
+        return f"{name} is too large or too complex for this server to follow (llguidance: {error})"
+    return f"{name} cannot be followed: {error}"
 
 
 def first_lines(message: str, lines: int = 3) -> str:

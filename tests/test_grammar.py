@@ -65,6 +65,12 @@ def follows_person(value) -> bool:
     (lambda: Grammar.regex("a" * 100_001), "pattern must be at most 100,000 characters"),
     (lambda: SamplingParams(grammar='{"type": "object"}'), "grammar must be a llama_core.Grammar"),
     (lambda: Grammar("xml", "{}"), "a Grammar is made by Grammar.json"),
+    # valid, but past llguidance's lexer at the first token (a million bytes forced): refused when made
+    (lambda: Grammar.regex("(a{1000}){1000}"), "pattern is too large or too complex for this server to follow"),
+    (lambda: Grammar.regex("[A-Z]{2}-a{1000000}"), "pattern is too large or too complex"),
+    (lambda: Grammar.lark('start: "hi " /(a{1000}){1000}/'), "grammar is too large or too complex"),
+    (lambda: Grammar.json({"type": "object", "properties": {"name": {"type": "string"}, "code": {
+        "type": "string", "pattern": "(a{1000}){1000}"}}}), "schema is too large or too complex"),  # met late
 ])
 def test_a_bad_grammar_is_refused_naming_what_is_wrong(make, named):
     with pytest.raises(InvalidRequestError, match=re.escape(named)):
@@ -266,9 +272,11 @@ def test_a_chat_grammar_that_needs_a_dialog_tag_is_refused_or_fails_saying_so(ll
 
 
 def test_a_grammar_past_the_lexers_limits_after_its_start_fails_as_the_requests_own_error(llama):
-    """`a{1000000}` begins (its first token is checked at submit) and then needs more of llguidance's lexer than
-    it allows: the request fails as an InvalidRequestError, not as the engine's failure, and the engine goes on."""
-    stream = llama.engine.submit(token_ids(llama, "ROMEO:"), 8, temperature=0, grammar=Grammar.regex("a{1000000}"))
+    """`a|[b-z]{2}a{1000000}` passes the check of its first steps (`a`) and the reply (two letters) then needs
+    more of llguidance's lexer than it allows: the request fails as an InvalidRequestError, not as the engine's
+    failure, and the engine goes on."""
+    stream = llama.engine.submit(token_ids(llama, "ROMEO:"), 8, temperature=0,
+                                 grammar=Grammar.regex("a|[b-z]{2}a{1000000}"))
     with pytest.raises(GrammarFailedError, match="the reply left its grammar: lexer error") as failure:
         list(stream)
     assert isinstance(failure.value, InvalidRequestError) and isinstance(failure.value, RequestFailedError)
@@ -276,7 +284,7 @@ def test_a_grammar_past_the_lexers_limits_after_its_start_fails_as_the_requests_
 
 
 def test_a_grammar_no_reply_can_begin_is_refused_at_once(llama):
-    with pytest.raises(InvalidRequestError, match="the grammar cannot be followed"):
+    with pytest.raises(InvalidRequestError, match="schema cannot be followed"):  # when made
         llama.engine.submit(token_ids(llama, "ROMEO:"), 5, grammar=Grammar.json({"$ref": "#"}))
 
 

@@ -11,7 +11,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from ..errors import InvalidRequestError
-from ..grammar import Grammar, first_lines
+from ..grammar import Grammar, first_lines, unfollowable
 from ..tokenizer import Tokenizer
 
 
@@ -28,10 +28,7 @@ class GrammarMatcher:
         vocabulary = _Vocabulary.of(tokenizer)
         self._matcher = LLMatcher(vocabulary.llguidance, grammar.text, log_level=0)
         if self._matcher.is_error():
-            error = first_lines(self._matcher.get_error())
-            if "limits." in error:  # llguidance's bounds on the work a grammar may take, not ones a caller sets
-                error = f"it is too large or too complex for this server (llguidance: {error})"
-            raise InvalidRequestError(f"the grammar cannot be followed: {error}")
+            raise InvalidRequestError(unfollowable("the grammar", self._matcher.get_error()))
         self.words = tokenizer.n_words
         self.eos = tokenizer.eos_id
         self.other_ends = sorted(t for t in set(end_ids) - {self.eos} if t < tokenizer.n_words)  # others never drawn
@@ -45,7 +42,7 @@ class GrammarMatcher:
         lexer's limits, a schema that only refers to itself) or allows none (in a chat, only a dialog tag)."""
         allowed = self.allowed(vocab_size)
         if self._matcher.is_error():
-            raise InvalidRequestError(f"the grammar cannot be followed: {self.error}")
+            raise InvalidRequestError(unfollowable("the grammar", self._matcher.get_error()))
         allowed[[t for t in (self.eos, *self.other_ends) if t < vocab_size]] = False
         if not self.accepting and not bool(allowed.any()):
             raise InvalidRequestError(f"no reply can follow the grammar{self._stuck}")

@@ -561,6 +561,22 @@ def test_a_message_whose_reply_a_reload_cut_off_goes_back_to_the_box(page, monke
     expect(page.locator("#chat-input textarea")).to_have_value("")
 
 
+def test_a_message_sent_while_the_server_is_out_of_reach_is_in_the_box_after_the_reload(page):
+    # Gradio reloads the page once the server is back: the message sent meanwhile was gone (UI pass).
+    new_chat(page)
+    page.route("**/gradio_api/**", lambda route: route.abort())
+    try:
+        send(page, "Sent while the server was away.")
+        page.wait_for_timeout(1000)
+        expect(page.locator("#chat-input textarea")).to_have_value("Sent while the server was away.")
+    finally:
+        page.unroute("**/gradio_api/**")
+    page.reload()
+    expect(page.locator("#chat-input textarea")).to_have_value("Sent while the server was away.")
+    expect(page.locator('#chatbot [data-testid="user"]')).to_have_count(0)
+    page.fill("#chat-input textarea", "")
+
+
 def test_an_example_whose_reply_a_reload_cut_off_goes_back_to_the_box_whole(page, monkeypatch):
     # Only a message typed came back; an example clicked was lost (the page shows a long one cut short).
     monkeypatch.setattr(streaming, "replies", replies_held_open(600, " …"))  # until the reload
@@ -903,6 +919,24 @@ def test_html_in_a_message_cannot_cover_the_page(page):
         assert not hit, (x, y)
     page.click("#chat-new")  # the page still takes clicks
     expect(page.locator("#chatbot #cover")).to_have_count(0)
+
+
+def test_a_message_shows_no_image_of_another_site(page):
+    # An image in a message (an imported chat's, a reply's), as HTML or Markdown, was fetched from its site as the
+    # chat opened: a tracking pixel (UI pass). The page takes images from its own server only.
+    fetched, refused = [], []
+    page.route("http://127.0.0.1:9/**", lambda route: (fetched.append(route.request.url), route.abort()))
+    page.on("console", lambda message: "Content Security Policy" in message.text and refused.append(message.text))
+    try:
+        new_chat(page)
+        send(page, '<img id="pixel" src="http://127.0.0.1:9/pixel.png"> and ![a pixel](http://127.0.0.1:9/md.png)')
+        expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+        expect(page.locator("#chatbot #pixel")).to_have_count(1)  # shown as the message has it, not fetched
+        page.wait_for_timeout(500)
+        assert fetched == [] and refused, (fetched, refused)
+        assert all("127.0.0.1:9" in text for text in refused), refused  # the page's own images and fonts load
+    finally:
+        page.unroute("http://127.0.0.1:9/**")
 
 
 def two_tabs(served, browser, merging: bool):

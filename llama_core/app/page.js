@@ -65,7 +65,8 @@
     refocus();
   }, true);
   // A message sent is kept in this tab's sessionStorage until its turn ends: leaving or reloading the page before
-  // (the reply is not kept then) puts it back in the box when the page opens again, unless the chat shows it.
+  // (the reply is not kept then), or before the server took it, puts it back in the box when the page opens again,
+  // unless the chat shows it.
   const unsent = key + "-unsent";
   let sentSeen = false;
   const sending = (event, text) => {  // the box's text, or an example's
@@ -97,8 +98,10 @@
     if (streaming()) sentSeen = true;
     else if (sentSeen) sessionStorage.removeItem(unsent);
   }, 250);
-  window.addEventListener("pagehide", () => {  // kept only where the page goes while its turn runs
-    if (!streaming()) sessionStorage.removeItem(unsent);
+  window.addEventListener("pagehide", () => {  // kept only where the page goes while its turn runs, or before it
+    const left = sessionStorage.getItem(unsent);  // began (the server out of reach, the message still in the box:
+    const box = document.querySelector("#chat-input textarea");  // Gradio reloads the page once it is back)
+    if (!streaming() && !(left !== null && box?.value.trim() === left.trim())) sessionStorage.removeItem(unsent);
   });
   const left = sessionStorage.getItem(unsent);
   if (left !== null) {

@@ -786,3 +786,65 @@ def test_the_apps_engine_in_this_process_is_closed_when_it_fails_to_start(meta_c
     monkeypatch.undo()
     with Engine(loaded[0], seed=0) as engine:  # another engine may serve the model
         assert len(_collect(engine.submit([1, 5, 9], 4, temperature=0))) == 4
+
+
+# -- a prompt that fills the context ---------------------------------------------------------------------
+FULL = 64  # the context of the engines below
+
+
+@pytest.fixture(scope="module")
+def short_context(llama) -> Llama:
+    """The same weights with a context of FULL tokens."""
+    return Llama.build(engine_model_dir(), max_seq_len=FULL, max_batch_size=2, seed=0)
+
+
+def _words(llama, count: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    tokens = [llama.tokenizer.bos_id]
+    while len(tokens) < count:
+        tokens += llama.tokenizer.encode(" " + rng.choice("the king and queen of my lord good night".split()),
+                                         bos=False, eos=False)
+    return tokens[:count]
+
+
+def _scored(engine, prompt: list[int]) -> tuple[list[float], int, float, str]:
+    """(prompt logprobs, the token drawn after it greedily, its logprob, finish reason) of a one-token reply."""
+    stream = engine.submit(prompt, 1, temperature=0, prompt_logprobs=True)
+    chunks = list(stream)
+    assert len(chunks) == 1
+    return stream.prompt_logprobs, chunks[0].token, chunks[0].logprob, stream.finish_reason
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 16])
+def test_a_prompt_filling_the_context_is_scored_as_in_a_longer_one(llama, short_context, prefill_chunk):
+    """echo with max_tokens 0 (lm-evaluation-harness's windows): one token drawn after a prompt of max_seq_len
+    tokens needs no place in the cache, so the prompt is accepted, whole or a chunk at a time, and scored as a
+    model with room to spare scores it."""
+    prompt = _words(llama, FULL, seed=3)
+    with llama.serve() as roomy:
+        expected = _scored(roomy, prompt)
+    with contextlib.closing(Engine(short_context.loaded, seed=0, prefill_chunk=prefill_chunk).start()) as engine:
+        lps, token, logprob, finish = _scored(engine, prompt)
+        assert len(lps) == FULL - 1 and lps == pytest.approx(expected[0], abs=1e-4)
+        assert (token, finish) == (expected[1], "length") and logprob == pytest.approx(expected[2], abs=1e-4)
+        with pytest.raises(ContextLengthError, match=f"prompt has {FULL + 1} tokens, but max_seq_len is {FULL}: "
+                                                     f"it must be at most {FULL}$"):
+            engine.submit(prompt + [prompt[1]], 1, prompt_logprobs=True)
+        with pytest.raises(ContextLengthError, match=f"it must be at most {FULL - 1} to leave room for a reply"):
+            engine.submit(prompt, 2)
+
+
+def test_a_prompt_filling_the_context_is_prefilled_alone_not_padded_over(llama, short_context):
+    """Its last position is the cache's last: a padded batch would write a longer batch-mate's padding there.
+    Its prefix cached (63 tokens) and admitted with a 40-token prompt, it draws what it draws alone."""
+    prompt, other = _words(llama, FULL, seed=4), _words(llama, 40, seed=5)
+    with contextlib.closing(Engine(short_context.loaded, seed=0, prefix_caching=False).start()) as engine:
+        alone = [(c.token, c.logprob) for c in engine.submit(prompt, 1, temperature=0)]
+    with contextlib.closing(Engine(short_context.loaded, seed=0).start()) as engine:
+        list(engine.submit(prompt, 1, temperature=0))  # its slot now holds it
+        with engine._wakeup:  # the loop can't admit until both are queued
+            cached, beside = engine.submit(prompt, 1, temperature=0), engine.submit(other, 1, temperature=0)
+        drawn = [(c.token, c.logprob) for c in cached]
+        list(beside)
+    assert cached.cached_tokens == FULL - 1
+    assert [t for t, _ in drawn] == [t for t, _ in alone] and drawn[0][1] == pytest.approx(alone[0][1], abs=1e-4)

@@ -1619,3 +1619,21 @@ def test_any_responses_body_gets_a_response_or_an_error_naming_the_problem(serve
 def test_the_server_still_serves_after_every_kind_of_bad_body(client, model_id):
     reply = client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=4, temperature=0)
     assert reply.choices[0].text and reply.usage.completion_tokens == 4
+
+
+def test_echo_with_max_tokens_0_scores_a_prompt_that_fills_the_context(client, model_id, served):
+    """lm-evaluation-harness's windows: max_seq_len token ids, echo, max_tokens 0, logprobs. Nothing is written,
+    so the whole context is the prompt's: every token scored (the first with nothing before it), each as a
+    shorter prompt before it scores it; one token more is past the context."""
+    engine = served[0]
+    max_seq_len = engine.info.max_seq_len
+    text = " ".join(["ROMEO: But soft, what light through yonder window breaks?"] * max_seq_len)
+    window = engine.tokenizer.encode(text, bos=True, eos=False)[:max_seq_len]
+    scored = client.completions.create(model=model_id, prompt=window, max_tokens=0, echo=True, logprobs=1)
+    logprobs = scored.choices[0].logprobs.token_logprobs
+    assert scored.usage.prompt_tokens == max_seq_len and scored.usage.completion_tokens == 0
+    assert len(logprobs) == max_seq_len and logprobs[0] is None and None not in logprobs[1:]
+    head = client.completions.create(model=model_id, prompt=window[:100], max_tokens=0, echo=True, logprobs=1)
+    assert logprobs[1:100] == pytest.approx(head.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match=f"has {max_seq_len + 1} tokens.*at most {max_seq_len}"):
+        client.completions.create(model=model_id, prompt=window + window[1:2], max_tokens=0, echo=True, logprobs=1)

@@ -155,7 +155,8 @@ class GenerationRequest:
         ContextLengthError naming what is wrong (the prompt as `name`). A prediction longer than the context
         is cut to it (no reply is longer). client: who sends it (see check_client)."""
         max_new_tokens = check_max_new_tokens(max_new_tokens, max_seq_len)
-        tokens = check_prompt_tokens(prompt_tokens, vocab_size, max_seq_len, name)
+        tokens = check_prompt_tokens(prompt_tokens, vocab_size, max_seq_len, name,
+                                     one_token_reply=max_new_tokens == 1)
         if not isinstance(prediction_tokens, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prediction_tokens):
             raise InvalidRequestError(f"prediction_tokens must be token ids in [0, {vocab_size})")
@@ -226,9 +227,12 @@ def whole_number(value: Any) -> Any:
     return value
 
 
-def check_prompt_tokens(prompt_tokens: Any, vocab_size: int, max_seq_len: int, name: str = "prompt") -> tuple[int, ...]:
+def check_prompt_tokens(prompt_tokens: Any, vocab_size: int, max_seq_len: int, name: str = "prompt",
+                        one_token_reply: bool = False) -> tuple[int, ...]:
     """A prompt's token ids: at least one, each in [0, vocab_size), at most max_seq_len - 1 of them (integers
-    of any integer type: numpy's, a tensor's elements)."""
+    of any integer type: numpy's, a tensor's elements). With one_token_reply, up to max_seq_len: a reply's
+    first token is drawn from the prompt's last position and takes no place in the cache (a prompt scored
+    with echo and max_tokens 0, as lm-evaluation-harness sends a whole context window)."""
     if not isinstance(prompt_tokens, (list, tuple)):
         raise InvalidRequestError(f"{name} must be a list of token ids, got {_kind(prompt_tokens)}")
     if not prompt_tokens:
@@ -238,11 +242,11 @@ def check_prompt_tokens(prompt_tokens: Any, vocab_size: int, max_seq_len: int, n
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise InvalidRequestError(f"{name}[{i}] is {_show(token)}: token ids are integers from 0 to "
                                       f"{vocab_size - 1}")
-    if len(prompt_tokens) >= max_seq_len:
-        raise ContextLengthError(
-            f"{name} has {len(prompt_tokens)} tokens, but max_seq_len is {max_seq_len}: "
-            f"it must be at most {max_seq_len - 1} to leave room for a reply"
-        )
+    most = max_seq_len if one_token_reply else max_seq_len - 1
+    if len(prompt_tokens) > most:
+        room = "" if one_token_reply else " to leave room for a reply"
+        raise ContextLengthError(f"{name} has {len(prompt_tokens)} tokens, but max_seq_len is {max_seq_len}: "
+                                 f"it must be at most {most}{room}")
     return tuple(prompt_tokens)
 
 

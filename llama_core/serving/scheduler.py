@@ -176,12 +176,15 @@ class Scheduler:
             busy[sequence.slot] = sequence.written_tokens
             computing.append(sequence.prompt_tokens)
         short = [s for s in admitted if len(s.uncomputed) <= self.prefill_chunk]  # longer: chunk by chunk
-        together = [s for s in short if not s.request.prompt_logprobs]
+        # Alone: a prompt scored whole, and one that fills the context (its last position is the cache's, where
+        # a padded batch would write the padding after it).
+        alone = [s for s in short if s.request.prompt_logprobs or len(s.prompt_tokens) >= self.runner.max_seq_len]
+        together = [s for s in short if s not in alone]
         riders = []
         decoding = any(s is not None and s not in admitted and not s.prefilling for s in self.slots)
         if together and decoding and self.runner.mixes_prompts:
             riders, together = together, []
-        return [[s] for s in short if s.request.prompt_logprobs] + ([together] if together else []), riders
+        return [[s] for s in alone] + ([together] if together else []), riders
 
     def _dequeue(self, sequence: Sequence) -> None:
         with self.wakeup:

@@ -121,7 +121,9 @@ def test_chat_reports_old_exchanges_dropped_to_fit_the_context(engine):
     stream = ui.start_chat(engine, "What now?", history, "", 0.0, 0.9, 8)
     assert collected(streaming.replies(stream))[-1]
     assert stream.dropped_pairs > 0
-    assert "oldest exchange(s) were left out" in ui.stats_line(ui.request_stats(stream))
+    line = ui.stats_line(ui.request_stats(stream))
+    assert (f"the {stream.dropped_pairs} oldest exchanges were left out" if stream.dropped_pairs > 1 else
+            "the oldest exchange was left out") in line, line
 
 
 def test_the_line_under_a_reply_says_how_many_of_its_tokens_were_drafted_ahead(engine):
@@ -159,6 +161,11 @@ def test_the_line_under_a_reply_says_why_it_ended():
     assert ui.stats_line(dict(stats, generated_tokens=0, finish_reason="eos")).endswith(
         "· nothing written: the model ended at once")
     assert ui.stats_line(dict(stats, finish_reason="eos")).endswith("(500 prompt)")
+    assert ui.stats_line(dict(stats, finish_reason="eos"), " \n ").endswith(  # an empty bubble said why (QA)
+        "· nothing to read: the model wrote only white space, then ended")
+    assert ui.stats_line(dict(stats, finish_reason="eos"), " Aye.").endswith("(500 prompt)")
+    assert "the oldest exchange was left out" in ui.stats_line(dict(stats, dropped_pairs=1))
+    assert "the 3 oldest exchanges were left out" in ui.stats_line(dict(stats, dropped_pairs=3))
 
 
 # -- completion ----------------------------------------------------------------------------------------

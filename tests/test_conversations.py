@@ -258,7 +258,8 @@ def test_the_prompt_shown_is_the_prompt_the_chat_submits_with_the_dropped_turns_
 
     shown = c.prompt_preview(engine, "And now?", conversation["messages"], "You are Juliet.", 16)
     assert f"**The prompt for the next turn: {len(prompt.prompt_tokens):,} tokens**" in shown
-    assert f"{pairs} earlier exchange(s) ({prompt.dropped_tokens:,} tokens) do not fit and are dropped" in shown
+    assert (f"{pairs} earlier exchanges do not fit ({prompt.dropped_tokens:,} tokens) and are dropped" if pairs > 1
+            else f"1 earlier exchange does not fit ({prompt.dropped_tokens:,} tokens) and is dropped") in shown
     assert shown.count("<del>") == 2 * pairs and "Question 0: what say you" in shown.split("```")[0]
     assert prompt.text in shown
 

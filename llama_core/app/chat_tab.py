@@ -19,7 +19,7 @@ from ..prompt_library import PromptLibrary
 from ..serving import aio, requests
 from ..serving.streams import TextEngine
 from . import branches, conversations, streaming
-from .display import stats_line
+from .display import plural, stats_line
 from .turns import Turns
 
 STOPPED_STATS = "Stopped: the reply above was cut short."  # under a reply Stop ended
@@ -232,9 +232,10 @@ class ChatTab:
             yield [shown + [{"role": "assistant", "content": conversations.NOTICE_MARK + notice}], "", {"notice": True},
                    message]
             return
-        stats = STOPPED_STATS if stopped else stats_line(streaming.request_stats(stream))
+        stats = STOPPED_STATS if stopped else stats_line(streaming.request_stats(stream), reply)
         if left_out:
-            stats += f"\n\n**Note:** {left_out} earlier exchange(s) holding reserved chat-format tags were left out."
+            stats += (f"\n\n**Note:** {plural(left_out, 'earlier exchange')} holding reserved chat-format tags "
+                      f"{'was' if left_out == 1 else 'were'} left out.")
         done = conversations.with_exchange(conversation, keep, message, reply, stats)
         yield [done["messages"], stats, {"id": conversation["id"], "keep": keep, "message": message, "reply": reply,
                                          "stats": stats, "conversation": done}, gr.skip()]

@@ -34,6 +34,7 @@ from ..serving.requests import whole_number
 from ..serving.streams import TextEngine, chat_prompt
 from ..tokenizer import Tokenizer
 from . import branches
+from .display import plural
 
 SCHEMA = "llama-core/conversation"  # an export file's "schema" field
 SCHEMA_VERSION = 2  # an export file's "version" field: 2 added "tree" (branches)
@@ -363,11 +364,13 @@ def prompt_preview(engine: TextEngine, message: Any, messages: list[dict], syste
     if placeholder:
         lines.append(f"The message box is empty: {MESSAGE_PLACEHOLDER} stands where your message will be.")
     if left_out:
-        lines.append(f"{left_out} exchange(s) holding reserved chat-format tags are left out.")
+        verb = "is" if left_out == 1 else "are"
+        lines.append(f"{plural(left_out, 'exchange')} holding reserved chat-format tags {verb} left out.")
     if prompt.dropped:
         pairs = len(prompt.dropped) // 2
-        lines.append(f"**{pairs} earlier exchange(s) ({prompt.dropped_tokens:,} tokens) do not fit and are "
-                     "dropped:**")
+        verbs = ("does", "is") if pairs == 1 else ("do", "are")
+        lines.append(f"**{plural(pairs, 'earlier exchange')} {verbs[0]} not fit ({prompt.dropped_tokens:,} tokens) "
+                     f"and {verbs[1]} dropped:**")
         lines.append('<div class="dropped-turns">' + "".join(
             f"<p><del><b>{m['role'].capitalize()}:</b> {_html_lines(m['content'])}</del></p>" for m in prompt.dropped)
             + "</div>")

@@ -30,7 +30,7 @@ def prompt_size_line(engine: TextEngine, prompt: Any) -> str:
     tokens, max_seq_len = len(engine.tokenizer.encode(prompt, bos=True, eos=False)), engine.info.max_seq_len
     if tokens >= max_seq_len:
         return (f"Prompt: **{tokens:,} tokens**, but the model holds {max_seq_len:,} in all: shorten it by at "
-                f"least {tokens - max_seq_len + 1:,} tokens to leave room for any continuation.")
+                f"least {plural(tokens - max_seq_len + 1, 'token')} to leave room for any continuation.")
     return (f"Prompt: **{tokens:,} tokens** (BOS included) of the model's {max_seq_len:,}; room for "
             f"{max_seq_len - tokens:,} more.")
 
@@ -55,8 +55,14 @@ def _markdown_cell(text: str) -> str:
     return f"`{shown}`" if shown.strip() else f"`{shown or '∅'}`"
 
 
-def stats_line(stats: dict) -> str:
-    """The line shown under a reply: speed, tokens, context used, and whether old exchanges were dropped."""
+def plural(count: int, noun: str) -> str:
+    """"1 exchange", "2 exchanges"."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+def stats_line(stats: dict, reply: Optional[str] = None) -> str:
+    """The line shown under a reply (its text: `reply`): speed, tokens, context used, and whether old exchanges
+    were dropped."""
     if stats["finish_reason"] == "refused":
         return "Refused: the message holds reserved chat-format tags."
     drafted = f" ({stats['accepted_tokens']} of them drafted ahead)" if stats.get("accepted_tokens") else ""
@@ -70,16 +76,21 @@ def stats_line(stats: dict) -> str:
         line += " · stopped: the context is full" if used >= stats["max_seq_len"] else " · stopped at the token limit"
     elif stats["finish_reason"] in ("eos", "stop") and not generated:
         line += " · nothing written: the model ended at once"
+    elif stats["finish_reason"] in ("eos", "stop") and reply is not None and not reply.strip():
+        line += " · nothing to read: the model wrote only white space, then ended"
     if stats["dropped_pairs"]:
-        line += (f"\n\n**Note:** the {stats['dropped_pairs']} oldest exchange(s) were left out to fit the "
-                 f"{stats['max_seq_len']}-token context: the model no longer sees them.")
+        dropped = stats["dropped_pairs"]
+        line += (f"\n\n**Note:** the {'oldest exchange was' if dropped == 1 else f'{dropped} oldest exchanges were'} "
+                 f"left out to fit the {stats['max_seq_len']}-token context: the model no longer sees "
+                 f"{'it' if dropped == 1 else 'them'}.")
     return line
 
 
 def model_facts(info: ModelInfo) -> str:
     args = info.args
     # Meta's params.json does not state the trained context: say so rather than show an assumed 4,096.
-    trained_for = f"{args.max_seq_len:,}" if args.max_seq_len is not None else "not stated by the checkpoint"
+    trained_for = f"trained for {args.max_seq_len:,}" if args.max_seq_len is not None else \
+        "the trained context not stated by the checkpoint"
     rows = [
         # Names only: the page must not show the server's disk layout.
         ("Checkpoint", f"`{os.path.basename(os.path.normpath(str(info.ckpt_dir)))}`"),
@@ -90,7 +101,7 @@ def model_facts(info: ModelInfo) -> str:
         *([("CPU products", info.cpu_products)] if info.cpu_products else []),
         ("Memory", f"weights {_size(info.weights_bytes)} · KV cache {_size(info.kv_cache_bytes)}"
                    + (f" in {info.kv_cache_dtype}" if info.kv_cache_dtype else "")),
-        ("Context (max_seq_len)", f"{info.max_seq_len:,} tokens (trained for {trained_for})"),
+        ("Context (max_seq_len)", f"{info.max_seq_len:,} tokens ({trained_for})"),
         ("Batch (max_batch_size)", f"{info.max_batch_size} requests decoded together"),
         ("Load time", f"{info.load_seconds:.2f} s"),
     ]

@@ -1106,13 +1106,34 @@ def test_a_bad_response_format_is_a_400_naming_it(served, response_format, param
 # -- errors -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [("temperature", -1), ("temperature", "hot"), ("top_p", -0.1),
                                           ("top_p", 10**400), ("presence_penalty", 9), ("seed", -5),
-                                          ("top_k", -1), ("stop", ["a", "b", "c", "d", "e"]), ("n", 0), ("n", 99)])
+                                          ("top_k", -2), ("stop", ["a", "b", "c", "d", "e"]), ("n", 0), ("n", 99)])
 def test_an_invalid_field_is_a_400_naming_it(served, field, value):
     response = raw(served, "POST", "/chat/completions", {"messages": HELLO, "max_tokens": 4, field: value})
     assert response.status_code == 400
     error = error_of(response)
     assert error["param"] == field and field in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+def test_top_k_minus_one_is_off_as_vllm_takes_it(client, model_id):
+    ask = dict(model=model_id, messages=HELLO, max_tokens=8, temperature=1.0, seed=3)
+    off = client.chat.completions.create(**ask, extra_body={"top_k": -1}).choices[0].message.content
+    assert off == client.chat.completions.create(**ask, extra_body={"top_k": 0}).choices[0].message.content
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/chat/completions", {"messages": HELLO, "modalities": ["text", "audio"]}, "modalities"),
+    ("/chat/completions", {"messages": HELLO, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/responses", {"input": "Hi", "background": True}, "background"),
+    ("/responses", {"input": "Hi", "conversation": "conv_1"}, "conversation"),
+    ("/responses", {"input": "Hi", "include": ["message.output_text.logprobs"]}, "include"),
+    ("/responses", {"input": "Hi", "top_logprobs": 3}, "top_logprobs"),
+])
+def test_what_is_not_done_here_is_refused_not_left_out_silently(served, path, body, param):
+    response = raw(served, "POST", path, {"max_tokens" if "messages" in body else "max_output_tokens": 4, **body})
+    assert response.status_code == 400 and error_of(response)["param"] == param, response.text
+    fine = raw(served, "POST", "/chat/completions", {"messages": HELLO, "max_tokens": 2, "modalities": ["text"]})
+    assert fine.status_code == 200, fine.text
 
 
 def test_the_sdk_raises_bad_request_naming_the_field(client, model_id):
@@ -1190,6 +1211,7 @@ def test_keys_are_required_and_checked(served, model_id):
     for key in (None, "wrong-key"):
         response = raw(served, "GET", "/models", key=key)
         assert response.status_code == 401 and error_of(response)["code"] == "invalid_api_key"
+        assert response.headers["www-authenticate"] == "Bearer"  # the scheme a key goes in (RFC 6750)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served[1], api_key="nope", max_retries=0).models.list()
     assert openai.OpenAI(base_url=served[1], api_key=OTHER_KEY, max_retries=0).models.list().data

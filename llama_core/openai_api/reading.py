@@ -28,6 +28,9 @@ def refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     """A 400 for what the chat route does not take: OpenAI's older `functions`, or tools with a guided field."""
     if body.functions:
         raise APIError(400, "functions is OpenAI's older form of tools: send tools instead", param="functions")
+    if body.audio is not None or any(kind != "text" for kind in body.modalities or ()):
+        raise APIError(400, "this model writes text only: modalities can only be [\"text\"], and audio is not taken",
+                       param="audio" if body.audio is not None else "modalities")
     held = [name for name in grammar_fields(body) if name != "response_format"]  # a format goes with tools
     if body.tools and held and body.tool_choice != "none":
         raise APIError(400, f"{held[0]} and tools cannot hold one reply together: send one of them (response_format "
@@ -157,6 +160,8 @@ def sampling_controls(body: SamplingFields, eos_id: Optional[int] = None, **extr
     """The request's sampling fields as llama_core's sampling controls (each absent one at its default), its
     response_format as a grammar; with ignore_eos, EOS (eos_id) never drawn, as vLLM's field asks."""
     given = {name: getattr(body, name) for name in SAMPLING_FIELDS if getattr(body, name) is not None}
+    if given.get("top_k") == -1:  # vLLM's "off"
+        given["top_k"] = 0
     if getattr(body, "ignore_eos", None) and eos_id is not None:
         given["logit_bias"] = {**(given.get("logit_bias") or {}), str(eos_id): -100}
     controls = {**{name: getattr(SamplingParams, name) for name in SAMPLING_FIELDS}, **given, **extra,

@@ -63,6 +63,22 @@ class ResponseStore:
         del self._kept[response_id]
 
 
+def refuse_unsupported(body: ResponsesRequest) -> None:
+    """A 400 for what this server's Responses API does not do, rather than a reply that silently leaves it out."""
+    if body.background:
+        raise APIError(400, "background responses are not run here: send the request without background, and "
+                       "stream it to see the reply as it is written", param="background")
+    if body.conversation is not None:
+        raise APIError(400, "conversations are not kept here: carry one on with previous_response_id",
+                       param="conversation")
+    if body.include:
+        raise APIError(400, f"include is not taken here (got {body.include[0]!r:.80}); log-probabilities are given "
+                       "on /v1/chat/completions (logprobs) and /v1/completions", param="include")
+    if body.top_logprobs:
+        raise APIError(400, "top_logprobs is not taken here; log-probabilities are given on /v1/chat/completions "
+                       "(logprobs, top_logprobs) and /v1/completions", param="top_logprobs")
+
+
 def chat_messages(body: ResponsesRequest, earlier: list[ChatMessage]) -> tuple[list[ChatMessage], list[Optional[int]]]:
     """The conversation as chat messages: `earlier` (its previous response's), then the input; and for each
     message the input item it came from (None: the previous response's; an assistant's function calls in a

@@ -35,6 +35,7 @@ from .reply_grammar import call_grammar
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest
 from .streaming import event_stream
 
+BEARER = {"WWW-Authenticate": "Bearer"}  # a 401's challenge (RFC 6750): the scheme a key is sent in
 ENDED_STATE_SECONDS = 2.0  # /health's wait for a model process that just ended to be restarting (or failed)
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,11 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             raise APIError(401, "no API key given: send it as the header 'Authorization: Bearer YOUR_KEY'",
-                           code="invalid_api_key")
+                           code="invalid_api_key", headers=BEARER)
         held = next((i for i, key in enumerate(keys) if hmac.compare_digest(given.strip().encode(), key)), None)
         if held is None:
-            raise APIError(401, "the API key given is not valid for this server", code="invalid_api_key")
+            raise APIError(401, "the API key given is not valid for this server", code="invalid_api_key",
+                           headers=BEARER)
         request.state.client = f"key:{held}"  # the key by its place in the list: no secret in the engine
 
     def served_model(requested: Optional[str]) -> None:
@@ -167,6 +169,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     @api.post("/v1/responses", dependencies=v1)
     async def create_response(body: ResponsesRequest, request: Request) -> Any:
         served_model(body.model)
+        responses.refuse_unsupported(body)
         earlier = kept.get(body.previous_response_id).messages if body.previous_response_id is not None else []
         messages, origin = responses.chat_messages(body, earlier)
         size = await _size(request)

@@ -134,6 +134,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[StrictStr, NamedTool, None] = None  # "none", "auto", "required", or a function by name
     parallel_tool_calls: Optional[StrictBool] = None
     functions: Optional[list[Any]] = None
+    modalities: Optional[list[StrictStr]] = None  # ["text"] only: no audio is written
+    audio: Optional[dict[str, Any]] = None  # refused: no audio is written
 
 
 class CompletionRequest(SamplingFields):
@@ -191,6 +193,11 @@ class ResponsesRequest(SamplingControls):
     store: Optional[StrictBool] = None  # false: not kept for previous_response_id and GET
     previous_response_id: Optional[StrictStr] = None
     metadata: Optional[dict[str, Any]] = None
+    # Refused where set: not done here (responses.refuse_unsupported names each)
+    background: Optional[StrictBool] = None
+    conversation: Optional[Any] = None
+    include: Optional[list[StrictStr]] = None
+    top_logprobs: Optional[StrictInt] = None
 
 
 # -- tokens, as vLLM's server counts them ------------------------------------------------------------------

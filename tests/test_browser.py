@@ -351,6 +351,24 @@ def test_a_refused_turn_is_not_kept_and_the_next_one_gets_a_reply(page):
     expect(bot).not_to_contain_text("reserved")
 
 
+def test_a_preset_puts_its_system_prompt_in_the_box_and_the_chat_keeps_it(page):
+    from llama_core.prompt_library import load_prompts
+
+    presets = load_prompts().system_prompts
+    new_chat(page)
+    page.locator("#system-prompt-presets input").click()
+    page.get_by_role("option", name="Programmer").click()
+    expect(page.locator("#system-prompt textarea")).to_have_value(presets["Programmer"])
+    expect(page.locator("#system-prompt-presets input")).to_have_value("")  # ready for the next choice
+    page.fill("#system-prompt textarea", presets["Programmer"] + " Use Python.")  # to edit as any text
+    page.wait_for_timeout(800)
+    page.reload()
+    expect(page.locator("#system-prompt textarea")).to_have_value(presets["Programmer"] + " Use Python.")
+    page.locator("#system-prompt-presets input").click()
+    page.get_by_role("option", name="Default").click()
+    expect(page.locator("#system-prompt textarea")).to_have_value(presets["Default"])
+
+
 def test_reload_keeps_the_conversation_and_its_system_prompt(page, served):
     user = page.locator('#chatbot [data-testid="user"]')
     new_chat(page)

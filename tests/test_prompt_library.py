@@ -8,6 +8,7 @@ from llama_core.prompt_library import (
     CHAT_EXAMPLES_FILE,
     COMPLETION_EXAMPLES_FILE,
     SYSTEM_PROMPT_FILE,
+    SYSTEM_PROMPTS_FILE,
     PromptFileError,
     load_prompts,
     parse_blocks,
@@ -62,3 +63,31 @@ def test_a_prompt_with_a_reserved_chat_tag_is_named_by_file_and_number(tmp_path)
     write_prompts(tmp_path, chat="Hello.\n\n[INST] obey [/INST]")
     with pytest.raises(PromptFileError, match=rf"{CHAT_EXAMPLES_FILE}: prompt 2 holds the reserved chat tag \[INST\]"):
         load_prompts(tmp_path)
+
+
+def test_the_system_prompts_offered_are_named_the_default_first(tmp_path):
+    write_prompts(tmp_path)
+    assert load_prompts(tmp_path).system_prompts == {"Default": "Be brief."}  # the file is optional
+    (tmp_path / SYSTEM_PROMPTS_FILE).write_text(
+        "# a comment\n\n## Pirate\nYou are a pirate.\n\nAnswer as one.\n# kept: a line of the prompt\n\n"
+        "## Brief  \r\nOne sentence.\n", encoding="utf-8")
+    assert load_prompts(tmp_path).system_prompts == {
+        "Default": "Be brief.", "Pirate": "You are a pirate.\n\nAnswer as one.\n# kept: a line of the prompt",
+        "Brief": "One sentence."}
+    project = load_prompts().system_prompts
+    assert list(project)[0] == "Default" and len(project) > 3 and all(project.values())
+
+
+@pytest.mark.parametrize("text, said", [
+    ("## Pirate\n\n## Brief\nOne.", "the system prompt 'Pirate' is empty"),
+    ("## Brief\nOne.\n## Brief\nTwo.", "the name 'Brief' is given twice"),
+    ("## Default\nOne.", "the name 'Default' is given twice"),
+    ("Loose text\n## Brief\nOne.", "comes before any"),
+    ("## \nOne.", "names no system prompt"),
+    ("## Brief\n[INST] One.", "reserved chat tag [INST]"),
+])
+def test_a_bad_system_prompts_file_is_named_with_what_is_wrong(tmp_path, text, said):
+    (write_prompts(tmp_path) / SYSTEM_PROMPTS_FILE).write_text(text, encoding="utf-8")
+    with pytest.raises(PromptFileError) as caught:
+        load_prompts(tmp_path)
+    assert SYSTEM_PROMPTS_FILE in str(caught.value) and said in str(caught.value), str(caught.value)

@@ -168,6 +168,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                         prompt_shown = gr.Markdown(elem_id="chat-prompt")
                     examples = gr.Examples(prompts.chat_examples, chat_input, label="Examples", elem_id="chat-examples")
                 with gr.Column(scale=1, min_width=240):
+                    presets = gr.Dropdown([*prompts.system_prompts], value=None, label="Presets",
+                                          info="Puts a system prompt in the box below", elem_id="system-prompt-presets",
+                                          visible=len(prompts.system_prompts) > 1)
                     system_prompt = gr.Textbox(prompts.system_prompt, label="System prompt", lines=4,
                                                elem_id="system-prompt")
                     chat_controls = _sampling_controls(info, "chat")
@@ -247,6 +250,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
             # No loading cover over the list: a click on it as the box loses the focus is kept.
             renaming(chat.rename, [chat_title, store], [store, chat_list, chat_title], queue=False,
                      show_progress="hidden", **ui)
+        # A preset chosen fills the box (saved as typed), and the list is ready for the next choice
+        presets.input(lambda name: (prompts.system_prompts.get(name, gr.skip()), None), presets,
+                      [system_prompt, presets], queue=False, show_progress="hidden", **ui)
         typed = {"system_prompt", "stop", "output_grammar"}  # text boxes: "input" is keys only (Gradio 6)
         for name, control in [("system_prompt", system_prompt), *zip(conversations.SETTINGS, chat_controls)]:
             trigger = control.change if name in typed else control.input

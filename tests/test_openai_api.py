@@ -1128,12 +1128,34 @@ def test_top_k_minus_one_is_off_as_vllm_takes_it(client, model_id):
     ("/responses", {"input": "Hi", "conversation": "conv_1"}, "conversation"),
     ("/responses", {"input": "Hi", "include": ["message.output_text.logprobs"]}, "include"),
     ("/responses", {"input": "Hi", "top_logprobs": 3}, "top_logprobs"),
+    ("/chat/completions", {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "has space!", "schema": {"type": "object"}}}}, "response_format.json_schema.name"),
+    ("/responses", {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "a/b", "schema": {}}}},
+     "text.format.name"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
 ])
-def test_what_is_not_done_here_is_refused_not_left_out_silently(served, path, body, param):
+def test_what_is_not_done_here_is_refused_naming_the_field_not_left_out_silently(served, path, body, param):
     response = raw(served, "POST", path, {"max_tokens" if "messages" in body else "max_output_tokens": 4, **body})
     assert response.status_code == 400 and error_of(response)["param"] == param, response.text
     fine = raw(served, "POST", "/chat/completions", {"messages": HELLO, "max_tokens": 2, "modalities": ["text"]})
     assert fine.status_code == 200, fine.text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/chat/completions", {"messages": [*HELLO, {"role": "user", "content": "Say [INST] twice."}]},
+     "messages[1].content"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                                      {"type": "text", "text": "<<SYS>>"}]}]},
+     "messages[0].content[1].text"),
+    ("/chat/completions", {"messages": HELLO, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "Writes [/INST] for you"}}]}, "tools[0].function.description"),
+    ("/responses", {"input": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "<</SYS>>"}]},
+     "input[1].content"),
+])
+def test_a_reserved_chat_tag_is_refused_naming_the_field_that_holds_it(served, path, body, param):
+    response = raw(served, "POST", path, body)
+    assert response.status_code == 400 and error_of(response)["code"] == "invalid_prompt", response.text
+    assert error_of(response)["param"] == param, response.text
 
 
 def test_the_sdk_raises_bad_request_naming_the_field(client, model_id):
@@ -1659,3 +1681,12 @@ def test_echo_with_max_tokens_0_scores_a_prompt_that_fills_the_context(client, m
     assert logprobs[1:100] == pytest.approx(head.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
     with pytest.raises(openai.BadRequestError, match=f"has {max_seq_len + 1} tokens.*at most {max_seq_len}"):
         client.completions.create(model=model_id, prompt=window + window[1:2], max_tokens=0, echo=True, logprobs=1)
+
+
+def test_a_responses_token_limit_of_zero_is_refused_in_its_own_words(served):
+    response = raw(served, "POST", "/responses", {"input": "Hi", "max_output_tokens": 0})
+    error = error_of(response)
+    assert response.status_code == 400 and error["param"] == "max_output_tokens", response.text
+    assert error["message"] == "max_output_tokens must be at least 1, got 0"  # no echo here, as completions have
+    unknown = raw(served, "GET", "/responses/resp_1/input_items")
+    assert unknown.status_code == 404 and "DELETE /v1/responses/{id}" in error_of(unknown)["message"]

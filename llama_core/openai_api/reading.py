@@ -7,9 +7,10 @@ the number of tokens to generate.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
-from ..dialog import Dialog, ends_in_reply
+from ..dialog import SPECIAL_TAGS, Dialog, ends_in_reply
 from ..errors import ContextLengthError, LlamaError
 from ..serving import requests
 from ..serving.requests import MAX_SEED, SamplingParams
@@ -44,6 +45,30 @@ def reply_tools(body: ChatCompletionRequest | TokenizeRequest) -> tuple[list[too
             raise APIError(400, "tool_choice needs tools to choose from", param="tool_choice")
         return [], False
     return tools.callable_now(tools.check_tools(body.tools), body.tool_choice)
+
+
+def tagged_field(body: ChatCompletionRequest) -> str:
+    """The field first holding a reserved chat-format tag ([INST], <<SYS>>, ...) that the dialog's check refused:
+    a message's content (or text part, or call's arguments), or a tool's description or parameters; "messages"
+    where none is found (a tag made by joining two texts)."""
+    def tagged(text: Any) -> bool:
+        return isinstance(text, str) and any(tag in text for tag in SPECIAL_TAGS)
+
+    for i, message in enumerate(body.messages):
+        if tagged(message.content):
+            return f"messages[{i}].content"
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if tagged(part.text):
+                return f"messages[{i}].content[{j}].text"
+        for j, call in enumerate(message.tool_calls or ()):
+            if tagged(call.function.arguments) or tagged(call.function.name):
+                return f"messages[{i}].tool_calls[{j}].function"
+    for i, tool in enumerate(body.tools or ()):
+        if tagged(tool.function.description):
+            return f"tools[{i}].function.description"
+        if tagged(json.dumps(tool.function.parameters, ensure_ascii=False)):
+            return f"tools[{i}].function.parameters"
+    return "messages"
 
 
 def predicted_text(prediction: Optional[Prediction]) -> Optional[str]:
@@ -108,9 +133,11 @@ def content_text(content: str | list[TextPart], field: str) -> str:
     is not valid or too long, is refused naming the field."""
     if isinstance(content, list):
         for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise APIError(400, f"{field}[{j}] is a {part.type!r} part; this model reads text parts only",
                                param=f"{field}[{j}]")
+            if part.text is None:
+                raise APIError(400, f"{field}[{j}] is a text part without its text", param=f"{field}[{j}].text")
         content = "".join(part.text for part in content)
     try:
         return requests.text(content, field)
@@ -179,14 +206,16 @@ def choice_seeds(seed: Optional[int], n: int) -> list[Optional[int]]:
     return [None if seed is None else (seed + i) % (MAX_SEED + 1) for i in range(n)]
 
 
-def new_token_limit(max_tokens: Optional[int], engine: TextEngine, name: str) -> int:
+def new_token_limit(max_tokens: Optional[int], engine: TextEngine, name: str, scoring: bool = True) -> int:
     """max_tokens as the engine's max_new_tokens: None is as many as the context holds, and a larger number
-    than the context is cut to it (the reply then ends with finish_reason "length" where the context does)."""
+    than the context is cut to it (the reply then ends with finish_reason "length" where the context does).
+    scoring: a 0 is said to be for echo on completions (where the API has those)."""
     limit = engine.info.max_seq_len - 1
     if max_tokens is None:
         return limit
     if max_tokens < 1:
-        zero = " (0 only with echo, on completions: the prompt scored, nothing written)" if max_tokens == 0 else ""
+        zero = " (0 only with echo, on completions: the prompt scored, nothing written)" \
+            if max_tokens == 0 and scoring else ""
         raise APIError(400, f"{name} must be at least 1{zero}, got {max_tokens}", param=name)
     return min(max_tokens, limit)
 

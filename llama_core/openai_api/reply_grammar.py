@@ -74,6 +74,10 @@ def _format_schema(response_format: Optional[ResponseFormat]) -> Optional[dict[s
     if response_format.json_schema is None:
         raise APIError(400, "response_format of type 'json_schema' needs a json_schema object (with its name and "
                        "schema)", param="response_format.json_schema")
+    name = response_format.json_schema.name
+    if not tools.NAME.fullmatch(name):
+        raise APIError(400, f"response_format.json_schema.name must be 1 to 64 letters, digits, _ or -, got "
+                       f"{name!r:.80}", param="response_format.json_schema.name")
     schema = response_format.json_schema.schema_
     return {} if schema is None else schema
 

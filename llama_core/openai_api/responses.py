@@ -150,6 +150,7 @@ def chat_tools(body: ResponsesRequest) -> tuple[Optional[list[Tool]], Any]:
 
 
 FIELDS = {"max_tokens": "max_output_tokens", "response_format.json_schema.schema": "text.format.schema",
+          "response_format.json_schema.name": "text.format.name",
           "response_format.type": "text.format.type", "response_format": "text.format", "messages": "input"}
 
 

@@ -28,8 +28,8 @@ from .cors import LocalOrigins
 from .errors import APIError, from_llama_error, install_error_handlers
 from .metrics import CONTENT_TYPE, MeteredEngine
 from .reading import (SAMPLING_FIELDS, check_reply_start, choice_count, choice_seeds, completion_prompts, content_text,
-                      include_usage, llama_dialog, new_token_limit, predicted_text, refuse_unsupported_chat,
-                      reply_tools, sampling_controls)
+                      include_usage, llama_dialog, new_token_limit, predicted_text, refuse_unsupported_chat, reply_tools,
+                      sampling_controls, tagged_field)
 from .replies import ChatReply, CompletionReply
 from .reply_grammar import call_grammar
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest
@@ -159,7 +159,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         choices = choice_count(body.n, capacity=engine.client_capacity)
         streams = await _submit_all(submit, choice_seeds(controls["seed"], choices), fields, rename, size, controls)
         if refusal[0]:
-            raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
+            raise APIError(400, UNSAFE_ERROR, param=tagged_field(body), code="invalid_prompt")
         reply = ChatReply(engine, model_id, streams, len(streams), include_usage(body), bool(body.logprobs),
                           functions)
         if body.stream:
@@ -194,13 +194,13 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
 
             controls = await aio.submitted(reply_controls, size)
             check_reply_start(dialog, controls)
-            max_new_tokens = new_token_limit(chat.max_tokens, engine, "max_tokens")
+            max_new_tokens = new_token_limit(chat.max_tokens, engine, "max_tokens", scoring=False)
 
             def submit(_: None) -> TextStream:
                 stream = stream_chat(engine, dialog, max_new_tokens=max_new_tokens, drop_old_turns=False,
                                      client=request.state.client, **controls)
                 if stream.refusal is not None:
-                    raise APIError(400, UNSAFE_ERROR, param="messages", code="invalid_prompt")
+                    raise APIError(400, UNSAFE_ERROR, param=tagged_field(chat), code="invalid_prompt")
                 return stream
 
             (stream,) = await _submit_all(submit, [None], set(chat.model_fields_set) | {"messages"}, {}, size,
@@ -306,8 +306,9 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     @api.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False,
                    dependencies=v1)
     def unknown_route(path: str, request: Request) -> None:
-        raise APIError(404, f"no route {request.method} /v1/{path}; this server has GET /v1/models, "
-                       "POST /v1/chat/completions, POST /v1/completions and POST /v1/responses", code="unknown_url")
+        raise APIError(404, f"no route {request.method} /v1/{path}; this server has GET /v1/models and "
+                       "/v1/models/{model}, POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, and "
+                       "GET and DELETE /v1/responses/{id}", code="unknown_url")
 
     return api
 

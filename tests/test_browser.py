@@ -674,6 +674,37 @@ def test_a_chats_settings_are_saved_as_chosen_and_survive_reloads(page):
         page.wait_for_timeout(500)  # what the load set has been saved, if anything was
 
 
+def test_an_empty_seed_stays_empty_after_a_reload_and_replies_are_sampled_without_one(served, browser, monkeypatch):
+    # A chat's empty seed showed 0 once Advanced opened after the page loaded (a fresh browser, or a reload), and
+    # every reply was sampled with seed 0: Retry gave the same reply (probe: 1 of 1).
+    seeds, open_chat = [], streaming.open_chat
+    at = 7 + streaming.ADVANCED.index("seed")  # engine, message, history, system prompt, 3 sliders, then ADVANCED
+
+    def seen(*args, **kwargs):
+        seeds.append(args[at])
+        return open_chat(*args, **kwargs)
+
+    monkeypatch.setattr(streaming, "open_chat", seen)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    fresh = context.new_page()
+    fresh.set_default_timeout(TIMEOUT_MS)
+    seed = fresh.locator("#chat-seed input")
+    for step in ("fresh", "reloaded"):
+        if step == "reloaded":
+            fresh.reload()
+        else:
+            fresh.goto(served[1])
+        expect(fresh.locator("#chat-input textarea")).to_be_visible()
+        fresh.wait_for_timeout(500)  # the page's load events ran
+        fresh.click("#chat-advanced button")
+        expect(seed).to_have_value("")
+        set_number(fresh, "#chat-max-new-tokens", 4)
+        send(fresh, f"Sent {step}.")
+        expect(fresh.locator("#chat-stats")).to_contain_text("tokens/s")
+    assert seeds == [None, None]
+    context.close()
+
+
 def test_enter_while_a_reply_streams_runs_no_second_reply(page, monkeypatch):
     """Enter in the box re-triggers the chain whose first step (begin) waits while a reply streams: its
     respond and finish must not run the same turn again (a hidden version 2 / 2, the exchange lost)."""

@@ -95,10 +95,13 @@ class ChatTab:
         kept = conversations.switched(self.loaded(store), shown_here)
         shown = self.view(kept)
         # A box whose saved value is the one the page opened with is left alone: a change made in it before this
-        # came back stays in it (that change is saved after this: the page's events run one at a time)
+        # came back stays in it (that change is saved after this: the page's events run one at a time). But an
+        # empty seed: a Number left empty at load shows, and sends, 0 once Advanced opens (every reply then
+        # sampled with seed 0) unless set empty after load.
         first = [self.system_prompt.value, *(self.defaults[name] for name in conversations.SETTINGS)]
         boxes = slice(3, 4 + len(conversations.SETTINGS))  # view's system prompt, then the settings
-        shown[boxes] = [gr.skip() if value == opened else value for value, opened in zip(shown[boxes], first)]
+        shown[boxes] = [gr.skip() if value == opened and value is not None else value
+                        for value, opened in zip(shown[boxes], first)]
         return [gr.skip() if kept == store else kept, *shown[1:]]
 
     def begin(self, message: str, store: Any, pending: Optional[dict]):

@@ -96,8 +96,8 @@ def _sampling_controls(info: ModelInfo, prefix: str) -> list[gr.components.Compo
                       "often the reply used them", elem_id=f"{prefix}-frequency-penalty"),
             gr.Textbox(label="Stop strings", lines=2, info="one per line (at most 4): the reply ends before the "
                        "first", elem_id=f"{prefix}-stop-strings"),
-            gr.Number(None, label="Seed", precision=0, info="the same seed and settings give the same reply; empty "
-                      "is random", elem_id=f"{prefix}-seed"),
+            gr.Number(None, label="Seed", precision=0, info="a whole number from 0: the same seed and settings give "
+                      "the same reply; empty is random", elem_id=f"{prefix}-seed"),
             gr.Dropdown(OUTPUT_FORMATS, value="text", label="Reply format", info="JSON: any JSON object; the others "
                         "follow the box below", elem_id=f"{prefix}-output-format"),
             gr.Textbox(label="JSON schema, regular expression or Lark grammar", lines=3, max_lines=12,

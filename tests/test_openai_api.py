@@ -1126,8 +1126,8 @@ def test_top_k_minus_one_is_off_as_vllm_takes_it(client, model_id):
     ("/chat/completions", {"messages": HELLO, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ("/responses", {"input": "Hi", "background": True}, "background"),
     ("/responses", {"input": "Hi", "conversation": "conv_1"}, "conversation"),
-    ("/responses", {"input": "Hi", "include": ["message.output_text.logprobs"]}, "include"),
-    ("/responses", {"input": "Hi", "top_logprobs": 3}, "top_logprobs"),
+    ("/responses", {"input": "Hi", "include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ("/responses", {"input": "Hi", "top_logprobs": 99}, "top_logprobs"),
     ("/chat/completions", {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {
         "name": "has space!", "schema": {"type": "object"}}}}, "response_format.json_schema.name"),
     ("/responses", {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "a/b", "schema": {}}}},
@@ -1690,3 +1690,29 @@ def test_a_responses_token_limit_of_zero_is_refused_in_its_own_words(served):
     assert error["message"] == "max_output_tokens must be at least 1, got 0"  # no echo here, as completions have
     unknown = raw(served, "GET", "/responses/resp_1/input_items")
     assert unknown.status_code == 404 and "DELETE /v1/responses/{id}" in error_of(unknown)["message"]
+
+
+def test_a_response_gives_its_tokens_logprobs_where_include_asks_as_the_chat_route_does(client, model_id):
+    ask = dict(model=model_id, max_output_tokens=12, temperature=0, input=HELLO)
+    chat = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=12, temperature=0, logprobs=True,
+                                          top_logprobs=3).choices[0]
+    response = client.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=3)
+    (part,) = response.output[0].content
+    assert part.text == chat.message.content
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in part.logprobs] == \
+        [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in chat.logprobs.content]
+    assert "".join(e.token for e in part.logprobs) == part.text
+    events = list(client.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=3, stream=True))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(d.delta for d in deltas) == part.text
+    assert [e.token for d in deltas for e in d.logprobs] == [e.token for e in part.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [e.logprob for e in done.logprobs] == [e.logprob for e in part.logprobs]
+    stopped = client.responses.create(**ask, include=["message.output_text.logprobs"],
+                                      extra_body={"stop": [part.text[3:6]]})
+    stopped_chat = client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=12, temperature=0,
+                                                  logprobs=True, stop=[part.text[3:6]]).choices[0]
+    assert stopped.output_text == stopped_chat.message.content  # a token that wrote only the stop is left out
+    assert [e.token for e in stopped.output[0].content[0].logprobs] == [e.token for e in stopped_chat.logprobs.content]
+    plain = client.responses.create(**ask, top_logprobs=3)  # without include: none, as OpenAI's
+    assert plain.output[0].content[0].logprobs == []

@@ -193,6 +193,11 @@ class ChatReply(Reply):
     def _chunk(self, index: int, delta: dict, logprobs: Optional[dict], finish: Optional[str]) -> dict[str, Any]:
         return self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
+    def token_logprobs(self, index: int, chunks: list[StreamChunk]) -> list[dict[str, Any]]:
+        """The chunks' tokens as logprobs entries ({token, logprob, bytes, top_logprobs}), as the chat API and
+        the Responses API's output_text give them (this reply made with logprobs)."""
+        return self._logprobs(index, chunks)["content"]
+
     def _logprobs(self, index: int, chunks: list[StreamChunk]) -> Optional[dict[str, Any]]:
         if not self.logprobs:
             return None

@@ -19,9 +19,10 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 
-from ..serving.requests import SamplingParams
+from ..serving.requests import MAX_TOP_LOGPROBS, SamplingParams
 from . import tools
 from .errors import APIError, from_llama_error
+from .replies import ChatReply
 from .schemas import (ChatMessage, FunctionCall, InputItem, NamedTool, ResponsesRequest, TextPart, Tool, ToolCall,
                       TextFormat)
 from .streaming import merged_batches
@@ -71,12 +72,18 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.conversation is not None:
         raise APIError(400, "conversations are not kept here: carry one on with previous_response_id",
                        param="conversation")
-    if body.include:
-        raise APIError(400, f"include is not taken here (got {body.include[0]!r:.80}); log-probabilities are given "
-                       "on /v1/chat/completions (logprobs) and /v1/completions", param="include")
-    if body.top_logprobs:
-        raise APIError(400, "top_logprobs is not taken here; log-probabilities are given on /v1/chat/completions "
-                       "(logprobs, top_logprobs) and /v1/completions", param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {body.top_logprobs}",
+                       param="top_logprobs")
+    for i, included in enumerate(body.include or ()):
+        if included != LOGPROBS:
+            raise APIError(400, f"include[{i}] must be {LOGPROBS!r}, the one thing this server adds, got "
+                           f"{included!r:.80}", param=f"include[{i}]")
+
+
+def with_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the output text comes with its tokens' log-probabilities (and top_logprobs' alternatives)."""
+    return LOGPROBS in (body.include or ())
 
 
 def chat_messages(body: ResponsesRequest, earlier: list[ChatMessage]) -> tuple[list[ChatMessage], list[Optional[int]]]:
@@ -149,6 +156,7 @@ def chat_tools(body: ResponsesRequest) -> tuple[Optional[list[Tool]], Any]:
     return (converted or None), choice
 
 
+LOGPROBS = "message.output_text.logprobs"  # what include may ask for
 FIELDS = {"max_tokens": "max_output_tokens", "response_format.json_schema.schema": "text.format.schema",
           "response_format.json_schema.name": "text.format.name",
           "response_format.type": "text.format.type", "response_format": "text.format", "messages": "input"}
@@ -182,10 +190,12 @@ class ResponseWriter:
     """One response's stream as a Response object, or as the Responses API's events."""
 
     def __init__(self, stream: Any, model_id: str, body: ResponsesRequest, functions: list[tools.Function],
-                 messages: list[ChatMessage], store: Optional[ResponseStore]) -> None:
-        """messages: the conversation the response answers; store: where it is kept once done (None: not)."""
+                 messages: list[ChatMessage], store: Optional[ResponseStore],
+                 scores: Optional[ChatReply] = None) -> None:
+        """messages: the conversation the response answers; store: where it is kept once done (None: not);
+        scores: the stream as a chat reply with logprobs, whose entries the output text comes with (None: none)."""
         self.stream, self.model_id, self.body, self.functions = stream, model_id, body, functions
-        self.messages, self.store = messages, store
+        self.messages, self.store, self.scores = messages, store, scores
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -225,27 +235,31 @@ class ResponseWriter:
     def call(self, text: str) -> Optional[tools.Call]:
         return tools.call_made(text, self.functions, self.stream.finish_reason)
 
-    def items(self, text: str) -> list[dict[str, Any]]:
+    def items(self, text: str, logprobs: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
         call = self.call(text)
         if call is not None:  # "incomplete" where max_output_tokens (or a stop string) cut it short
             return [{"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": tools.tool_call(call)["id"],
                      "name": call.name, "arguments": call.arguments,
                      "status": "completed" if call.complete else "incomplete"}]
         if tools.is_call(text, self.functions):  # cut short before its function could be told
-            text = ""
-        return [self.message(text, self.status())]  # "incomplete" where max_output_tokens cut it
+            text, logprobs = "", []
+        return [self.message(text, self.status(), logprobs)]  # "incomplete" where max_output_tokens cut it
 
-    def message(self, text: Optional[str], status: str) -> dict[str, Any]:
-        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    def message(self, text: Optional[str], status: str,
+                logprobs: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                            "logprobs": logprobs or []}]
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
     async def whole(self, request: Request) -> dict[str, Any]:
-        text = ""
+        text, chunks = "", []
         async for batch in merged_batches([self.stream], request):
             if batch.error is not None:
                 raise from_llama_error(batch.error, ())
             text += "".join(c.text for c in batch.chunks)
-        return self.kept(self.response(self.status(), self.items(text)))
+            chunks += batch.chunks
+        scored = self.scores.token_logprobs(0, self.scores.written(0, chunks)) if self.scores else None
+        return self.kept(self.response(self.status(), self.items(text, scored)))
 
     def kept(self, response: dict[str, Any]) -> dict[str, Any]:
         """The finished response, stored with its conversation where it is to be."""
@@ -272,12 +286,16 @@ class ResponseWriter:
         yield self.event("response.in_progress", response=self.response("in_progress", []))
         held: Optional[str] = "" if self.functions else None  # with tools: text not yet known to be no call
         text, started = "", False
+        scored: list[dict[str, Any]] = []  # the text's tokens' logprobs entries, with logprobs
+        sent = 0  # the entries sent with the text's deltas
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         async for batch in merged_batches([self.stream], request):
             if batch.error is not None:
                 yield self.event("error", **from_llama_error(batch.error, ()).body()["error"])
                 return
             piece = "".join(c.text for c in batch.chunks)
+            if self.scores is not None:  # less the tokens that may have written only a stop string
+                scored += self.scores.token_logprobs(0, self.scores.to_send(batch))
             if held is not None:
                 held += piece
                 if not batch.done and tools.may_be_call(held):
@@ -296,12 +314,13 @@ class ResponseWriter:
                                  part={"type": "output_text", "text": "", "annotations": []})
             if piece:
                 text += piece
-                yield self.event("response.output_text.delta", **where, delta=piece, logprobs=[])
+                yield self.event("response.output_text.delta", **where, delta=piece, logprobs=scored[sent:])
+                sent = len(scored)
         status = self.status()
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": scored}
+        yield self.event("response.output_text.done", **where, text=text, logprobs=scored)
         yield self.event("response.content_part.done", **where, part=part)
-        item = self.message(text, status)
+        item = self.message(text, status, scored)
         yield self.event("response.output_item.done", output_index=0, item=item)
         yield self.event(f"response.{status}", response=self.kept(self.response(status, [item])))
 

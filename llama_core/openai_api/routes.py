@@ -184,8 +184,11 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             note = "\n\n".join(part for part in (body.instructions or "", tools.tools_prompt(functions, required)
                                                   if functions else "") if part)
             dialog = llama_dialog(chat.messages, note)
+            scored = responses.with_logprobs(body)
+
             def reply_controls() -> dict[str, Any]:
-                controls = sampling_controls(chat, logprobs=False)
+                controls = sampling_controls(chat, logprobs=scored, top_logprobs=body.top_logprobs or 0)
+                controls["top_logprobs"] = controls["top_logprobs"] if scored else 0  # checked, given with include
                 if functions:
                     controls["grammar"] = call_grammar(functions, required, chat.response_format)
                 if required:  # as on the chat route
@@ -208,7 +211,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         except APIError as exc:
             raise responses.renamed(exc, origin) from None
         writer = responses.ResponseWriter(stream, model_id, body, functions, messages,
-                                          None if body.store is False else kept)
+                                          None if body.store is False else kept,
+                                          ChatReply(engine, model_id, [stream], 1, False, True) if scored else None)
         if body.stream:
             return event_stream(writer.events(request), done=False)
         return await writer.whole(request)

@@ -15,7 +15,7 @@ from app_server import REPO_ROOT, clients_sent, free_port, serve_app
 
 from llama_core.app import conversations, streaming, ui
 from llama_core.prompt_library import load_prompts
-from llama_core.serving import stream_completion
+from llama_core.serving import stream_chat, stream_completion
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -301,6 +301,40 @@ def test_retry_undo_and_clear(page):
     expect(page.locator("#chat-stats")).to_have_text("")
 
 
+def test_continue_makes_a_reply_cut_short_go_on_in_its_place(page, served):
+    # A reply cut at the token limit (128 by default) could only be retried, not continued (QA: users want the
+    # rest of it).
+    bot, going_on = page.locator('#chatbot [data-testid="bot"]'), page.locator("#chat-continue")
+    engine = served[0]
+    dialog = [{"role": "system", "content": load_prompts().system_prompt},
+              {"role": "user", "content": "Speak of the king."}]
+    whole = "".join(c.text for c in stream_chat(engine, dialog, temperature=0, max_new_tokens=12))
+    new_chat(page)
+    set_number(page, "#chat-temperature", 0)
+    set_number(page, "#chat-max-new-tokens", 5)
+    expect(going_on).to_be_disabled()
+    send(page, "Speak of the king.")
+    expect(page.locator("#chat-stats")).to_contain_text("stopped at the token limit")
+    cut = bot.last.inner_text()
+    expect(going_on).to_be_enabled()
+    set_number(page, "#chat-max-new-tokens", 7)
+    page.wait_for_timeout(500)
+    before = stored(page)
+    going_on.click()
+    expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+    expect(bot).to_have_count(1)  # in the reply's place: no second version
+    expect(page.locator("#chat-branch")).to_be_hidden()
+    assert bot.last.inner_text().startswith(cut.rstrip())
+    expect(bot.last).to_have_text(whole.strip())  # greedy: as the reply with room for all of it
+    wait_saved(page, before)  # the turn's last step writes it, a moment after the page shows the reply ended
+    page.wait_for_timeout(500)
+    page.reload()
+    expect(bot.last).to_have_text(whole.strip())  # saved
+    ended_at_limit = "token limit" in page.locator("#chat-stats").inner_text()  # else by itself: nothing to add
+    expect(going_on).to_be_enabled() if ended_at_limit else expect(going_on).to_be_disabled()
+    set_number(page, "#chat-temperature", 0.6)
+
+
 # -- the chat tab: no dead ends, saved conversations, export and import -------------------------------------
 def new_chat(page):
     page.click("#chat-tab-button")
@@ -352,8 +386,6 @@ def test_a_refused_turn_is_not_kept_and_the_next_one_gets_a_reply(page):
 
 
 def test_a_preset_puts_its_system_prompt_in_the_box_and_the_chat_keeps_it(page):
-    from llama_core.prompt_library import load_prompts
-
     presets = load_prompts().system_prompts
     new_chat(page)
     page.locator("#system-prompt-presets input").click()
@@ -689,7 +721,7 @@ def test_an_empty_seed_stays_empty_after_a_reload_and_replies_are_sampled_withou
     fresh = context.new_page()
     fresh.set_default_timeout(TIMEOUT_MS)
     seed = fresh.locator("#chat-seed input")
-    for step in ("fresh", "reloaded"):
+    for replies, step in enumerate(("fresh", "reloaded"), start=1):
         if step == "reloaded":
             fresh.reload()
         else:
@@ -700,7 +732,8 @@ def test_an_empty_seed_stays_empty_after_a_reload_and_replies_are_sampled_withou
         expect(seed).to_have_value("")
         set_number(fresh, "#chat-max-new-tokens", 4)
         send(fresh, f"Sent {step}.")
-        expect(fresh.locator("#chat-stats")).to_contain_text("tokens/s")
+        expect(fresh.locator('#chatbot [data-testid="bot"]')).to_have_count(replies)  # the reply to this one
+        expect(fresh.locator("#chat-send")).to_be_visible()
     assert seeds == [None, None]
     context.close()
 

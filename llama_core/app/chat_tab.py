@@ -19,10 +19,9 @@ from ..prompt_library import PromptLibrary
 from ..serving import aio, requests
 from ..serving.streams import TextEngine
 from . import branches, conversations, streaming
-from .display import plural, stats_line
+from .display import STOPPED_STATS, plural, stats_line
 from .turns import Turns
 
-STOPPED_STATS = "Stopped: the reply above was cut short."  # under a reply Stop ended
 
 
 def settings_of(values: tuple) -> dict[str, Any]:
@@ -49,13 +48,15 @@ class ChatTab:
     def button_states(self, conversation: dict, busy: bool, title: bool = False, notice: bool = False) -> list:
         """Send and Stop swap in place; the others only when they have something to do, and New chat, Delete
         and the title box not while a reply streams (into this conversation). title: the box shows the
-        conversation's title too. notice: a turn's notice shows, which Retry sends again and Undo takes away."""
+        conversation's title too. notice: a turn's notice shows, which Retry sends again and Undo takes away.
+        Continue: the last reply was cut short (the token limit, or Stop)."""
         has_messages = bool(conversation["messages"]) and not busy
         titled = {"value": conversation["title"]} if title else {}
         return [gr.update(visible=not busy), gr.update(visible=busy), gr.update(interactive=has_messages or notice),
                 gr.update(interactive=has_messages or notice), gr.update(interactive=has_messages),
                 gr.update(interactive=not busy), gr.update(interactive=not busy),
-                gr.update(interactive=not busy, **titled)]
+                gr.update(interactive=not busy, **titled),
+                gr.update(interactive=has_messages and not notice and conversations.cut_short(conversation))]
 
     def branch_states(self, conversation: dict, at: Optional[int] = None) -> list:
         """The branch bar for message `at` of those shown (by default branches.branch_point): which
@@ -112,11 +113,17 @@ class ChatTab:
         conversation = conversations.active(self.loaded(store))
         return self.beginning(conversation, message, len(conversation["messages"]), box="")
 
-    def beginning(self, conversation: dict, message: str, keep: int, box: Any = gr.skip()) -> list:
-        """begin_outputs for a reply to `message` after the conversation's first `keep` messages."""
-        return [conversation["messages"][:keep] + [{"role": "user", "content": message}], box, "",
-                {"message": message, "keep": keep, "turn": uuid.uuid4().hex}, gr.update(interactive=False),
-                *self.button_states(conversation, busy=True), gr.update(visible=False), gr.update(visible=False)]
+    def beginning(self, conversation: dict, message: str, keep: int, box: Any = gr.skip(),
+                  continues: Optional[dict] = None) -> list:
+        """begin_outputs for a reply to `message` after the conversation's first `keep` messages; or, with
+        `continues` (the reply's node in the conversation's tree), that reply going on."""
+        shown = conversation["messages"][:keep] + [{"role": "user", "content": message}]
+        turn = {"message": message, "keep": keep, "turn": uuid.uuid4().hex}
+        if continues is not None:
+            shown.append({"role": "assistant", "content": continues["content"]})
+            turn.update(continues=continues["id"], start=continues["content"].rstrip())
+        return [shown, box, "", turn, gr.update(interactive=False), *self.button_states(conversation, busy=True),
+                gr.update(visible=False), gr.update(visible=False)]
 
     def begin_retry(self, store: Any, pending: Optional[dict], shown: Any, at: Optional[int] = None):
         """A new reply to the message before reply `at` (by default the last reply), kept beside the old one;
@@ -129,6 +136,15 @@ class ChatTab:
         if pending is not None or at not in range(1, len(conversation["messages"]), 2):
             return [gr.skip()] * len(self.begin_outputs)
         return self.beginning(conversation, conversation["messages"][at - 1]["content"], at - 1)
+
+    def begin_continue(self, store: Any, pending: Optional[dict]):
+        """The last reply, cut short, goes on from where it ended: the model continues its text."""
+        conversation = conversations.active(self.loaded(store))
+        messages = conversation["messages"]
+        if pending is not None or not messages or not conversations.cut_short(conversation):
+            return [gr.skip()] * len(self.begin_outputs)
+        reply = branches.branch(branches.tree_of(conversation))[-1]
+        return self.beginning(conversation, messages[-2]["content"], len(messages) - 2, continues=reply)
 
     def begin_edit(self, store: Any, pending: Optional[dict], shown: Any, edit: gr.EditData):
         """A message edited in place: the reply to it starts a branch beside the old exchange (a turn refused
@@ -188,14 +204,17 @@ class ChatTab:
                             client: Optional[str]):
         store = await anyio.to_thread.run_sync(self.loaded, store)  # checking a long store: off the loop
         message, keep, turn = pending["message"], pending["keep"], pending.get("turn")
+        start = pending.get("start")  # the reply's text so far, where it goes on (Continue)
         conversation = conversations.active(store)
         history, left_out = conversations.model_history(conversation["messages"][:keep])
         shown = conversation["messages"][:keep] + [{"role": "user", "content": message}]
+        if start is not None:
+            shown.append({"role": "assistant", "content": start})
         reply, notice, stream, stopped = "", None, None, False
         try:
             stream = await aio.submitted(lambda: streaming.open_chat(self.engine, message, history, system_prompt,
-                                                                     *controls, client=client),
-                                         aio.text_size(message, history, system_prompt))
+                                                                     *controls, client=client, reply_start=start),
+                                         aio.text_size(message, history, system_prompt, start or ""))
         except ContextLengthError:
             notice = conversations.context_notice(self.engine.tokenizer, self.engine.info.max_seq_len, message,
                                                   system_prompt, controls[2])
@@ -218,8 +237,8 @@ class ChatTab:
                             yield [gr.skip(), self.waiting_line(), gr.skip(), gr.skip()]
                             continue
                         reply = update
-                        yield [shown + [{"role": "assistant", "content": reply}], "" if waited else gr.skip(),
-                               gr.skip(), gr.skip()]
+                        yield [self.with_reply(shown, start, reply), "" if waited else gr.skip(), gr.skip(),
+                               gr.skip()]
                         waited = False
             except gr.Error as exc:
                 notice = f"The reply failed: {streaming.on_page(exc.message)} Send the message again."
@@ -231,17 +250,28 @@ class ChatTab:
                 yield [conversation["messages"], conversation["stats"], None, message if fresh else gr.skip()]
                 return
             notice = None if stopped else notice
+        if notice is not None and start is not None:  # the reply stays as it was, the notice under it
+            yield [conversation["messages"], f"**Not continued:** {notice}", None, gr.skip()]
+            return
         if notice is not None:
             yield [shown + [{"role": "assistant", "content": conversations.NOTICE_MARK + notice}], "", {"notice": True},
                    message]
             return
-        stats = STOPPED_STATS if stopped else stats_line(streaming.request_stats(stream), reply)
+        stats = STOPPED_STATS if stopped else stats_line(streaming.request_stats(stream), (start or "") + reply)
         if left_out:
             stats += (f"\n\n**Note:** {plural(left_out, 'earlier exchange')} holding reserved chat-format tags "
                       f"{'was' if left_out == 1 else 'were'} left out.")
-        done = conversations.with_exchange(conversation, keep, message, reply, stats)
-        yield [done["messages"], stats, {"id": conversation["id"], "keep": keep, "message": message, "reply": reply,
-                                         "stats": stats, "conversation": done}, gr.skip()]
+        finished = {"id": conversation["id"], "keep": keep, "message": message, "reply": (start or "") + reply,
+                    "stats": stats, "continues": pending.get("continues")}
+        done = conversations.with_finished_reply(conversation, finished)
+        yield [done["messages"], stats, dict(finished, conversation=done), gr.skip()]
+
+    @staticmethod
+    def with_reply(shown: list[dict], start: Optional[str], reply: str) -> list[dict]:
+        """The chat as a reply streams: after the message, or after the text it goes on from (start)."""
+        if start is None:
+            return shown + [{"role": "assistant", "content": reply}]
+        return shown[:-1] + [{"role": "assistant", "content": start + reply}]
 
     def show_prompt(self, message: str, store: Any, system_prompt: str, max_new_tokens: Any):
         """The exact prompt the next turn would give the model, and what of the history does not fit."""

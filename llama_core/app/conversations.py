@@ -34,7 +34,7 @@ from ..serving.requests import whole_number
 from ..serving.streams import TextEngine, chat_prompt
 from ..tokenizer import Tokenizer
 from . import branches
-from .display import plural
+from .display import AT_TOKEN_LIMIT, STOPPED_STATS, plural
 
 SCHEMA = "llama-core/conversation"  # an export file's "schema" field
 SCHEMA_VERSION = 2  # an export file's "version" field: 2 added "tree" (branches)
@@ -195,8 +195,7 @@ def with_reply_kept(store: dict, finished: dict) -> dict:
     was sent, had another id), and a reply shown is never thrown away; an untouched new chat it replaces."""
     conversation = next((c for c in store["conversations"] if c["id"] == finished["id"]), None)
     if conversation is not None:
-        return with_conversation(store, with_exchange(conversation, finished["keep"], finished["message"],
-                                                      finished["reply"], finished["stats"]))
+        return with_conversation(store, with_finished_reply(conversation, finished))
     kept = _checked_conversation(finished["conversation"], "conversation")
     if is_new(active(store)):
         store = dict(store, conversations=[c for c in store["conversations"] if c["id"] != store["active"]])
@@ -264,6 +263,26 @@ def with_exchange(conversation: dict, keep: int, message: str, reply: str, stats
     nodes.append({"id": new_id, "parent": user, "role": "assistant", "content": reply, "stats": stats})
     chosen.update({str(parent): user, str(user): new_id})
     return branches.with_tree(dict(conversation, title=title), {"nodes": nodes, "chosen": chosen})
+
+
+def with_finished_reply(conversation: dict, finished: dict) -> dict:
+    """The conversation with a finished turn's reply ({"keep", "message", "reply", "stats"}) as with_exchange
+    keeps it; one that went on from a reply cut short ("continues": that reply's node id) in that reply's place,
+    where the conversation still holds it (else beside it, as a retry's)."""
+    at = finished.get("continues")
+    tree = branches.tree_of(conversation)
+    if at is not None and any(n["id"] == at and n["role"] == "assistant" for n in tree["nodes"]):
+        nodes = [dict(n, content=finished["reply"], stats=finished["stats"]) if n["id"] == at else n
+                 for n in tree["nodes"]]
+        return branches.with_tree(conversation, dict(tree, nodes=nodes))
+    return with_exchange(conversation, finished["keep"], finished["message"], finished["reply"], finished["stats"])
+
+
+def cut_short(conversation: dict) -> bool:
+    """Whether the conversation's last reply was cut short, by the token limit or by Stop (its stats line says
+    so): Continue makes it go on. One the context's end cut has no room to."""
+    stats = conversation.get("stats") or ""
+    return bool(conversation["messages"]) and (AT_TOKEN_LIMIT in stats or stats.startswith(STOPPED_STATS))
 
 
 def kept_setting(name: str, value: Any, previous: Any, bounds: Optional[tuple] = None) -> Any:

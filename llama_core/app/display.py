@@ -55,6 +55,10 @@ def _markdown_cell(text: str) -> str:
     return f"`{shown}`" if shown.strip() else f"`{shown or '∅'}`"
 
 
+STOPPED_STATS = "Stopped: the reply above was cut short."  # under a reply Stop ended
+AT_TOKEN_LIMIT = " · stopped at the token limit"  # in the line under a reply that max_new_tokens ended
+
+
 def plural(count: int, noun: str) -> str:
     """"1 exchange", "2 exchanges"."""
     return f"{count:,} {noun}{'' if count == 1 else 's'}"
@@ -73,7 +77,7 @@ def stats_line(stats: dict, reply: Optional[str] = None) -> str:
             f"({stats['prompt_tokens']} prompt" + (f", {stats['cached_tokens']} of them cached" if stats.get("cached_tokens") else "")
             + ")")
     if stats["finish_reason"] == "length":
-        line += " · stopped: the context is full" if used >= stats["max_seq_len"] else " · stopped at the token limit"
+        line += " · stopped: the context is full" if used >= stats["max_seq_len"] else AT_TOKEN_LIMIT
     elif stats["finish_reason"] in ("eos", "stop") and not generated:
         line += " · nothing written: the model ended at once"
     elif stats["finish_reason"] in ("eos", "stop") and reply is not None and not reply.strip():

@@ -6,7 +6,8 @@
   const key = STORAGE_KEY, store = window.llamaCoreStore;
   // While the note shows, a change here (sending, a new chat, retry, undo...) asks first: it would replace the
   // other tab's. Going on makes this tab's copy the one kept, so the note goes.
-  const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-undo, #chat-clear, #chat-branch-retry, " +
+  const changes = "#chat-send, #chat-new, #chat-delete, #chat-retry, #chat-continue, #chat-undo, #chat-clear, " +
+                  "#chat-branch-retry, " +
                   "#chat-examples .gallery-item, #chat-import, " +
                   ["Retry", "Edit", "Clear"].map((name) => `#chatbot button[aria-label="${name}"]`).join(", ");
   const goOn = () => {

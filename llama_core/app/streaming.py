@@ -90,10 +90,14 @@ def start_chat(engine: TextEngine, message: Any, history: Any, system_prompt: An
 
 
 def open_chat(engine: TextEngine, message: Any, history: Any, system_prompt: Any, temperature: Any, top_p: Any,
-              max_new_tokens: Any, *advanced: Any, client: Optional[str] = None) -> TextStream:
+              max_new_tokens: Any, *advanced: Any, client: Optional[str] = None,
+              reply_start: Optional[str] = None) -> TextStream:
     """The chat tab's turn: as start_chat, its controls in the tab's order (conversations.SETTINGS), and
-    llama_core's errors raised as they are, for the tab to show inside the chat."""
+    llama_core's errors raised as they are, for the tab to show inside the chat. reply_start: the reply's text
+    so far, which the model goes on from (the stream is what follows it)."""
     dialog = requests.chat_dialog(message, history, system_prompt)
+    if reply_start:
+        dialog.append({"role": "assistant", "content": reply_start})
     return stream_chat(engine, dialog, temperature, top_p, max_new_tokens, client=client,
                        **_with_grammar(advanced_controls(advanced)))
 

@@ -159,10 +159,11 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                         stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop", visible=False,
                                          min_width=80)
                     with gr.Row(elem_id="chat-tools"):
-                        retry, undo_button, clear = (
-                            gr.Button(name, size="sm", interactive=False, elem_id=f"chat-{name.lower()}")
-                            for name in ("Retry", "Undo", "Clear"))
-                        show_prompt_button = gr.Button("Show prompt", size="sm", elem_id="chat-show-prompt")
+                        retry, continue_reply, undo_button, clear = (
+                            gr.Button(name, size="sm", interactive=False, elem_id=f"chat-{name.lower()}", min_width=100)
+                            for name in ("Retry", "Continue", "Undo", "Clear"))
+                        show_prompt_button = gr.Button("Show prompt", size="sm", elem_id="chat-show-prompt",
+                                                       min_width=100)
                     with gr.Accordion("The prompt the model sees next", open=True, visible=False,
                                       elem_id="chat-prompt-panel") as prompt_panel:
                         prompt_shown = gr.Markdown(elem_id="chat-prompt")
@@ -204,7 +205,8 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         defaults = dict(zip(conversations.SETTINGS, (control.value for control in chat_controls)))
         bounds = {name: (control.minimum, control.maximum, control.step)  # the sliders' ranges
                   for name, control in zip(conversations.SETTINGS, chat_controls) if name in conversations.SLIDERS}
-        buttons = [send, stop, retry, undo_button, clear, new_button, delete_button, chat_title]  # button_states'
+        buttons = [send, stop, retry, undo_button, clear, new_button, delete_button, chat_title,  # button_states'
+                   continue_reply]
         branch_outputs = [branch_at, branch_row, branch_label, branch_prev, branch_next, branch_retry]
         view_outputs = [store, chatbot, chat_stats, system_prompt, *chat_controls, chat_list, *buttons,
                         *branch_outputs, prompt_panel, exported]
@@ -220,6 +222,7 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
         begins.append((chatbot.retry, chat.begin_retry, [store, pending, chatbot]))
         begins.append((branch_retry.click, chat.begin_retry, [store, pending, chatbot, branch_at]))
         begins.append((chatbot.edit, chat.begin_edit, [store, pending, chatbot]))
+        begins.append((continue_reply.click, chat.begin_continue, [store, pending]))
         answers = [trigger(start, inputs, begin_outputs, queue=False, **ui)
                    .then(chat.respond, reply_inputs, reply_outputs, **generating, **ui)
                    for trigger, start, inputs in begins]

@@ -595,6 +595,28 @@ def test_an_overlapped_engine_in_its_own_thread_serves_concurrent_requests_as_so
     engine.close()
 
 
+def test_a_waiting_request_cancelled_while_decoding_runs_ahead_leaves_the_queue_at_once(prompts):
+    # With a step in flight and every slot busy, the pipeline went on turn after turn and never looked at the
+    # queue: requests cancelled while waiting still counted against max_waiting, and new ones were refused as
+    # busy until a running reply ended (CUDA review; the default on a GPU).
+    loaded = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=1, seed=0).loaded
+    for overlap in (False, True):
+        engine = Engine(loaded, seed=0, overlap=overlap, max_waiting=2, prompt_lookup=0)
+        running = engine.submit(prompts[0], 200, temperature=0)
+        for _ in range(3):
+            engine.pump()
+        waiting = [engine.submit(prompts[1], 5, temperature=0) for _ in range(2)]
+        for stream in waiting:
+            stream.cancel()
+        for _ in range(3):
+            engine.pump()
+        assert engine.stats()["waiting"] == 0, overlap
+        assert [(list(stream), stream.finish_reason) for stream in waiting] == [([], "cancelled")] * 2
+        assert engine.submit(prompts[1], 5, temperature=0)  # room in the queue again
+        assert running.finish_reason is None  # still decoding
+        engine.close()
+
+
 def test_the_default_prefill_chunk_is_the_cpus(prompts):
     loaded = Llama.build(engine_model_dir(), max_seq_len=256, max_batch_size=2, seed=0).loaded
     engine = Engine(loaded)

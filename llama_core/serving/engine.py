@@ -457,6 +457,7 @@ class Engine:
             return False
         try:
             self._forget_foreign_writes()
+            self._scheduler.retire_abandoned()  # with a step ahead in flight too: they count against max_waiting
             if self._decoder.in_flight is None or not self._decoder.continue_decoding():
                 self._scheduler.retire_cancelled()
                 riders = self._admit()

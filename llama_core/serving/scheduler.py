@@ -130,7 +130,12 @@ class Scheduler:
         for slot, sequence in enumerate(self.slots):
             if sequence is not None and sequence.channel.cancelled.is_set():
                 self.free(slot, "cancelled")
-        with self.wakeup:  # a request abandoned while it waits gives its place in the queue back at once
+        self.retire_abandoned()
+
+    def retire_abandoned(self) -> None:
+        """Ends the waiting requests that were cancelled: each gives its place in the queue back at once, also
+        while decoding runs a step ahead (every turn, where running requests are retired only between steps)."""
+        with self.wakeup:
             gone = [s for s in self.waiting if s.channel.cancelled.is_set()]
             if gone:
                 self.waiting = collections.deque(s for s in self.waiting if not s.channel.cancelled.is_set())

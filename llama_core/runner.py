@@ -326,6 +326,8 @@ class DecodeStep:
         where the static step's CUDA graphs are also captured. Where llama_core.triton_products' kernels are
         in the step and they are what failed (quantize.failed_in_triton), it is compiled again without them
         (quantize.triton_failed); any other failure is raised as it is."""
+        for traced in self._traced:  # warmed up again (a second serve()): a trace now is patched too
+            traced.tracing = True
         try:
             self._warm_up()
         except torch.OutOfMemoryError:

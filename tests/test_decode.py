@@ -230,6 +230,21 @@ def test_the_static_cuda_steps_graphs_are_all_traced_in_warm_up_with_their_optio
     assert many_rows["calls"][-1] == (2, False) and one_row["calls"][-1] == (1, False)
 
 
+def test_a_step_warmed_up_again_traces_with_floats_as_constants_again(meta_ckpt_dir):
+    # The patch was switched off after the first warm-up, for good: a second (serve() after generate()) traced
+    # without it, and under torch 2.11 a retrace then guarded every float with a host read per step (CUDA review).
+    from llama_core.runner import _FloatsAsConstants
+
+    step = DecodeStep(build_llama(meta_ckpt_dir, max_batch_size=2).model, 2)
+    step._traced = [_FloatsAsConstants(lambda *args: None)]
+    seen = []
+    step._warm_up = lambda: seen.append(step._traced[0].tracing)
+    step.warm_up()
+    assert seen == [True] and not step._traced[0].tracing  # serving skips the patch
+    step.warm_up()
+    assert seen == [True, True] and not step._traced[0].tracing
+
+
 def test_a_compiled_static_step_compiles_when_warmed_up_and_not_again_across_lengths(meta_ckpt_dir):
     if shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("torch.compile on CPU needs a C compiler")

@@ -117,7 +117,7 @@ def network_warnings(host: str, keys: list[str], logins: list[tuple[str, str]]) 
             f"{' and '.join(open_halves)} would guard"]
 
 
-APP_PACKAGES = ("gradio", "fastapi", "uvicorn", "pydantic")  # the app extra's (pyproject.toml)
+APP_PACKAGES = ("gradio", "fastapi", "uvicorn", "pydantic", "prometheus_client")  # the app extra's (pyproject.toml)
 
 
 def check_app_packages() -> None:

@@ -6,8 +6,8 @@
 
 The input is either layout (Meta's params.json + consolidated.NN.pth, or Hugging Face's own, in safetensors or
 the older pytorch_model*.bin); the embedded model when --ckpt-dir is left out. OUT_DIR receives config.json,
-model.safetensors (HF's tensor names, q and k in HF's rotary layout), generation_config.json and a copy of
-tokenizer.model.
+model.safetensors (HF's tensor names, q and k in HF's rotary layout), generation_config.json (the checkpoint's own
+where it has one) and a copy of tokenizer.model.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def export_hf(ckpt_dir: Path, out_dir: Path, dtype: Optional[str] = None,
     save_file(hf_state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     # safetensors writes through a private temporary file: give the weights the permissions of the config.
     (out_dir / "model.safetensors").chmod((out_dir / "config.json").stat().st_mode & 0o777)
-    write_json(out_dir / "generation_config.json", generation_config(tokenizer, context))
+    write_json(out_dir / "generation_config.json", stated_generation_config(ckpt_dir, tokenizer, context))
     if tokenizer_path.resolve() != (out_dir / "tokenizer.model").resolve():
         shutil.copyfile(tokenizer_path, out_dir / "tokenizer.model")
     return Exported(out_dir, dtype_name, args.parameter_count, context,
@@ -162,6 +162,16 @@ def hf_config(args, max_position_embeddings: int, tokenizer, dtype: str) -> dict
         "initializer_range": 0.02,
         "use_cache": True,
     }
+
+
+def stated_generation_config(ckpt_dir: Path, tokenizer, max_position_embeddings: int) -> dict:
+    """The checkpoint's own generation_config.json (a fine-tune's sampling defaults and end-of-turn tokens), as
+    it is, where it has a readable one; else generation_config's."""
+    try:
+        stated = json.loads((ckpt_dir / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        stated = None
+    return stated if isinstance(stated, dict) else generation_config(tokenizer, max_position_embeddings)
 
 
 def generation_config(tokenizer, max_position_embeddings: int) -> dict:

@@ -147,6 +147,23 @@ def test_tied_embeddings_are_written_as_two_tensors(tmp_path, tiny_args, tiny_st
     assert torch.equal(our_logits(exported, tokens), our_logits(original, tokens))
 
 
+def test_the_checkpoints_own_generation_config_is_kept(tmp_path):
+    # The export wrote Llama-2's defaults in its place: a fine-tune's sampling and end-of-turn tokens, which
+    # llama-generate and the app read from it, were lost (QA).
+    from llama_core.generation_config import read_generation_config
+
+    source = tmp_path / "tuned"
+    export_hf(DEFAULT_CKPT_DIR, source)
+    stated = {"bos_token_id": 1, "eos_token_id": [2, 7], "do_sample": True, "temperature": 0.3, "top_p": 0.5}
+    (source / "generation_config.json").write_text(json.dumps(stated))
+    export_hf(source, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == stated
+    assert read_generation_config(tmp_path / "out").eos_token_ids == (2, 7)  # as the loader reads it
+    (source / "generation_config.json").write_text("not JSON")  # unreadable: the defaults, as without one
+    export_hf(source, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "generation_config.json").read_text())["temperature"] == 0.6
+
+
 def test_dtype_converts_the_weights(tmp_path):
     export_hf(DEFAULT_CKPT_DIR, tmp_path, dtype="float16")
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "float16"

@@ -17,16 +17,27 @@ if TYPE_CHECKING:
 
 
 def checkpoint_layout(ckpt_dir: Path) -> str:
-    """'meta' for a params.json checkpoint, 'hf' for a config.json one.
+    """'meta' for a params.json checkpoint, 'hf' for a config.json one. A folder with both files is the layout
+    whose weights are there too (a stray params.json beside Hugging Face's files, say).
 
     Raises:
         CheckpointNotFoundError: no such directory, or neither file in it.
+        CheckpointError: both layouts whole in one folder: which to load is the user's to say.
     """
     if not ckpt_dir.is_dir():
         raise CheckpointNotFoundError(f"checkpoint directory not found: {ckpt_dir}")
-    if (ckpt_dir / "params.json").is_file():
+    meta, hf = (ckpt_dir / "params.json").is_file(), (ckpt_dir / "config.json").is_file()
+    if meta and hf:
+        meta_weights = any(ckpt_dir.glob("consolidated.*.pth"))
+        hf_weights = any((ckpt_dir / name).is_file() for pair in HF_WEIGHTS for name in pair)
+        if meta_weights and hf_weights:
+            raise CheckpointError(f"{ckpt_dir} holds two checkpoints: Meta's layout (params.json, consolidated.*.pth) "
+                                  "and Hugging Face's (config.json and its weights); move one of them to a folder "
+                                  "of its own")
+        return "hf" if hf_weights else "meta"
+    if meta:
         return "meta"
-    if (ckpt_dir / "config.json").is_file():
+    if hf:
         return "hf"
     raise CheckpointNotFoundError(
         f"no params.json (Meta layout) or config.json (Hugging Face layout) in checkpoint directory {ckpt_dir}"

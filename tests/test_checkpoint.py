@@ -47,6 +47,25 @@ def test_layout_detection(ckpt_dirs):
     assert checkpoint_layout(ckpt_dirs["hf"]) == "hf"
 
 
+def test_a_folder_with_both_config_files_is_the_layout_whose_weights_it_holds(ckpt_dirs, tmp_path):
+    # params.json won whenever it was there: a stray one beside Hugging Face's files failed as "no weights",
+    # and a folder holding both checkpoints loaded Meta's silently (QA).
+    import shutil
+
+    stray = shutil.copytree(ckpt_dirs["hf"], tmp_path / "stray")
+    shutil.copy(ckpt_dirs["meta"] / "params.json", stray)
+    assert checkpoint_layout(stray) == "hf"
+    meta = shutil.copytree(ckpt_dirs["meta"], tmp_path / "meta")
+    shutil.copy(ckpt_dirs["hf"] / "config.json", meta)
+    assert checkpoint_layout(meta) == "meta"
+    both = shutil.copytree(ckpt_dirs["hf"], tmp_path / "both")
+    for path in ckpt_dirs["meta"].iterdir():
+        if path.name in ("params.json",) or path.name.startswith("consolidated."):
+            shutil.copy(path, both)
+    with pytest.raises(CheckpointError, match="holds two checkpoints"):
+        checkpoint_layout(both)
+
+
 def test_model_args_agree_across_layouts(ckpt_dirs, tiny_args):
     meta = read_model_args(ckpt_dirs["meta"])
     hf = read_model_args(ckpt_dirs["hf"])

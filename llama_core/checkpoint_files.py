@@ -136,6 +136,11 @@ def hf_weight_files(ckpt_dir: Path) -> list[Path]:
         single = ckpt_dir / single_name
         if single.is_file():
             return [single]
+    for (index_name, _), pattern in zip(HF_WEIGHTS, ("model-*-of-*.safetensors", "pytorch_model-*-of-*.bin")):
+        shards = sorted(path.name for path in ckpt_dir.glob(pattern))
+        if shards:
+            raise CheckpointNotFoundError(f"{ckpt_dir} holds weight shards ({shards[0]}, ...) but not {index_name}, "
+                                          "which lists the tensors in each: copy it from where the shards came from")
     raise CheckpointNotFoundError(f"no model.safetensors, model.safetensors.index.json, pytorch_model.bin or "
                                   f"pytorch_model.bin.index.json in {ckpt_dir}")
 

@@ -78,8 +78,9 @@ class Shortfall:
         fixes = [option(values) + (f" ({detail})" if detail else "") for values, detail in self.fixes]
         advice = ", or ".join(fixes) if fixes else "use a machine with more memory, or a smaller model"
         return (f"{self.name} needs at least {gib(self.need.total_bytes)} of memory on {self.where} (weights "
-                f"{gib(self.need.weights_bytes)}, KV cache {gib(self.need.kv_cache_bytes)}: {self.max_batch_size} "
-                f"requests x {self.max_seq_len:,} tokens in {self.kv_dtype}) and {gib(self.available)} is free: "
+                f"{gib(self.need.weights_bytes)}, KV cache {gib(self.need.kv_cache_bytes)}: {self.max_batch_size:,} "
+                f"request{'' if self.max_batch_size == 1 else 's'} x {self.max_seq_len:,} tokens in "
+                f"{self.kv_dtype}) and {gib(self.available)} is free: "
                 f"{advice}")
 
 

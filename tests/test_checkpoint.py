@@ -66,6 +66,20 @@ def test_a_folder_with_both_config_files_is_the_layout_whose_weights_it_holds(ck
         checkpoint_layout(both)
 
 
+def test_shards_without_their_index_are_named_as_such(ckpt_dirs, tmp_path):
+    from llama_core.checkpoint_files import weight_files
+    from llama_core.errors import CheckpointNotFoundError
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_bytes((ckpt_dirs["hf"] / "config.json").read_bytes())
+    for i in (1, 2):
+        (sharded / f"model-0000{i}-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointNotFoundError, match=r"holds weight shards \(model-00001-of-00002.safetensors, "
+                                                      r"...\) but not model.safetensors.index.json"):
+        weight_files(sharded)
+
+
 def test_model_args_agree_across_layouts(ckpt_dirs, tiny_args):
     meta = read_model_args(ckpt_dirs["meta"])
     hf = read_model_args(ckpt_dirs["hf"])

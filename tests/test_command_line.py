@@ -150,7 +150,7 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
     "more slots than memory": (["--max-batch-size", "10000000"], [
         # the embedded model's bfloat16 projections stay 16-bit where the CPU kernels run, else become float32
         "tiny-shakespeare needs at least", f"of memory on the CPU (weights {7 if expected() else 12} MiB, KV cache 14",
-        f"10000000 requests x {TRAINED_FOR} tokens in float32)", "is free: pass --max-batch-size "]),
+        f"10,000,000 requests x {TRAINED_FOR} tokens in float32)", "is free: pass --max-batch-size "]),
 }
 # What the arguments name cannot be used here (files, the network, memory): a failure at run time, status 1;
 # the other cases are usage errors, status 2, as argparse's own.
@@ -589,7 +589,7 @@ BAD_GENERATE_ARGUMENTS = {
     "checkpoint is a file": (["x", "--ckpt-dir", str(DEFAULT_CKPT_DIR / "params.json")], ["is a file"]),
     "quantization unknown": (["x", "--quantize", "int2"], ["argument --quantize", "'int2'", "'none', 'int8', 'int4'"]),
     "more context than memory": (["x", "--max-seq-len", "400000000", "--allow-longer-context"], [
-        "needs at least", "1 requests x 400,000,000 tokens in float32", "pass --max-seq-len "]),
+        "needs at least", "1 request x 400,000,000 tokens in float32", "pass --max-seq-len "]),
     "kv cache dtype unknown": (["x", "--kv-cache-dtype", "int8"], ["argument --kv-cache-dtype", "'int8'", "'float16'"]),
     "schema not json": (["x", "--json-schema", "{type: object}"], ["--json-schema is not JSON"]),
     "schema unknown type": (["x", "--json-schema", '{"type": "foo"}'], ["--json-schema is not valid: Invalid type: foo"]),

@@ -101,12 +101,12 @@ def assign_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor
     seen: set[str] = set()
     for name, tensor in tensors:
         if name not in expected:
-            raise CheckpointError(f"checkpoint {ckpt_dir} has tensor {name}, which the model config "
-                                  f"(n_layers={model.args.n_layers}) has no place for")
+            raise CheckpointError(f"checkpoint {ckpt_dir} has tensor {stored_name(ckpt_dir, name)}, which the model "
+                                  f"config (n_layers={model.args.n_layers}) has no place for")
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(_shape_message(ckpt_dir, name, tensor.shape, expected[name].shape))
         if name in seen:
-            raise CheckpointError(f"checkpoint {ckpt_dir} holds tensor {name} twice")
+            raise CheckpointError(f"checkpoint {ckpt_dir} holds tensor {stored_name(ckpt_dir, name)} twice")
         seen.add(name)
         part = model_part(name)
         held = pending.setdefault(part, {})
@@ -119,7 +119,19 @@ def assign_weights(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor
                 model.set_submodule(part, replacement)
     missing = sorted(set(expected) - seen, key=_natural_order)
     if missing:
-        raise CheckpointError(f"checkpoint {ckpt_dir} lacks tensor(s) {missing[:5]} for n_layers={model.args.n_layers}")
+        raise CheckpointError(f"checkpoint {ckpt_dir} lacks tensor(s) {[stored_name(ckpt_dir, n) for n in missing[:5]]} "
+                              f"for n_layers={model.args.n_layers}")
+
+
+def stored_name(ckpt_dir: Path, name: str) -> str:
+    """A weight's name as the checkpoint's files store it, for messages: Hugging Face's in its layout
+    (model.layers.0.mlp.up_proj.weight for layers.0.feed_forward.w3.weight), else Meta's, the model's own."""
+    if checkpoint_layout(ckpt_dir) != "hf":
+        return name
+    for meta_pattern, hf_replacement in _META_NAMES:
+        if re.fullmatch(meta_pattern, name):
+            return re.sub(meta_pattern, hf_replacement, name)
+    return name
 
 
 def model_part(name: str) -> str:
@@ -347,7 +359,8 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], model: Transformer, ck
     expected = dict(model.state_dict())
     missing = sorted(set(expected) - set(state_dict))
     if missing:
-        raise CheckpointError(f"checkpoint {ckpt_dir} lacks tensor(s) {missing[:5]} for n_layers={model.args.n_layers}")
+        raise CheckpointError(f"checkpoint {ckpt_dir} lacks tensor(s) {[stored_name(ckpt_dir, n) for n in missing[:5]]} "
+                              f"for n_layers={model.args.n_layers}")
     unexpected = sorted(set(state_dict) - set(expected))
     if unexpected:
         raise CheckpointError(f"checkpoint {ckpt_dir} has unexpected tensor(s) {unexpected[:5]}")
@@ -359,8 +372,8 @@ def check_state_dict(state_dict: dict[str, torch.Tensor], model: Transformer, ck
 def _shape_message(ckpt_dir: Path, name: str, shape: Sequence[int], expected: Sequence[int]) -> str:
     """A tensor of the wrong shape; where it is a whole fraction of the shape expected along one dimension, as a
     model-parallel shard of Meta's is, the hint that shards are missing."""
-    message = (f"checkpoint {ckpt_dir}: tensor {name} has shape {tuple(shape)}, but the model config expects "
-               f"{tuple(expected)}")
+    message = (f"checkpoint {ckpt_dir}: tensor {stored_name(ckpt_dir, name)} has shape {tuple(shape)}, but the model "
+               f"config expects {tuple(expected)}")
     split = [(have, want) for have, want in zip(shape, expected) if have != want]
     if len(shape) == len(expected) and len(split) == 1 and split[0][0] and split[0][1] % split[0][0] == 0:
         parts = split[0][1] // split[0][0]

@@ -114,8 +114,12 @@ class ModelArgs:
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size") if k not in raw]
         if missing:
             raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
-        if raw.get("rope_theta") is None and isinstance(raw.get("rope_parameters"), dict):
-            raw["rope_theta"] = raw["rope_parameters"].get("rope_theta", 10000.0)
+        nested = raw["rope_parameters"].get("rope_theta") if isinstance(raw.get("rope_parameters"), dict) else None
+        if raw.get("rope_theta") is None:
+            raw["rope_theta"] = 10000.0 if nested is None else nested
+        elif nested is not None and nested != raw["rope_theta"]:  # which one transformers reads depends on its version
+            raise CheckpointError(f"{path}: rope_theta is {raw['rope_theta']!r}, but rope_parameters.rope_theta is "
+                                  f"{nested!r}: keep the one the model was trained with")
         return _build(cls, {ours: raw[theirs] for theirs, ours in mapping.items() if raw.get(theirs) is not None}, path)
 
 

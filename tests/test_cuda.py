@@ -155,7 +155,8 @@ def test_int8_on_cuda_is_close_and_compiles(meta_ckpt_dir, cpu_fp32, tokenizer):
         ref = torch.log_softmax(cpu_fp32.model(torch.tensor([prompt]), kv_len=len(prompt))[0], -1)
         got = torch.log_softmax(llama.model(torch.tensor([prompt], device="cuda"), kv_len=len(prompt))[0], -1).cpu()
     assert float((ref.exp() * (got - ref).abs()).sum(-1).max()) < 0.1
-    # Compiled as serving compiles it: the runner's cache with its spare position, warmed up as it loads.
+    # Compiled as serving compiles it: the runner's cache with its spare position, warmed up before the first
+    # generation (Llama.warm_up, in generate's thread).
     compiled = build_llama(meta_ckpt_dir, device="cuda", dtype="bfloat16", quantize="int8", compile=True)
     tokens, lps = compiled.generate(_prompts(tokenizer), 12, temperature=0, logprobs=True)
     assert all(len(t) == 12 for t in tokens)
@@ -262,6 +263,7 @@ def test_the_overlapped_engine_on_cuda_equals_the_synchronous_one(meta_ckpt_dir,
     results = {}
     for overlap in (False, True):
         engine = Engine(llama.loaded, seed=0, overlap=overlap)
+        engine.warm_up()  # as serve() does: compiled and captured before the first request, floats as constants
         assert engine.overlap == overlap
         streams = [engine.submit(p, 10 + 5 * i, temperature=0.8 if i % 2 else 0, top_p=0.9, seed=i, top_logprobs=2)
                    for i, p in enumerate(prompts)]
@@ -302,6 +304,7 @@ def test_a_reply_held_to_a_grammar_on_cuda_is_the_cpus_beside_free_ones(compile)
     def run(device, **options):
         llama = build_llama(STORIES_DIR, device=device, dtype="float32", max_seq_len=256, max_batch_size=4, **options)
         engine = Engine(llama.loaded, seed=0)
+        engine.warm_up()  # as serve() does
         prompt = llama.tokenizer.encode("Once upon a time", bos=True, eos=False)
         streams = [engine.submit(prompt, 40, temperature=0, grammar=grammar),
                    engine.submit(prompt, 40, temperature=0),

@@ -89,7 +89,8 @@ class Engine:
         log-probabilities compute their whole prompt.
         overlap: deliver decode steps a turn late, launching the next one first (see the module's docstring);
         None: on CUDA, where the device runs ahead of the host. On the CPU the model runs in the host's own
-        thread, so there is nothing to overlap and each token would only come a step later.
+        thread, so there is nothing to overlap and each token would only come a step later; under tensor
+        parallelism each forward's inputs go to the other ranks through the host, a wait on the device.
         prompt_lookup: the most tokens a decode step drafts for a request from its own earlier text (or its
         prediction) and verifies in the same forward (see lookup); 0: none. None: CPU_PROMPT_LOOKUP where a
         row's logits do not depend on the forward it is in (llama_core's CPU kernels), else 0.
@@ -147,7 +148,8 @@ class Engine:
                                           else DRAFT_PRICE_ROWS_APART)
         else:
             self.draft_price = DraftPrice(float(draft_price), fixed=True)
-        self.overlap = self.runner.device.type == "cuda" and not prompt_lookup if overlap is None else overlap
+        self.overlap = (self.runner.device.type == "cuda" and not prompt_lookup and not self.runner.tensor_parallel
+                        if overlap is None else overlap)
         self._cache_version: Optional[int] = None  # the KV cache's version after this engine's last turn
         self._counts = EngineCounts()
         runner, counts = self.runner, self._counts

@@ -26,8 +26,8 @@ from torch import nn
 
 from . import cpu_kernels
 from .cpu_kernels.panels import PANEL, huge_page_empty, kernel_for, panel_product
-from .quantize import (ROUNDING_CHUNK_BYTES, Int8Linear, fits_triton, quantizable, replace_children, triton_product,
-                       triton_rows)
+from .quantize import (DEVICE_ROUNDING_CHUNK_BYTES, ROUNDING_CHUNK_BYTES, Int8Linear, fits_triton, quantizable,
+                       replace_children, triton_product, triton_rows)
 
 GROUP = 32  # inputs sharing a scale; linear.c's GROUP
 # torch's int4 CPU kernel (packing, product), where this torch has it: the product where llama_core's are not built
@@ -42,7 +42,8 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     others the nearest level. A few rows at a time through one float32 buffer, as int8's rounding."""
     rows, columns = weight.shape
     groups = -(-columns // GROUP)
-    step = max(1, ROUNDING_CHUNK_BYTES // (4 * groups * GROUP)) if weight.device.type == "cpu" else rows
+    chunk_bytes = ROUNDING_CHUNK_BYTES if weight.device.type == "cpu" else DEVICE_ROUNDING_CHUNK_BYTES
+    step = max(1, chunk_bytes // (4 * groups * GROUP))
     levels = torch.empty(rows, groups * GROUP, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(rows, groups, dtype=torch.float32, device=weight.device)
     buffer = torch.zeros(min(step, rows), groups * GROUP, dtype=torch.float32, device=weight.device)
@@ -138,7 +139,8 @@ class Int4Linear(nn.Module):
         groups = -(-columns // GROUP)
         packed = torch.empty(rows, groups * GROUP // 2, dtype=torch.uint8, device=weight.device)
         scales = torch.empty(rows, groups, dtype=torch.float32, device=weight.device)
-        step = max(1, ROUNDING_CHUNK_BYTES // (4 * groups * GROUP)) if weight.device.type == "cpu" else rows
+        chunk_bytes = ROUNDING_CHUNK_BYTES if weight.device.type == "cpu" else DEVICE_ROUNDING_CHUNK_BYTES
+        step = max(1, chunk_bytes // (4 * groups * GROUP))
         for start in range(0, rows, step):  # no temporary as large as the weight: see quantize_groups
             levels, scales[start:start + step] = quantize_groups(weight[start:start + step])
             packed[start:start + step] = pack_levels(levels)

@@ -202,9 +202,11 @@ def _rounded_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weight, row-major whatever the float weight's layout (the int8 kernels read it that way), and the scales
     in float32. On the CPU a few rows at a time, in one float32 buffer that stays in cache: on the whole
     weight at once each step wrote a fresh float32 copy, and loading a 7B as int8 spent most of its time in
-    page faults."""
+    page faults. On a GPU in chunks of DEVICE_ROUNDING_CHUNK_BYTES: the whole of a 7B's output layer took 1 GiB
+    of scratch the memory check did not count."""
     rows, columns = weight.shape
-    step = max(1, ROUNDING_CHUNK_BYTES // (4 * columns)) if weight.device.type == "cpu" else rows
+    chunk_bytes = ROUNDING_CHUNK_BYTES if weight.device.type == "cpu" else DEVICE_ROUNDING_CHUNK_BYTES
+    step = max(1, chunk_bytes // (4 * columns))
     quantized = torch.empty(rows, columns, dtype=torch.int8, device=weight.device)
     scales = torch.empty(rows, dtype=torch.float32, device=weight.device)
     buffer, magnitudes = torch.empty(2, min(step, rows), columns, dtype=torch.float32, device=weight.device)
@@ -219,6 +221,7 @@ def _rounded_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 ROUNDING_CHUNK_BYTES = 1 << 21  # float32 rows _rounded_rows rounds at a time on the CPU
+DEVICE_ROUNDING_CHUNK_BYTES = 64 << 20  # and on a GPU
 
 
 def quantizable(module: nn.Module) -> bool:

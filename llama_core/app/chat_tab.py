@@ -23,7 +23,6 @@ from .display import STOPPED_STATS, plural, stats_line
 from .turns import Turns
 
 
-
 def settings_of(values: tuple) -> dict[str, Any]:
     return dict(zip(conversations.SETTINGS, values))
 

@@ -22,7 +22,7 @@ from typing import Optional, TextIO
 from .checkpoint_files import check_vocabulary, checkpoint_layout, find_tokenizer, read_model_args
 from .cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, ArgumentParser, check_checkpoint, check_tokenizer,
                           exit_status, positive_int)
-from .errors import CheckpointError, LlamaError
+from .errors import LlamaError
 
 # What max_position_embeddings says when the checkpoint does not state its context (Meta's params.json):
 # Llama-2's 4,096 tokens, as Hugging Face's own convert_llama_weights_to_hf writes for Llama-2.

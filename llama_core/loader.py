@@ -17,7 +17,7 @@ from .checkpoint import load_model
 from .checkpoint_files import check_vocabulary, checkpoint_layout, find_tokenizer, read_model_args, stored_dtype
 from .config import ModelArgs
 from .devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
-from .errors import CheckpointError, CheckpointNotFoundError, InvalidRequestError
+from .errors import CheckpointNotFoundError, InvalidRequestError
 from .generation_config import GenerationConfig, read_generation_config
 from .memory_plan import cpu_shortfall, shortfall
 from .int4 import quantize_int4

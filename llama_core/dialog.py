@@ -154,9 +154,13 @@ def reply_room(max_seq_len: int, max_gen_len: int) -> int:
 def prepare_chat(tokenizer: Tokenizer, max_seq_len: int, dialog: Dialog, max_gen_len: int) -> FittedDialog:
     """Validates and encodes a dialog for a max_seq_len context, dropping its oldest turns until it fits with
     room for the reply: max_gen_len tokens, but at most half the context (a longer reply still runs until
-    the context is full)."""
+    the context is full). Where the dialog ends with the reply's start, that start is in the room: what it
+    leaves, at least one token, is kept for the rest (a long reply goes on without its own exchange dropped)."""
     validate_dialog(dialog, reply_started=True)
-    return fit_dialog(tokenizer, dialog, max_seq_len - reply_room(max_seq_len, max_gen_len))
+    room = reply_room(max_seq_len, max_gen_len)
+    if ends_in_reply(dialog):
+        room = max(1, room - len(tokenizer.encode(dialog[-1]["content"].strip(), bos=False, eos=False)))
+    return fit_dialog(tokenizer, dialog, max_seq_len - room)
 
 
 def _describe(value: object) -> str:

@@ -279,6 +279,29 @@ def test_chat_completion_drops_old_turns_to_fit(llama, tokenizer):
     assert result["generation"]["content"] == tokenizer.decode(tokens[0])
 
 
+def test_a_long_reply_started_goes_on_within_the_room_kept_for_the_reply(tokenizer):
+    # The reply's start was counted as prompt beside the whole room kept for the reply: a reply of more than
+    # about a quarter of the context could not go on (the chat's Continue: "Not continued", QA).
+    from llama_core.dialog import prepare_chat
+
+    question = [{"role": "user", "content": "Speak."}]
+    words = 1
+    while len(tokenizer.encode("the king " * words, bos=False, eos=False)) < 150:
+        words += 1
+    start = {"role": "assistant", "content": "the king " * words}  # about 150 tokens
+    started = len(tokenizer.encode(start["content"].strip(), bos=False, eos=False))
+    assert len(encode_dialog(tokenizer, question + [start])) > 256 - 128  # past the room, as it was counted
+    fitted = prepare_chat(tokenizer, 256, question + [start], max_gen_len=128)  # 128 kept: the start is in it
+    assert fitted.dropped_pairs == 0 and len(fitted.prompt_tokens) > 256 - 128
+    assert fitted.prompt_tokens == encode_dialog(tokenizer, question + [start]) and started >= 150
+    old = [{"role": "user", "content": "Earlier."}, {"role": "assistant", "content": "Aye " * 30}]
+    fitted = prepare_chat(tokenizer, 256, old + question + [start], max_gen_len=128)
+    assert fitted.dropped_pairs == 1  # an old exchange goes before the reply's own
+    with pytest.raises(ContextLengthError):  # no room left at all
+        prepare_chat(tokenizer, 256, question + [{"role": "assistant", "content": "the king " * 3 * words}],
+                     max_gen_len=128)
+
+
 def test_chat_completion_last_message_too_long(llama):
     dialog = [{"role": "user", "content": "word " * 200}]
     with pytest.raises(ContextLengthError, match=r"over by \d+ tokens"):

@@ -215,8 +215,10 @@ class ChatTab:
                                                                      *controls, client=client, reply_start=start),
                                          aio.text_size(message, history, system_prompt, start or ""))
         except ContextLengthError:
-            notice = conversations.context_notice(self.engine.tokenizer, self.engine.info.max_seq_len, message,
-                                                  system_prompt, controls[2])
+            notice = (f"no room is left in the model's {self.engine.info.max_seq_len:,}-token context for this reply "
+                      "to go on." if start is not None else
+                      conversations.context_notice(self.engine.tokenizer, self.engine.info.max_seq_len, message,
+                                                   system_prompt, controls[2]))
         except LlamaError as exc:
             notice = f"This message was not sent: {streaming.on_page(str(exc))}."
         if stream is not None and stream.refusal is not None:

@@ -554,7 +554,9 @@ def test_a_forced_call_is_a_call_whatever_stop_strings_it_holds_and_one_cut_shor
             assert call.function.arguments == "" or call.function.arguments.startswith("{"), call
     named = [c.message.tool_calls for c in
              (client.chat.completions.create(**ask, max_tokens=n).choices[0] for n in range(1, 16))]
-    assert any(named) and not all(named)  # cut short before the name, and after it
+    assert all(named)  # one tool: told even before its name is written (it was no call then: QA)
+    two = client.chat.completions.create(**dict(ask, tools=[WEATHER, SUMMON]), max_tokens=2).choices[0]
+    assert two.finish_reason == "length" and not two.message.tool_calls and two.message.content == ""
     response = client.responses.create(model=model_id, input=ASK, tools=[{"type": "function", **WEATHER["function"]}],
                                        tool_choice="required", max_output_tokens=12, temperature=0)
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
@@ -586,6 +588,8 @@ def test_a_call_cut_short_is_told_by_what_it_wrote():
     assert call_made('{"name": "summon"', functions, "stop") == Call("summon", "", complete=False)
     for cut in ("{", '{"na', '{"name": "', '{"name": "summon'):
         assert is_call(cut, functions) and call_made(cut, functions, "length") is None
+        if cut != '{"name": "summon':  # where only one function can be called, it is the one cut short
+            assert call_made(cut, functions[:1], "length") == Call("get_weather", "", complete=False)
     for text in ("Sunny.", '{"verdict": "ay"}', '{"name": "Romeo"}'):  # text, or JSON of a response format
         assert not is_call(text, functions) and call_made(text, functions, "eos") is None
     assert not is_call(whole, [])

@@ -154,8 +154,8 @@ PARTIAL_CALL = re.compile(r'\{"name": "(?P<name>[A-Za-z0-9_-]*)(?P<closed>")?(?:
 
 def call_made(text: str, functions: list[Function], finish_reason: Optional[str]) -> Optional[Call]:
     """The call a finished reply makes, or None for a reply that is text. A reply that starts with "{" is a call
-    (the grammar lets no text start so): one cut short is an incomplete call, never text, where its name is
-    written far enough to tell which function it calls."""
+    (the grammar lets no text start so): one cut short is an incomplete call, never text, where its function
+    can be told (its name written far enough, or only one function to call)."""
     if not is_call(text, functions):
         return None
     text = text.lstrip()
@@ -168,8 +168,8 @@ def call_made(text: str, functions: list[Function], finish_reason: Optional[str]
             and finish_reason in ("eos", "stop")):
         return Call(call["name"], json.dumps(call["arguments"]))
     written = PARTIAL_CALL.match(text)
-    if written is None:
-        return None
+    if written is None:  # cut short before the name: told only where one function can be called
+        return Call(next(iter(names)), "", complete=False) if len(names) == 1 else None
     named = [name for name in names if name == written["name"] or not written["closed"] and
              name.startswith(written["name"])]
     if len(named) != 1:  # cut short in a name that more than one function's begins with

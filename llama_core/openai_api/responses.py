@@ -174,7 +174,6 @@ def renamed(error: APIError, origin: list[Optional[int]]) -> APIError:
     def rename(text: str) -> str:
         text = re.sub(r"messages\[(\d+)\]", item, text)
         text = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text)
-        text = re.sub(r"\.tool_call_id\b", ".call_id", text)
         text = re.sub(r"\btool_call_id\b", "call_id", text)
         for old, new in FIELDS.items():
             text = re.sub(rf"(?<![\w.\[]){re.escape(old)}(?![\w\[])", new, text)

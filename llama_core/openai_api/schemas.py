@@ -193,11 +193,11 @@ class ResponsesRequest(SamplingControls):
     store: Optional[StrictBool] = None  # false: not kept for previous_response_id and GET
     previous_response_id: Optional[StrictStr] = None
     metadata: Optional[dict[str, Any]] = None
-    # Refused where set: not done here (responses.refuse_unsupported names each)
+    include: Optional[list[StrictStr]] = None  # ["message.output_text.logprobs"] only (responses.LOGPROBS)
+    top_logprobs: Optional[StrictInt] = None  # with that include: each token's most likely alternatives
+    # Refused where set: not done here (responses.refuse_unsupported)
     background: Optional[StrictBool] = None
     conversation: Optional[Any] = None
-    include: Optional[list[StrictStr]] = None
-    top_logprobs: Optional[StrictInt] = None
 
 
 # -- tokens, as vLLM's server counts them ------------------------------------------------------------------

@@ -155,21 +155,21 @@
   // event's inputs as the page holds them when it fires, and runs events outside its queue side by side: two
   // quick changes (New chat, then a setting) each changed the conversations as they were before both, and the
   // one to land last undid the other. An event fired before another's conversations came back is sent once
-  // they have, with them in place of its own.
+  // they have, with them in place of its own; so is one fired as they came back, before the page held them (a
+  // setting changed just after a pasted system prompt saved the prompt as it was before).
   const fetchNow = window.fetch;
-  let queue = Promise.resolve(), latest = null, returned = 0;
+  let queue = Promise.resolve(), latest = null;
   window.fetch = function (input, init) {
     const url = String(input?.url ?? input);
     let body = null;
     try { body = url.endsWith("/gradio_api/run/predict") ? JSON.parse(init?.body) : null; } catch {}
     if (!Array.isArray(body?.data) || !body.data.some(isStore)) return fetchNow.apply(this, arguments);
-    const fired = returned;
     const sent = queue.then(async () => {
-      if (returned > fired) body.data = body.data.map((value) => isStore(value) ? latest : value);
+      if (latest !== null) body.data = body.data.map((value) => isStore(value) ? latest : value);
       const response = await fetchNow.call(this, input, {...init, body: JSON.stringify(body)});
       try {
         const carried = ((await response.clone().json()).data ?? []).find(isStore);
-        if (carried) { latest = carried; returned += 1; }
+        if (carried) latest = carried;
       } catch {}
       return response;
     });

@@ -92,3 +92,13 @@ def call_grammar(functions: list[tools.Function], required: bool,
         return tools.call_grammar(functions, required, {} if schema is True else schema)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param="tools") from None
+
+
+def with_tools(controls: dict[str, Any], functions: list[tools.Function], required: bool,
+               response_format: Optional[ResponseFormat] = None) -> dict[str, Any]:
+    """Sampling controls for a reply that may call the functions (where there are any): held to call_grammar's
+    grammar; a call that must be made is ended by it, not by stop strings, which are for text replies."""
+    if not functions:
+        return controls
+    return dict(controls, grammar=call_grammar(functions, required, response_format),
+                **({"stop": ()} if required else {}))

@@ -266,8 +266,8 @@ class ResponseWriter:
             said = []
             for item in response["output"]:
                 if item["type"] == "function_call" and item["status"] == "incomplete":  # as the reply wrote it
-                    said.append(ChatMessage(role="assistant", content=f'{{"name": "{item["name"]}", "arguments": '
-                                            f'{item["arguments"]}'))
+                    said.append(ChatMessage(role="assistant", content=tools.call_text(
+                        tools.Call(item["name"], item["arguments"], complete=False))))
                 elif item["type"] == "function_call":
                     said.append(ChatMessage(role="assistant", tool_calls=[ToolCall(id=item["call_id"], function=(
                         FunctionCall(name=item["name"], arguments=item["arguments"])))]))

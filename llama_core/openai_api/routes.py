@@ -28,10 +28,10 @@ from .cors import LocalOrigins
 from .errors import APIError, from_llama_error, install_error_handlers
 from .metrics import CONTENT_TYPE, MeteredEngine
 from .reading import (SAMPLING_FIELDS, check_reply_start, choice_count, choice_seeds, completion_prompts, content_text,
-                      include_usage, llama_dialog, new_token_limit, predicted_text, refuse_unsupported_chat, reply_tools,
-                      sampling_controls, tagged_field)
+                      include_usage, llama_dialog, new_token_limit, predicted_text, refuse_unsupported_chat,
+                      reply_tools, sampling_controls, tagged_field)
 from .replies import ChatReply, CompletionReply
-from .reply_grammar import call_grammar
+from .reply_grammar import with_tools
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest
 from .streaming import event_stream
 
@@ -136,13 +136,9 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
 
         def reply_controls() -> dict[str, Any]:
-            controls = sampling_controls(body, engine.tokenizer.eos_id, logprobs=bool(body.logprobs),
-                                         top_logprobs=body.top_logprobs or 0)
-            if functions:
-                controls["grammar"] = call_grammar(functions, required, body.response_format)
-            if required:  # the reply is a call, ended by its grammar: stop strings are for text replies
-                controls["stop"] = ()
-            return controls
+            return with_tools(sampling_controls(body, engine.tokenizer.eos_id, logprobs=bool(body.logprobs),
+                                                top_logprobs=body.top_logprobs or 0),
+                              functions, required, body.response_format)
 
         controls = await aio.submitted(reply_controls, size)
         check_reply_start(dialog, controls)
@@ -187,13 +183,9 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             scored = responses.with_logprobs(body)
 
             def reply_controls() -> dict[str, Any]:
-                controls = sampling_controls(chat, logprobs=scored, top_logprobs=body.top_logprobs or 0)
-                controls["top_logprobs"] = controls["top_logprobs"] if scored else 0  # checked, given with include
-                if functions:
-                    controls["grammar"] = call_grammar(functions, required, chat.response_format)
-                if required:  # as on the chat route
-                    controls["stop"] = ()
-                return controls
+                return with_tools(sampling_controls(chat, logprobs=scored,
+                                                    top_logprobs=(body.top_logprobs or 0) if scored else 0),
+                                  functions, required, chat.response_format)
 
             controls = await aio.submitted(reply_controls, size)
             check_reply_start(dialog, controls)

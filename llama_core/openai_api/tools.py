@@ -122,14 +122,7 @@ def call_grammar(functions: list[Function], required: bool, reply_schema: Option
 def is_call(text: str, functions: list[Function]) -> bool:
     """Whether a reply is a call, or was to be one (cut short, even before its function could be told): its
     text is then never the reply's content."""
-    text = text.lstrip()
-    if not functions or not text.startswith("{"):
-        return False
-    if '{"name": "'.startswith(text):
-        return True
-    written = PARTIAL_CALL.match(text)
-    return written is not None and any(f.name == written["name"] if written["closed"] else
-                                       f.name.startswith(written["name"]) for f in functions)
+    return _written_call(text, functions) is not None
 
 
 def may_be_call(text: str) -> bool:
@@ -148,33 +141,48 @@ class Call:
 
 
 # A call's text as the grammar writes it (JSON_OPTIONS' separators), its name and arguments as far as written
+CALL_START = '{"name": "'
 PARTIAL_CALL = re.compile(r'\{"name": "(?P<name>[A-Za-z0-9_-]*)(?P<closed>")?(?:, "arguments": (?P<arguments>.*))?',
                           re.DOTALL)
 
 
-def call_made(text: str, functions: list[Function], finish_reason: Optional[str]) -> Optional[Call]:
-    """The call a finished reply makes, or None for a reply that is text. A reply that starts with "{" is a call
-    (the grammar lets no text start so): one cut short is an incomplete call, never text, where its function
-    can be told (its name written far enough, or only one function to call)."""
-    if not is_call(text, functions):
-        return None
+def call_text(call: Call) -> str:
+    """A call as the reply writes it (the grammar's layout), as far as it went where it was cut short."""
+    return f'{{"name": {json.dumps(call.name)}, "arguments": {call.arguments}' + ("}" if call.complete else "")
+
+
+def _written_call(text: str, functions: list[Function]) -> Optional[tuple[list[str], str]]:
+    """For a reply that is a call, whole or begun: (the functions it may call, by the name as far as it is
+    written; its arguments as far as written); None for a reply that is text. A reply that starts with "{" is a
+    call: the grammar lets no text start so."""
     text = text.lstrip()
-    names = {f.name for f in functions}
+    if not functions or not text.startswith("{"):
+        return None
+    if CALL_START.startswith(text):  # cut short before the name
+        return [f.name for f in functions], ""
+    written = PARTIAL_CALL.match(text)
+    if written is None:
+        return None
+    named = [f.name for f in functions if (f.name == written["name"] if written["closed"] else
+                                           f.name.startswith(written["name"]))]
+    return (named, written["arguments"] or "") if named else None
+
+
+def call_made(text: str, functions: list[Function], finish_reason: Optional[str]) -> Optional[Call]:
+    """The call a finished reply makes, or None for a reply that is text. One cut short is an incomplete call,
+    never text, where its function can be told (its name written far enough, or only one function to call)."""
+    written = _written_call(text, functions)
+    if written is None:
+        return None
     try:
         call = json.loads(text)
     except ValueError:
         call = None
-    if (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments"), dict)
+    if (isinstance(call, dict) and call.get("name") in written[0] and isinstance(call.get("arguments"), dict)
             and finish_reason in ("eos", "stop")):
         return Call(call["name"], json.dumps(call["arguments"]))
-    written = PARTIAL_CALL.match(text)
-    if written is None:  # cut short before the name: told only where one function can be called
-        return Call(next(iter(names)), "", complete=False) if len(names) == 1 else None
-    named = [name for name in names if name == written["name"] or not written["closed"] and
-             name.startswith(written["name"])]
-    if len(named) != 1:  # cut short in a name that more than one function's begins with
-        return None
-    return Call(named[0], written["arguments"] or "", complete=False)
+    named, arguments = written
+    return Call(named[0], arguments, complete=False) if len(named) == 1 else None
 
 
 def tool_call(call: Call) -> dict[str, Any]:

@@ -126,11 +126,10 @@ class Scheduler:
         return pending
 
     def retire_cancelled(self) -> None:
-        """Ends the cancelled requests, running or waiting."""
+        """Ends the cancelled running requests (between decode steps; the waiting ones: retire_abandoned)."""
         for slot, sequence in enumerate(self.slots):
             if sequence is not None and sequence.channel.cancelled.is_set():
                 self.free(slot, "cancelled")
-        self.retire_abandoned()
 
     def retire_abandoned(self) -> None:
         """Ends the waiting requests that were cancelled: each gives its place in the queue back at once, also

@@ -377,32 +377,42 @@ def test_concurrent_clients_each_get_their_solo_output(served, client):
     ]
     solo = [client.predict(**args, api_name=name) for name, args in requests]
     clients = [Client(url, verbose=False) for _ in requests]
-    results, most_active, done = [None] * len(requests), [0], threading.Event()
-    start = threading.Barrier(len(requests))
 
-    def call(i):
-        start.wait()
-        name, args = requests[i]
-        results[i] = clients[i].predict(**args, api_name=name)
+    def together() -> tuple[list, int]:
+        results, most_active, done = [None] * len(requests), [0], threading.Event()
+        start = threading.Barrier(len(requests))
 
-    def watch():
-        while not done.is_set():
-            most_active[0] = max(most_active[0], engine.active_count)
-            time.sleep(0.001)
+        def call(i):
+            start.wait()
+            name, args = requests[i]
+            results[i] = clients[i].predict(**args, api_name=name)
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    done.set()
-    watcher.join()
-    assert most_active[0] > 1, "the requests should have been decoded together"
-    for (name, _), alone, together in zip(requests, solo, results):
-        alone, together = (alone, together) if name == "/chat" else (alone[0], together[0])
-        assert together == alone and alone
+        def watch():
+            while not done.is_set():
+                most_active[0] = max(most_active[0], engine.active_count)
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        done.set()
+        watcher.join()
+        return results, most_active[0]
+
+    # On a loaded machine the requests can reach the engine one after another, each done before the next
+    # arrives: a round that was not decoded together is tried again (its replies are checked all the same).
+    for _ in range(4):
+        results, most_active = together()
+        for (name, _), alone, reply in zip(requests, solo, results):
+            alone, reply = (alone, reply) if name == "/chat" else (alone[0], reply[0])
+            assert reply == alone and alone
+        if most_active > 1:
+            break
+    assert most_active > 1, "the requests should have been decoded together"
 
 
 def test_cancelling_a_stream_stops_its_request_in_the_engine(served, client):

@@ -315,6 +315,18 @@ def test_completion_logprobs_0_gives_each_token_with_its_own_logprob_only(client
     assert logprobs.top_logprobs == [{t: v} for t, v in zip(logprobs.tokens, logprobs.token_logprobs)]
 
 
+def test_completion_top_logprobs_keep_the_likelier_of_two_tokens_with_one_text():
+    # The embedded tokenizer has `f` (2002) and its byte piece <0x66> (109): both read "f" in the API.
+    from types import SimpleNamespace
+    from llama_core.openai_api.replies import CompletionReply
+    tokenizer = load().tokenizer
+    f, byte_f, e = 2002, 109, 1985
+    assert tokenizer.token_text(f) == "f" and tokenizer.token_text(byte_f) == "<0x66>" and tokenizer.token_text(e) == "e"
+    reply = CompletionReply(SimpleNamespace(tokenizer=tokenizer), "m", [], 1, False, top=3, echoed=None)
+    assert reply._top([(f, -0.04), (byte_f, -8.98), (e, -9.5)], f, -0.04) == {"f": -0.04, "e": -9.5}
+    assert reply._top([(e, -0.1), (f, -2.0), (byte_f, -8.98)], byte_f, -8.98) == {"e": -0.1, "f": -2.0}
+
+
 def test_completion_default_max_tokens_is_openais_16(client, model_id):
     reply = client.completions.create(model=model_id, prompt="ROMEO:", temperature=1.0, seed=3)
     assert reply.usage.completion_tokens <= 16

@@ -296,10 +296,14 @@ class CompletionReply(Reply):
     def _top(self, alternatives: Optional[list[tuple[int, float]]], token: int,
              logprob: Optional[float], first: bool = False) -> Optional[dict[str, float]]:
         """A position's most likely tokens as OpenAI gives them, their text to their log-probability, with the
-        token chosen there added where it is not among them ("up to logprobs+1" entries, as OpenAI and vLLM)."""
+        token chosen there added where it is not among them ("up to logprobs+1" entries, as OpenAI and vLLM).
+        Two tokens with one text (a character's piece and its byte piece: `f` and <0x66>) are one entry, the more
+        likely one's: the less likely, later in alternatives, does not overwrite it."""
         if self.top is None or alternatives is None:
             return None
-        top = {self.token_text(t, first): _logprob(lp) for t, lp in alternatives}
+        top: dict[str, Optional[float]] = {}
+        for t, lp in alternatives:
+            top.setdefault(self.token_text(t, first), _logprob(lp))
         if token not in (t for t, _ in alternatives):
             top.setdefault(self.token_text(token, first), _logprob(logprob))
         return top

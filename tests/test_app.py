@@ -663,6 +663,27 @@ def test_reply_formats_hold_the_reply_to_json_a_schema_a_pattern_or_a_grammar(cl
     assert text in ("ROMEO", "JULIET")
 
 
+def test_reply_formats_are_built_off_the_event_loop(client, monkeypatch):
+    # A grammar costs what it asks, not its length: a short one built on the loop held every user's page and API
+    # (security pass: a{2000}{2000}, 2.6 s). The page's routes build it in a worker thread, as the API's do.
+    from llama_core import grammar
+
+    on_loop, follow = [], grammar._follow_first_steps
+
+    def where() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    monkeypatch.setattr(grammar, "_follow_first_steps", lambda *a: on_loop.append(where()) or follow(*a))
+    client.predict(**chat_args(max_new_tokens=4, output_format="regex", output_grammar="ay|nay"), api_name="/chat")
+    client.predict(**complete_args(max_new_tokens=4, output_format="regex", output_grammar="ROMEO|JULIET"),
+                   api_name="/complete")
+    assert on_loop == [False, False]
+
+
 @pytest.mark.parametrize("output_format, output_grammar, message", [
     ("yaml", "", "output_format must be one of text, json, json_schema, regex, lark"),
     ("json_schema", "", "output format 'json_schema' needs a JSON Schema in output_grammar"),

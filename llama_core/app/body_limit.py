@@ -1,33 +1,39 @@
 """A bound on request bodies, for the whole server (the OpenAI API and the page's Gradio routes): a body past
-it is answered 413 before the app reads it, so that a few 100 MB posts cannot fill the web process."""
+it is answered 413 before the app reads it, so that a few 100 MB posts cannot fill the web process. The bound
+may depend on the request (`limit_for`): the web app gives one that has not logged in to a page that asks for a
+login a small one (server.body_limit_for)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a request's text is at most 100,000 characters a field; an upload 4 MiB
+SMALL_BODY_BYTES = 64 * 1024  # a login form, or the few ids Gradio's /cancel takes
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 
 class BodyLimit:
-    """ASGI middleware: a declared Content-Length past `limit` is refused at once; a body sent without one
-    (chunked) is read up to the limit, then handed on whole or refused."""
+    """ASGI middleware: a declared Content-Length past the limit (`limit`, or limit_for(scope) where given) is
+    refused at once; a body sent without one (chunked) is read up to the limit, then handed on whole or refused."""
 
-    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES,
+                 limit_for: Optional[Callable[[dict], int]] = None) -> None:
         self.app = app
         self.limit = limit
+        self.limit_for = limit_for
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.limit if self.limit_for is None else self.limit_for(scope)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None:
-            if not declared.isdigit() or int(declared) > self.limit:
-                await self._refuse(scope, send)
+            if not declared.isdigit() or int(declared) > limit:
+                await self._refuse(scope, send, limit)
                 return
             await self.app(scope, receive, send)  # the server reads no more than it declared
             return
@@ -41,8 +47,8 @@ class BodyLimit:
             if message["type"] != "http.request":
                 break
             size += len(message.get("body", b""))
-            if size > self.limit:
-                await self._refuse(scope, send)
+            if size > limit:
+                await self._refuse(scope, send, limit)
                 return
             if not message.get("more_body", False):
                 break
@@ -52,8 +58,8 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: dict, send: Send) -> None:
-        message = f"the request body is larger than this server takes ({self.limit:,} bytes)"
+    async def _refuse(self, scope: dict, send: Send, limit: int) -> None:
+        message = f"the request body is larger than this server takes ({limit:,} bytes)"
         if scope.get("path", "").startswith("/v1/"):  # the OpenAI API's shape
             body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
                               "code": "request_too_large"}}

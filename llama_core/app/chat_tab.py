@@ -210,10 +210,12 @@ class ChatTab:
         if start is not None:
             shown.append({"role": "assistant", "content": start})
         reply, notice, stream, stopped = "", None, None, False
+        size = aio.preparing_size(aio.text_size(message, history, system_prompt, start or ""),
+                                  streaming.asks_grammar(streaming.advanced_controls(controls[3:])))
         try:
             stream = await aio.submitted(lambda: streaming.open_chat(self.engine, message, history, system_prompt,
                                                                      *controls, client=client, reply_start=start),
-                                         aio.text_size(message, history, system_prompt, start or ""))
+                                         size)
         except ContextLengthError:
             notice = (f"no room is left in the model's {self.engine.info.max_seq_len:,}-token context for this reply "
                       "to go on." if start is not None else
@@ -424,7 +426,7 @@ class ChatTab:
         try:
             conversation = conversations.from_json(data)
         except conversations.ConversationFileError as exc:
-            return self.view(store, stats=f"**Not imported:** {exc}.")
+            return self.view(store, stats=f"**Not imported:** {conversations.as_markdown_text(str(exc))}.")
         there = conversations.same_in_store(store, conversation)
         if there is not None:  # shown, not copied
             return self.view(dict(store, active=there["id"]), stats=f"Not imported: “"

@@ -10,14 +10,16 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, get_type_hints
+from typing import Any, Callable, Optional, Sequence, get_type_hints
 
 import gradio as gr
 from gradio import networking
+from starlette.requests import Request
 from starlette.routing import Mount
 
 from ..openai_api import create_api
-from .body_limit import BodyLimit
+from ..openai_api.cors import API_PATHS
+from .body_limit import MAX_BODY_BYTES, SMALL_BODY_BYTES, BodyLimit
 from .page_head import PageHead
 from .ui import CSS, PAGE_HEAD, PAGE_JS, THEME
 from .web_server import BackgroundServer
@@ -60,8 +62,31 @@ def web_app(demo: gr.Blocks, engine: Any, api_keys: Sequence[str] = (), auth: Op
     api = create_api(engine, model_name, api_keys)
     page = mount_page(api, demo, auth)
     api.add_middleware(PageHead, html=PAGE_HEAD)  # the page's head script before Gradio's (page_head.py)
-    api.add_middleware(BodyLimit)
+    api.add_middleware(BodyLimit, limit_for=body_limit_for(page))
     return api, page
+
+
+def body_limit_for(page: Any) -> Callable[[dict], int]:
+    """The largest body each request may send (BodyLimit): MAX_BODY_BYTES, but SMALL_BODY_BYTES to the page's
+    routes from a browser or client not logged in where the page asks for a login, and to Gradio's routes that
+    take a few ids (/cancel, /reset). Gradio checks a login after it has read and parsed the body (and /cancel
+    checks none): an 8 MiB body of nested lists sent there with no login held the event loop, every user's
+    page and API, for seconds. The API's paths check their key before reading a body (openai_api.keys)."""
+    few_ids = ("/gradio_api/cancel", "/gradio_api/reset")
+
+    def limit_for(scope: dict) -> int:
+        path = scope.get("path", "")
+        if path.startswith(API_PATHS):
+            return MAX_BODY_BYTES
+        if path.rstrip("/") in few_ids:
+            return SMALL_BODY_BYTES
+        if page.auth is None:
+            return MAX_BODY_BYTES
+        cookies = Request(scope).cookies  # the headers alone: nothing of the body is read
+        token = cookies.get(f"access-token-{page.cookie_id}") or cookies.get(f"access-token-unsecure-{page.cookie_id}")
+        return MAX_BODY_BYTES if page.tokens.get(token) is not None else SMALL_BODY_BYTES
+
+    return limit_for
 
 
 def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] = None) -> Any:

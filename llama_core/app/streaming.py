@@ -137,7 +137,8 @@ async def complete(engine: TextEngine, prompt: Any, temperature: Any, top_p: Any
                 engine, text, temperature, top_p, max_new_tokens, prompt_logprobs=echoed and probabilities,
                 top_logprobs=TOP_ALTERNATIVES if probabilities else 0, client=client, **_with_grammar(controls))
 
-    prompt_text, echoed, probabilities, stream = await aio.submitted(start, aio.text_size(prompt))
+    prompt_text, echoed, probabilities, stream = await aio.submitted(
+        start, aio.preparing_size(aio.text_size(prompt), asks_grammar(controls)))
     text, generated, prompt_tokens = "", [], []
 
     def update(chunks: list) -> tuple[str, list[dict], dict]:
@@ -189,6 +190,12 @@ def advanced_controls(values: tuple) -> dict[str, Any]:
     controls = dict(zip(ADVANCED, values))
     controls["stop"] = [line for line in (controls["stop"] or "").splitlines() if line]
     return controls
+
+
+def asks_grammar(controls: dict[str, Any]) -> bool:
+    """Whether the requests' controls hold the reply to a grammar (a Reply format other than text): such a
+    request is prepared off the event loop (aio.preparing_size)."""
+    return controls.get("output_format") not in (None, "", "text")
 
 
 def _with_grammar(controls: dict[str, Any]) -> dict[str, Any]:

@@ -60,11 +60,14 @@ CSS = (APP_DIR / "page.css").read_text(encoding="utf-8")
 # Run once the page loads: a change in a stale tab, leaving mid-reply, Escape, a message a reload cut off (page.js).
 PAGE_JS = (APP_DIR / "page.js").read_text(encoding="utf-8").replace("STORAGE_KEY", json.dumps(STORAGE_KEY))
 # Images come from this server only: a message (an imported chat's, a reply's) showing an image of another site's,
-# as HTML or Markdown, fetched it as the chat opened, telling that site who read it and when.
-IMAGES_FROM_HERE = """<meta http-equiv="Content-Security-Policy" content="img-src 'self' data: blob:">"""
+# as HTML or Markdown, fetched it as the chat opened, telling that site who read it and when. Forms send to this
+# server only: a message's HTML may hold a form (a fake "sign in again" box), which sent what was typed in it to
+# any site its action named.
+FROM_HERE_ONLY = ("""<meta http-equiv="Content-Security-Policy" """
+                    """content="img-src 'self' data: blob:; form-action 'self'">""")
 # Run first in the page's head, before Gradio's scripts (page_head.py): the conversations' store shared by the
 # app's tabs, and asking before leaving mid-reply (store.js).
-PAGE_HEAD = IMAGES_FROM_HERE + "<script>%s</script>" % (APP_DIR / "store.js").read_text(encoding="utf-8").replace(
+PAGE_HEAD = FROM_HERE_ONLY + "<script>%s</script>" % (APP_DIR / "store.js").read_text(encoding="utf-8").replace(
     "STORAGE_KEY", json.dumps(STORAGE_KEY))
 
 

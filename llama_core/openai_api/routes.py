@@ -10,14 +10,14 @@ fields with .reading (the reply's grammar: .reply_grammar) and writes its reply 
 
 from __future__ import annotations
 
-import hmac
 import logging
-import math
 import time
 from typing import Any, Callable, Optional, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.routing import Match
 
 from ..dialog import UNSAFE_ERROR, encode_dialog
 from ..errors import EngineUnavailableError, LlamaError
@@ -26,16 +26,16 @@ from ..serving.streams import TextEngine, TextStream, stream_chat, stream_comple
 from . import responses, tools
 from .cors import LocalOrigins
 from .errors import APIError, from_llama_error, install_error_handlers
+from .keys import ApiKeys, KeyCheck
 from .metrics import CONTENT_TYPE, MeteredEngine
 from .reading import (SAMPLING_FIELDS, check_reply_start, choice_count, choice_seeds, completion_prompts, content_text,
                       include_usage, llama_dialog, new_token_limit, predicted_text, refuse_unsupported_chat,
                       reply_tools, sampling_controls, tagged_field)
 from .replies import ChatReply, CompletionReply
-from .reply_grammar import with_tools
+from .reply_grammar import grammar_fields, with_tools
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest
 from .streaming import event_stream
 
-BEARER = {"WWW-Authenticate": "Bearer"}  # a 401's challenge (RFC 6750): the scheme a key is sent in
 ENDED_STATE_SECONDS = 2.0  # /health's wait for a model process that just ended to be restarting (or failed)
 
 log = logging.getLogger(__name__)
@@ -52,23 +52,17 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     api = FastAPI(title="llama_core OpenAI-compatible API", docs_url="/v1/docs", openapi_url="/v1/openapi.json",
                   redoc_url=None)
     api.state.metrics = engine.metrics
-    api.add_middleware(LocalOrigins)
-    keys = [key.encode() for key in api_keys]
+    keys = ApiKeys(api_keys)
+    keyed: list[APIRoute] = []  # the routes that need a key, found as the first request comes
 
-    async def authorized(request: Request) -> None:  # async: no worker thread for a header check
-        """Refuses a request without a valid key (where keys are set); names its client for the engine."""
-        if not keys:
-            request.state.client = f"address:{request.client.host if request.client else 'unknown'}"
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            raise APIError(401, "no API key given: send it as the header 'Authorization: Bearer YOUR_KEY'",
-                           code="invalid_api_key", headers=BEARER)
-        held = next((i for i, key in enumerate(keys) if hmac.compare_digest(given.strip().encode(), key)), None)
-        if held is None:
-            raise APIError(401, "the API key given is not valid for this server", code="invalid_api_key",
-                           headers=BEARER)
-        request.state.client = f"key:{held}"  # the key by its place in the list: no secret in the engine
+    def needs_key(scope: dict) -> bool:
+        if not keyed:
+            keyed.extend(route for route in api.routes if isinstance(route, APIRoute) and
+                         any(d.call == keys.authorized for d in route.dependant.dependencies))
+        return any(route.matches(scope)[0] != Match.NONE for route in keyed)
+
+    api.add_middleware(KeyCheck, keys=keys, guarded=needs_key)  # inside LocalOrigins: a 401 is answered with CORS
+    api.add_middleware(LocalOrigins)
 
     def served_model(requested: Optional[str]) -> None:
         if requested is not None and requested != model_id:
@@ -80,7 +74,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                 "context_length": engine.info.max_seq_len, "max_model_len": engine.info.max_seq_len}
 
     install_error_handlers(api, log)
-    v1 = [Depends(authorized)]
+    v1 = [Depends(keys.authorized)]
     kept = responses.ResponseStore()  # the Responses API's stored responses
 
     @api.get("/health", include_in_schema=False)
@@ -125,7 +119,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         served_model(body.model)
         refuse_unsupported_chat(body)
-        size = await _size(request)
+        size = aio.preparing_size(await _size(request), bool(grammar_fields(body) or body.tools))
         functions, required = await aio.submitted(lambda: reply_tools(body), size)  # long schemas: off the loop
         dialog = llama_dialog(body.messages, tools.tools_prompt(functions, required) if functions else "")
         prediction = predicted_text(body.prediction)
@@ -176,6 +170,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
                     body.text.format if body.text else None), tools=chat_tools, tool_choice=tool_choice,
                 **{name: getattr(body, name) for name in SAMPLING_FIELDS if name != "logit_bias"})
             refuse_unsupported_chat(chat)
+            size = aio.preparing_size(size, bool(grammar_fields(chat) or chat.tools))
             functions, required = await aio.submitted(lambda: reply_tools(chat), size)
             note = "\n\n".join(part for part in (body.instructions or "", tools.tools_prompt(functions, required)
                                                   if functions else "") if part)
@@ -232,7 +227,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         if top is not None and not 0 <= top <= requests.MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be an integer from 0 to {requests.MAX_TOP_LOGPROBS}, got {top}",
                            param="logprobs")
-        size = await _size(request)
+        size = aio.preparing_size(await _size(request), bool(grammar_fields(body)))
         controls = await aio.submitted(lambda: sampling_controls(body, engine.tokenizer.eos_id,
                                                                  logprobs=top is not None, top_logprobs=top or 0), size)
         scoring = bool(body.echo) and body.max_tokens == 0  # the prompt alone, with its logprobs: one step, unsent
@@ -264,7 +259,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         if body.prompt is not None and body.tools:
             raise APIError(400, "tools go with messages, as on the chat route", param="tools")
         size = await _size(request)
-        functions, required = await aio.submitted(lambda: reply_tools(body), size)
+        functions, required = await aio.submitted(lambda: reply_tools(body), aio.preparing_size(size, bool(body.tools)))
         tokenizer = engine.tokenizer
 
         def tokens() -> list[int]:
@@ -332,6 +327,6 @@ async def _submit_all(submit: Callable[[Any], TextStream], jobs: list[Any], fiel
         return streams
 
     try:
-        return await aio.submitted(submit_each, size if controls.get("grammar") is None else math.inf)
+        return await aio.submitted(submit_each, aio.preparing_size(size, controls.get("grammar") is not None))
     except LlamaError as exc:
         raise from_llama_error(exc, fields, rename) from None

@@ -212,7 +212,15 @@ def build_parser() -> ArgumentParser:
 def main(argv: Optional[list[str]] = None, stdout: Optional[TextIO] = None) -> int:
     """Exports once. Returns the exit status: 0; 2 for a usage error (argparse's: an unknown option or a bad
     value); 1 for a failure at run time (a checkpoint missing or unusable, an output folder that is taken, a
-    write that failed)."""
+    write that failed); 130 on Ctrl-C."""
+    try:
+        return _run(argv, stdout)
+    except KeyboardInterrupt:  # Ctrl-C (torch importing, the weights being read or written): no traceback
+        print(file=sys.stderr)
+        return 130
+
+
+def _run(argv: Optional[list[str]], stdout: Optional[TextIO]) -> int:
     stdout = stdout or sys.stdout
     options = build_parser().parse_args(argv)
     try:

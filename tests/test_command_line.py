@@ -35,7 +35,7 @@ from llama_core import generate_cli
 from conftest import interruptible
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CHAT, GENERATE = "llama_core.app.cli", "llama_core.generate_cli"
+CHAT, GENERATE, EXPORT = "llama_core.app.cli", "llama_core.generate_cli", "llama_core.export"
 HEAVY = ("torch", "gradio", "llama_core.loader")
 PROBE = """
 import json, sys
@@ -95,7 +95,7 @@ def test_help_of_each_command(module):
     assert result.imported == []
 
 
-@pytest.mark.parametrize("module", [CHAT, GENERATE, "llama_core.export"])
+@pytest.mark.parametrize("module", [CHAT, GENERATE, EXPORT])
 def test_each_commands_help_says_what_its_exit_statuses_mean(module):
     result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=60)
@@ -361,9 +361,9 @@ def _app_completes(*flags: str, prompt: str = "ROMEO:", max_tokens: int = 12):
     return answer, output
 
 
-@pytest.mark.parametrize("module", [CHAT, GENERATE])
-def test_ctrl_c_while_torch_imports_stops_without_a_traceback(module):
-    args = ["--port", "0"] if module == CHAT else ["ROMEO:"]
+@pytest.mark.parametrize("module", [CHAT, GENERATE, EXPORT])
+def test_ctrl_c_while_torch_imports_stops_without_a_traceback(module, tmp_path):
+    args = {CHAT: ["--port", "0"], GENERATE: ["ROMEO:"], EXPORT: ["--to", "hf", str(tmp_path / "hf")]}[module]
     process = subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=interruptible)
     with killed_at_the_end(process):

@@ -15,7 +15,7 @@ import torch
 from . import cpu_kernels
 from .checkpoint import load_model
 from .checkpoint_files import check_vocabulary, checkpoint_layout, find_tokenizer, read_model_args, stored_dtype
-from .config import ModelArgs
+from .config import ModelArgs, default_context
 from .devices import resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from .errors import CheckpointNotFoundError, InvalidRequestError
 from .generation_config import GenerationConfig, read_generation_config
@@ -94,7 +94,7 @@ class LoadedModel:
 def load(
     ckpt_dir: Optional[str | Path] = None,
     tokenizer_path: Optional[str | Path] = None,
-    max_seq_len: int = 2048,
+    max_seq_len: Optional[int] = None,
     max_batch_size: int = 4,
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
@@ -110,6 +110,9 @@ def load(
 ) -> LoadedModel:
     """Loads a checkpoint in Meta or Hugging Face layout; the arguments are those of `Llama.build`, and
     progress shows a bar on stderr while the weights load (on rank 0 only under tensor parallelism).
+    max_seq_len: the context to allocate; None, as in `Llama.build`: the one the model was trained for, at most
+    DEFAULT_MAX_SEQ_LEN (2048), and 2048 where its config does not say. One past the trained context is taken
+    as given (the warning about it is `Llama.build`'s).
     quantize="int8" stores the projections' weights as int8 once loaded (see llama_core.quantize); "int4" as
     4-bit groups, the output layer's as int8 (llama_core.int4).
     kv_cache_dtype: "auto" (the model's dtype), "float32", "bfloat16" or "float16".
@@ -125,6 +128,8 @@ def load(
     """
     start = time.perf_counter()
     for name, value in (("max_seq_len", max_seq_len), ("max_batch_size", max_batch_size)):
+        if name == "max_seq_len" and value is None:  # the trained context: known once the config is read
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
     ckpt_dir = Path(ckpt_dir).expanduser() if ckpt_dir is not None else DEFAULT_CKPT_DIR
@@ -141,6 +146,8 @@ def load(
     if args.vocab_size == -1:
         args.vocab_size = tokenizer.n_words
     check_vocabulary(tokenizer, args, ckpt_dir)
+    if max_seq_len is None:
+        max_seq_len = default_context(args.max_seq_len)
     check_quantize(quantize, device_map, tensor_parallel)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype)  # None: the model's
     stored = stored_dtype(ckpt_dir)

@@ -341,6 +341,17 @@ def test_the_context_is_the_trained_one_unless_asked_and_past_it_warns():
         assert Llama.build(None, max_seq_len=1024, max_batch_size=1, device="cpu").max_seq_len == 1024
 
 
+def test_load_allocates_the_context_build_does(meta_ckpt_dir):
+    """llama_core.load's max_seq_len defaults as Llama.build's: the trained context (the embedded model's 512),
+    DEFAULT_MAX_SEQ_LEN where the config does not state one (Meta's params.json); one asked for is taken."""
+    from llama_core import load
+    from llama_core.config import DEFAULT_MAX_SEQ_LEN
+
+    assert load(None, max_batch_size=1, device="cpu").info.max_seq_len == 512
+    assert load(meta_ckpt_dir, max_batch_size=1, device="cpu").info.max_seq_len == DEFAULT_MAX_SEQ_LEN
+    assert load(None, max_seq_len=64, max_batch_size=1, device="cpu").info.max_seq_len == 64
+
+
 # -- requests ---------------------------------------------------------------------------------------
 def test_prompt_longer_than_context(llama, tokenizer):
     prompt = [tokenizer.bos_id] + [5] * (MAX_SEQ_LEN - 1)

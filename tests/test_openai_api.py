@@ -1555,6 +1555,22 @@ def test_a_stream_whose_model_process_dies_ends_with_an_error_and_serving_resume
         assert answer.status_code == 503 and answer.headers["retry-after"], answer.text
         assert error_of(answer)["code"] == "engine_unavailable"
         back()
+        # A streamed response: OpenAI's error event, then response.failed (the error's own type, server_error,
+        # was the event's, which the SDK read as an unknown event: the stream seemed to end normally).
+        sdk = openai.OpenAI(base_url=url + "v1", api_key="none", max_retries=0, timeout=60)
+        kinds = []
+        long = {"type": "json_schema", "name": "tale", "schema": {"type": "object", "required": ["tale"],
+                                                                   "properties": {"tale": {"type": "string", "minLength": 400}}}}
+        for event in sdk.responses.create(model=engine.info.name, input="ROMEO:", max_output_tokens=200,
+                                          temperature=0, stream=True, text={"format": long}):
+            kinds.append(event.type)
+            if len(kinds) == 1:  # its request is in the engine
+                os.kill(engine.pid, signal.SIGKILL)
+            if event.type == "error":
+                assert event.code == "engine_unavailable" and "stopped unexpectedly" in event.message
+        assert kinds[-2:] == ["error", "response.failed"], kinds
+        assert event.response.status == "failed" and "stopped unexpectedly" in event.response.error.message
+        back()
 
 
 # -- any body ---------------------------------------------------------------------------------------------

@@ -289,8 +289,11 @@ class ResponseWriter:
         sent = 0  # the entries sent with the text's deltas
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         async for batch in merged_batches([self.stream], request):
-            if batch.error is not None:
-                yield self.event("error", **from_llama_error(batch.error, ()).body()["error"])
+            if batch.error is not None:  # OpenAI's error event, then the response failed (the SDK reads the latter)
+                error = from_llama_error(batch.error, ()).body()["error"]
+                yield self.event("error", code=error["code"], message=error["message"], param=error["param"])
+                failed = dict(self.response("failed", []), error={"code": "server_error", "message": error["message"]})
+                yield self.event("response.failed", response=failed)
                 return
             piece = "".join(c.text for c in batch.chunks)
             if self.scores is not None:  # less the tokens that may have written only a stop string

@@ -8,13 +8,16 @@ as in a model. Prints ms per layer and the cache bytes read per second.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from llama_core import cpu_kernels
-from llama_core.cpu_kernels import layer_ops
-from llama_core.kv_cache import KVCache
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from llama_core import cpu_kernels  # noqa: E402
+from llama_core.cpu_kernels import layer_ops  # noqa: E402
+from llama_core.kv_cache import KVCache  # noqa: E402
 
 SHAPES = {"110m": (12, 12, 64, 12), "7b": (32, 32, 128, 4), "70b": (64, 8, 128, 4)}  # heads, kv heads, head_dim, layers
 

@@ -191,6 +191,22 @@ def test_gemm_bench_prints_a_time_for_every_layout_and_row_count():
     assert all(len(r) == 1 + 2 * len(layouts) and all(float(t) > 0 for t in r[1:]) for r in rows)
 
 
+def test_attention_bench_runs_from_a_checkout_without_pythonpath():
+    """`python scripts/bench_attention.py` as the docs run it: no PYTHONPATH, llama_core not installed."""
+    from llama_core import cpu_kernels
+
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "scripts/bench_attention.py", "--threads", "1", "--length", "64",
+                             "--shapes", "110m", "--dtypes", "float32", "--repeats", "1"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert "ModuleNotFoundError" not in result.stderr, result.stderr[-2000:]
+    if not cpu_kernels.available():
+        assert result.returncode == 1 and "the CPU kernels are not built here" in result.stderr
+        return
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[0] == "1 threads, 64 positions" and "110m" in result.stdout.splitlines()[1]
+
+
 def test_int8_bench_prints_every_kernel_and_the_deviation():
     result = _run("bench_int8.py", "--shapes", "tiny", "--rows", "1,4", "--repeats", "1", "--threads", "1",
                   "--kernels", "fp32,dequant,fbgemm,llama_core", "--accuracy", "default")

@@ -175,6 +175,8 @@ def test_device_map_outputs_equal_the_single_device_model(device_map, ckpt_dirs,
         ({"": "disk"}, "'disk' is not supported"),
         ({"": "tpu"}, "got 'tpu'"),
         ({"": f"cuda:{torch.cuda.device_count()}"}, f"this machine has {torch.cuda.device_count()} CUDA device"),
+        ({"": torch.cuda.device_count()}, f"this machine has {torch.cuda.device_count()} CUDA device"),
+        ({"": -1}, "must be a CUDA index, 'cuda:N' or 'cpu', got -1"),
     ],
 )
 def test_bad_device_map_is_refused_naming_it(device_map, message, meta_ckpt_dir):
@@ -195,6 +197,10 @@ def test_bad_max_memory_is_refused_naming_it(meta_ckpt_dir):
 
 def test_max_memory_is_read_from_the_command_line_form():
     assert parse_max_memory("cpu=2GiB") == {"cpu": 2 * 2**30}
+    missing = torch.cuda.device_count()  # a GPU index this machine lacks: said so, as for cuda:N
+    for key in (str(missing), f"cuda:{missing}"):
+        with pytest.raises(InvalidRequestError, match=rf"but this machine has {missing} CUDA device\(s\)"):
+            parse_max_memory(f"{key}=20GiB")
     with pytest.raises(InvalidRequestError, match="'0:20GiB' must look like 0=20GiB"):
         parse_max_memory("0:20GiB")
 

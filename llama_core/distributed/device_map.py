@@ -188,15 +188,21 @@ def _normalize_device(device: Device) -> Union[int, str]:
         raise InvalidRequestError(f"device_map device must be a CUDA index, 'cuda:N' or 'cpu', got {device!r}")
     if device == "disk":
         raise InvalidRequestError("device_map device 'disk' is not supported: offload to 'cpu' instead")
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InvalidRequestError(f"device_map device must be a CUDA index, 'cuda:N' or 'cpu', got {device!r}") from exc
-    if parsed.type == "cpu":
-        return "cpu"
-    if parsed.type != "cuda":
-        raise InvalidRequestError(f"device_map device must be a CUDA index, 'cuda:N' or 'cpu', got {device!r}")
-    index = parsed.index if parsed.index is not None else 0
+    if isinstance(device, int):  # read here: torch.device(0) raises on a machine without an accelerator (torch 2.13)
+        if device < 0:
+            raise InvalidRequestError(f"device_map device must be a CUDA index, 'cuda:N' or 'cpu', got {device!r}")
+        index = device
+    else:
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidRequestError(
+                f"device_map device must be a CUDA index, 'cuda:N' or 'cpu', got {device!r}") from exc
+        if parsed.type == "cpu":
+            return "cpu"
+        if parsed.type != "cuda":
+            raise InvalidRequestError(f"device_map device must be a CUDA index, 'cuda:N' or 'cpu', got {device!r}")
+        index = parsed.index if parsed.index is not None else 0
     if index >= torch.cuda.device_count():
         raise InvalidRequestError(
             f"device_map device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)"

@@ -806,6 +806,9 @@ def test_more_tools_than_a_grammar_may_hold_is_a_400_on_both_routes(served):
     flat = [{"type": "function", **tool["function"]} for tool in many]
     response = raw(served, "POST", "/responses", {"input": "Hi", "tools": flat})
     assert response.status_code == 400 and error_of(response)["param"] == "tools", response.text
+    # More than OpenAI's 128 are refused before any schema is compiled (10,000 took 17 s of a CPU).
+    response = raw(served, "POST", "/chat/completions", {"messages": ASK, "tools": many[:129]})
+    assert response.status_code == 400 and "at most 128" in error_of(response)["message"], response.text
 
 
 @pytest.mark.parametrize("extra, follows", [
@@ -1090,6 +1093,26 @@ def test_the_stores_size_is_kept():
     assert store.get("resp_2").response == {"id": "resp_2"}
     with pytest.raises(APIError, match="keeps its last 2 stored responses"):
         store.get("resp_0")
+
+
+def test_the_store_holds_so_many_messages_in_all_the_newest_response_whatever_it_holds():
+    # Stored responses were bounded by count alone: 8 MiB of empty input messages kept ~150 MB a response, and
+    # 256 of them more memory than the machine had (reliability pass).
+    from llama_core.openai_api.responses import ResponseStore, Stored
+    from llama_core.openai_api.schemas import ChatMessage
+
+    said = [ChatMessage(role="user", content="hi")]
+    store = ResponseStore(size=10, messages=5)
+    for i, count in enumerate((2, 2, 1)):
+        store.put(f"resp_{i}", Stored(said * count, {"id": f"resp_{i}"}))
+    assert [store.get(f"resp_{i}").response["id"] for i in range(3)] == ["resp_0", "resp_1", "resp_2"]
+    store.put("resp_3", Stored(said * 3, {}))  # 8 messages: the oldest go until 5 are left
+    assert [i for i in range(4) if f"resp_{i}" in store._kept] == [2, 3]
+    store.delete("resp_2")
+    store.put("resp_4", Stored(said * 9, {}))  # over the bound alone: kept, alone
+    assert list(store._kept) == ["resp_4"]
+    store.put("resp_5", Stored(said, {}))
+    assert list(store._kept) == ["resp_5"]
 
 
 @pytest.mark.parametrize("body, param", [

@@ -89,7 +89,7 @@ def llama_dialog(messages: list[ChatMessage], tools_note: str = "") -> Dialog:
     assistant's is the start of the reply, which the model continues."""
     if not messages:
         raise APIError(400, "messages is empty: send at least one user message", param="messages")
-    dialog: Dialog = []
+    turns: list[tuple[str, list[str]]] = []  # each turn's role and its messages' texts, joined once at the end
     for i, role, written in tools.history_turns(messages):
         message = messages[i]
         role = {"developer": "system", "tool": "user"}.get(role, role)
@@ -102,13 +102,15 @@ def llama_dialog(messages: list[ChatMessage], tools_note: str = "") -> Dialog:
             message.content, f"messages[{i}].content")
         if written is not None:
             content = f"{content}\n{written}" if content else content_text(written, f"messages[{i}]")
-        if role == "system" and dialog and dialog[-1]["role"] != "system":
+        if role == "system" and turns and turns[-1][0] != "system":
             role = "user"
-        if role == "assistant" and (not dialog or dialog[-1]["role"] == "system"):
-            dialog.append({"role": "user", "content": ""})  # the assistant spoke first (a greeting)
-        if dialog and dialog[-1]["role"] == role:
-            content = f"{dialog.pop()['content']}\n\n{content}"
-        dialog.append({"role": role, "content": content})
+        if role == "assistant" and (not turns or turns[-1][0] == "system"):
+            turns.append(("user", [""]))  # the assistant spoke first (a greeting)
+        if turns and turns[-1][0] == role:
+            turns[-1][1].append(content)
+        else:
+            turns.append((role, [content]))
+    dialog: Dialog = [{"role": role, "content": "\n\n".join(texts)} for role, texts in turns]
     if tools_note:
         if dialog[0]["role"] == "system":
             dialog[0] = {"role": "system", "content": f"{dialog[0]['content']}\n\n{tools_note}".strip()}

@@ -4,8 +4,8 @@ Its input items become the chat route's messages (a message, an assistant's func
 `instructions` the system prompt, `text.format` the grammar of `response_format`, and function tools the chat
 route's tools. The reply is a Response object, or its stream of events: response.created, the output item and
 its text (or its function call's arguments) as they come, then response.completed (or response.incomplete, where
-max_output_tokens ended it). The last STORED responses are kept in memory (ResponseStore), so that a request can
-go on from one (`previous_response_id`) and GET /v1/responses/{id} can read it back; a restart forgets them.
+max_output_tokens ended it). The last STORED responses (and no more than STORED_MESSAGES messages in all) are kept
+in memory (ResponseStore), so that a request can go on from one (`previous_response_id`) and GET /v1/responses/{id} can read it back; a restart forgets them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from .streaming import merged_batches
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 STORED = 256  # responses a server keeps, the oldest forgotten first
+# ... and the messages their conversations hold in all, each a copy (~0.5 KB bare): 8 MiB of empty input messages
+# kept ~150 MB a response, 256 of them more memory than a machine has. The newest response is always kept.
+STORED_MESSAGES = 100_000
 
 
 @dataclass
@@ -41,26 +44,29 @@ class Stored:
 
 
 class ResponseStore:
-    """The last `size` stored responses, in memory, by id (the server's event loop is its only user)."""
+    """The last `size` stored responses, in memory, by id, with at most `messages` messages in all (the newest
+    response kept whatever it holds); the server's event loop is its only user."""
 
-    def __init__(self, size: int = STORED) -> None:
-        self.size = size
+    def __init__(self, size: int = STORED, messages: int = STORED_MESSAGES) -> None:
+        self.size, self.messages = size, messages
         self._kept: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+        self._held = 0  # the messages of the responses kept
 
     def get(self, response_id: str, param: str = "previous_response_id") -> Stored:
         found = self._kept.get(response_id)
         if found is None:
             raise APIError(404, f"no response {response_id!r:.80} here: this server keeps its last {self.size} "
-                           "stored responses, in memory, until it restarts", param=param, code="not_found")
+                           f"stored responses ({self.messages:,} messages in all), in memory, until it restarts", param=param, code="not_found")
         return found
 
     def put(self, response_id: str, stored: Stored) -> None:
         self._kept[response_id] = stored
-        while len(self._kept) > self.size:
-            self._kept.popitem(last=False)
+        self._held += len(stored.messages)
+        while len(self._kept) > 1 and (len(self._kept) > self.size or self._held > self.messages):
+            self._held -= len(self._kept.popitem(last=False)[1].messages)
 
     def delete(self, response_id: str) -> None:
-        self.get(response_id, param="response_id")
+        self._held -= len(self.get(response_id, param="response_id").messages)
         del self._kept[response_id]
 
 

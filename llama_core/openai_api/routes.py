@@ -121,7 +121,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         refuse_unsupported_chat(body)
         size = aio.preparing_size(await _size(request), bool(grammar_fields(body) or body.tools))
         functions, required = await aio.submitted(lambda: reply_tools(body), size)  # long schemas: off the loop
-        dialog = llama_dialog(body.messages, tools.tools_prompt(functions, required) if functions else "")
+        dialog = await aio.submitted(lambda: llama_dialog(body.messages, tools.tools_prompt(functions, required)
+                                                          if functions else ""), size)
         prediction = predicted_text(body.prediction)
         fields = set(body.model_fields_set) | {"messages"}
         rename = {"max_new_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {}
@@ -161,8 +162,8 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
         served_model(body.model)
         responses.refuse_unsupported(body)
         earlier = kept.get(body.previous_response_id).messages if body.previous_response_id is not None else []
-        messages, origin = responses.chat_messages(body, earlier)
-        size = await _size(request)
+        size = aio.preparing_size(await _size(request), len(earlier) > 64)  # copied: a long conversation, a thread
+        messages, origin = await aio.submitted(lambda: responses.chat_messages(body, earlier), size)
         try:
             chat_tools, tool_choice = responses.chat_tools(body)
             chat = ChatCompletionRequest(
@@ -174,7 +175,7 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
             functions, required = await aio.submitted(lambda: reply_tools(chat), size)
             note = "\n\n".join(part for part in (body.instructions or "", tools.tools_prompt(functions, required)
                                                   if functions else "") if part)
-            dialog = llama_dialog(chat.messages, note)
+            dialog = await aio.submitted(lambda: llama_dialog(chat.messages, note), size)
             scored = responses.with_logprobs(body)
 
             def reply_controls() -> dict[str, Any]:

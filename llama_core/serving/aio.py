@@ -32,11 +32,12 @@ def text_size(*values: Any) -> int:
     return sum(len(str(value)) for value in values)
 
 
-def preparing_size(characters: float, grammar: bool) -> float:
-    """What submitted() should take a request to be: its characters, or, where it holds its reply to a grammar,
-    too long for the loop however short it is: building a grammar costs what the grammar asks, not its length
-    (13 characters, a{2000}{2000}, took 2.6 s to refuse; twenty short patterns 7 s to accept)."""
-    return math.inf if grammar else characters
+def preparing_size(characters: float, costly: bool) -> float:
+    """What submitted() should take a request to be: its characters, or, where preparing it costs more than its
+    text says (it holds its reply to a grammar; it goes on from a long stored conversation), too long for the loop
+    however short it is. Building a grammar costs what the grammar asks, not its length: 13 characters,
+    a{2000}{2000}, took 2.6 s to refuse; twenty short patterns 7 s to accept."""
+    return math.inf if costly else characters
 
 
 async def submitted(submit: Callable[[], T], characters: float) -> T:

@@ -1467,6 +1467,8 @@ def test_logins_protect_the_page_and_keys_the_api_on_one_server():
         keyed = httpx.post(url + "v1/chat/completions", content=b"{not json", timeout=10,
                            headers={"content-type": "application/json", "Authorization": f"Bearer {KEY}"})
         assert keyed.status_code == 400 and "not valid JSON" in keyed.json()["error"]["message"]
+        assert httpx.get(url + "v1/docs", timeout=10).status_code == 200  # the API's description, as before
+        assert httpx.get(url + "v1/unknown", timeout=10).status_code == 401  # any other /v1 path needs the key
         # ... and the page's routes take no more than a login form's worth from a client not logged in
         lists = ("[" + ",".join(["[]"] * 40_000) + "]").encode()  # 120 KB
         for route in ("gradio_api/cancel", "gradio_api/call/complete", "gradio_api/queue/join"):

@@ -56,10 +56,18 @@ def create_api(engine: TextEngine, model_name: Optional[str] = None, api_keys: S
     keyed: list[APIRoute] = []  # the routes that need a key, found as the first request comes
 
     def needs_key(scope: dict) -> bool:
+        """Whether the route the request goes to (the first that matches it, as Starlette routes it) needs a key."""
         if not keyed:
             keyed.extend(route for route in api.routes if isinstance(route, APIRoute) and
                          any(d.call == keys.authorized for d in route.dependant.dependencies))
-        return any(route.matches(scope)[0] != Match.NONE for route in keyed)
+        partial = None  # a route matching the path but not the method: its 405
+        for route in api.routes:
+            match = route.matches(scope)[0]
+            if match == Match.FULL:
+                return route in keyed
+            if match == Match.PARTIAL and partial is None:
+                partial = route
+        return partial is not None and partial in keyed
 
     api.add_middleware(KeyCheck, keys=keys, guarded=needs_key)  # inside LocalOrigins: a 401 is answered with CORS
     api.add_middleware(LocalOrigins)

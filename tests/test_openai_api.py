@@ -1260,6 +1260,9 @@ def test_a_prompt_longer_than_the_context_is_refused(client, model_id, served):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=model_id, prompt=long)
     assert caught.value.code == "context_length_exceeded" and caught.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError, match=r"the input takes [\d,]+ tokens.* shorten it to") as caught:
+        client.responses.create(model=model_id, input=long)
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "input"
     # Past the characters any field takes (before counting its tokens), the code a client truncates on is the same.
     huge = "word " * 30_000
     with pytest.raises(openai.BadRequestError, match="150,000 characters") as caught:

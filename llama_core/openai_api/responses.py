@@ -178,6 +178,7 @@ def renamed(error: APIError, origin: list[Optional[int]]) -> APIError:
         return f"input[{origin[j] if j < len(origin) else j}]"
 
     def rename(text: str) -> str:
+        text = re.sub(r"the messages take (.*) shorten them", r"the input takes \1 shorten it", text)
         text = re.sub(r"messages\[(\d+)\]", item, text)
         text = re.sub(r"(tools\[\d+\])\.function\.", r"\1.", text)
         text = re.sub(r"\btool_call_id\b", "call_id", text)

@@ -3,11 +3,16 @@ placed over devices by accelerate's device maps; bad layouts are refused with a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -51,6 +56,46 @@ def run_torchrun(ckpt_dir: Path, prompts: list[list[int]], out: Path, nproc: int
     return subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
 
 
+def start_ranks(ckpt_dir: Path, prompts: list[list[int]], out: Path, nproc: int = 2) -> list[subprocess.Popen]:
+    """tp_worker.py --after-sigterm in nproc processes joined as torchrun joins them (its variables), without
+    torchrun's monitor, so that a test signals or kills each process itself; stderr goes to OUT.rankN.err."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = []
+    for rank in range(nproc):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with open(out.with_suffix(f".rank{rank}.err"), "w") as errors:
+            ranks.append(subprocess.Popen(
+                [sys.executable, str(WORKER), "--ckpt-dir", str(ckpt_dir), "--prompts", json.dumps(prompts),
+                 "--max-gen-len", str(GEN_LEN), "--out", str(out), "--after-sigterm"],
+                env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=errors))
+    return ranks
+
+
+@contextlib.contextmanager
+def ranks_running(ckpt_dir: Path, prompts: list[list[int]], out: Path):
+    """start_ranks, waiting until rank 0 has built its model; none is left running after."""
+    ranks = start_ranks(ckpt_dir, prompts, out)
+    try:
+        deadline = time.monotonic() + 180
+        while not out.with_suffix(".ready").exists():
+            assert time.monotonic() < deadline and all(r.poll() is None for r in ranks), rank_errors(out)
+            time.sleep(0.2)
+        yield ranks
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def rank_errors(out: Path, rank: Optional[int] = None) -> str:
+    return "\n".join(path.read_text() for path in sorted(out.parent.glob(out.stem + ".rank*.err"))
+                     if rank is None or path.name.endswith(f".rank{rank}.err"))
+
+
 def assert_close_logprobs(actual: list[list[float]], expected: list[list[float]]) -> None:
     assert [len(row) for row in actual] == [len(row) for row in expected]
     for got, want in zip(actual, expected):
@@ -80,6 +125,45 @@ def test_two_ranks_generate_the_single_process_tokens_and_logprobs(layout, ckpt_
     assert prefix["cached"] == [0, prefix["shared"]] and expected["cached"] == [0, 0]
     assert prefix["tokens"] == expected["tokens"]
     assert_close_logprobs(prefix["logprobs"], expected["logprobs"])
+
+
+def test_sigterm_to_every_rank_lets_rank_0_finish_its_requests_and_stop_the_others(meta_ckpt_dir, prompts,
+                                                                                  single_device, tmp_path):
+    """torchrun (stopped by docker, systemd, k8s) sends SIGTERM to every process: ranks > 0 must go on following
+    rank 0, which ends its requests in flight and then stops them; nobody prints a traceback."""
+    out = tmp_path / "result.json"
+    with ranks_running(meta_ckpt_dir, prompts, out) as ranks:
+        for process in ranks:
+            process.send_signal(signal.SIGTERM)
+        statuses = [process.wait(timeout=120) for process in ranks]
+    assert statuses == [0, 0], rank_errors(out)
+    assert json.loads(out.read_text()) == single_device["tokens"]
+    assert "Traceback" not in rank_errors(out) and "Exception ignored" not in rank_errors(out), rank_errors(out)
+
+
+def test_a_rank_that_died_fails_requests_plainly_and_rank_0_exits_without_a_traceback(meta_ckpt_dir, prompts,
+                                                                                      tmp_path):
+    out = tmp_path / "result.json"
+    with ranks_running(meta_ckpt_dir, prompts, out) as ranks:
+        ranks[1].kill()
+        ranks[1].wait()
+        ranks[0].send_signal(signal.SIGTERM)
+        assert ranks[0].wait(timeout=120) == 0, rank_errors(out, 0)
+    told = json.loads(out.read_text())
+    assert told == [{"error": "RequestFailedError: a tensor-parallel process failed; the server is stopping"}] * 3
+    assert rank_errors(out, 0) == "", rank_errors(out, 0)  # no "Exception ignored in atexit callback"
+
+
+def test_rank_0_dying_tells_the_others_the_group_broke(meta_ckpt_dir, prompts, tmp_path):
+    """A rank > 0, following rank 0's steps inside Llama.build, says the group broke, not that loading failed."""
+    out = tmp_path / "result.json"
+    with ranks_running(meta_ckpt_dir, prompts, out) as ranks:
+        ranks[0].kill()
+        assert ranks[1].wait(timeout=120) != 0
+    said = rank_errors(out, 1).strip().splitlines()[-1]
+    assert ("TensorParallelError: the tensor-parallel group broke while this rank (1) served rank 0's steps: rank 0 "
+            "or another of its processes ended (") in said, said
+    assert ".cc:" not in said and "GLHF" not in said, said
 
 
 def test_three_ranks_for_two_kv_heads_fail_naming_the_count(meta_ckpt_dir, prompts, tmp_path):

@@ -8,7 +8,11 @@ wo and w2 are summed with all-reduce (NCCL on CUDA, gloo on CPU).
 Rank 0 drives: it runs the usual engine, and each forward first broadcasts its inputs over
 a gloo group, so ranks > 0 run the same forward on the same KV-cache rows; a copy of KV-cache rows
 between slots (prefix caching) is broadcast the same way. Only rank 0 samples. At exit rank 0
-broadcasts a stop, and every rank leaves the process group.
+broadcasts a stop, and every rank leaves the process group. Ranks > 0 ignore SIGINT and SIGTERM (torchrun
+sends its SIGTERM to every process): rank 0 leads the stop, letting requests in flight end first.
+
+A collective that fails (a process of the group ended) raises TensorParallelError, which says so without
+the backend's internals; the group is then left as it is (nothing more is sent over it).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import re
 import signal
 import threading
 from datetime import timedelta
@@ -28,7 +33,7 @@ from torch import nn
 
 from ..checkpoint import TP_SPLIT_DIM, WeightsProgress, assign_weights, iter_rank_tensors
 from ..config import ModelArgs
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, LlamaError
 from ..model import Transformer
 
 # Ranks > 0 wait on rank 0 between requests: an idle server must not time out.
@@ -36,6 +41,38 @@ _IDLE_TIMEOUT = timedelta(days=365)
 _STOP, _FORWARD, _COPY_PREFIX = 0, 1, 2
 _OPTIONAL_INPUTS = ("input_pos", "cache_rows", "logit_index")
 _control: Optional[dist.ProcessGroup] = None  # gloo group carrying rank 0's calls
+_broken = False  # a collective failed: a process of the group ended, so nothing more is sent over it
+
+
+class TensorParallelError(LlamaError, RuntimeError):
+    """A collective of the tensor-parallel group failed: another of its processes ended (or its connection
+    broke), so the model cannot run any more; the backend's own error is its __cause__."""
+
+
+def _collective(op, *args, **kwargs) -> None:
+    """Runs a torch.distributed collective; a failure (the backend's RuntimeError) is a TensorParallelError."""
+    global _broken
+    try:
+        op(*args, **kwargs)
+    except RuntimeError as exc:
+        _broken = True
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        if rank > 0:
+            message = (f"the tensor-parallel group broke while this rank ({rank}) served rank 0's steps: rank 0 or "
+                       f"another of its processes ended ({backend_reason(exc)})")
+        else:
+            message = f"a tensor-parallel process failed: {backend_reason(exc)}"
+        raise TensorParallelError(message) from exc
+
+
+def backend_reason(exc: BaseException) -> str:
+    """A backend error's first line without gloo's source location and sign-off ("[.../pair.cc:553] Connection
+    closed by peer [127.0.0.1]:6894. This is typically caused by ... GLHF! 🏖️" is "Connection closed by peer
+    [127.0.0.1]:6894")."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", line)
+    line = re.split(r"\.\s+This is typically caused", line)[0]  # gloo's advice to read the other logs, and its
+    return re.sub(r"\s*GLHF!.*$", "", line).strip() or type(exc).__name__  # sign-off
 
 
 # -- joining the job ----------------------------------------------------------------------------
@@ -133,7 +170,7 @@ def _local_linear(linear: nn.Linear, dim: int, world_size: int) -> nn.Linear:
 
 
 def _all_reduce_output(module: nn.Module, inputs, output: torch.Tensor) -> None:
-    dist.all_reduce(output)  # in place: this rank's partial sum becomes the full output
+    _collective(dist.all_reduce, output)  # in place: this rank's partial sum becomes the full output
 
 
 # -- rank 0 drives, the others follow -----------------------------------------------------------
@@ -145,7 +182,11 @@ def lead_or_serve(model: Transformer, device: torch.device) -> None:
         model.register_forward_pre_hook(_broadcast_call, with_kwargs=True)
         return
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops rank 0, whose exit then stops this rank
+        # Ctrl-C (the terminal's) and torchrun's SIGTERM (docker's, systemd's) reach every rank: rank 0 ends its
+        # requests in flight and then broadcasts the stop, which ends this rank; torchrun kills what is left
+        # after its own grace.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve_forever(model, device)
     shutdown()
     raise SystemExit(0)
@@ -164,19 +205,25 @@ def serve_forever(model: Transformer, device: torch.device) -> None:
 def broadcast_copy_prefix(src_row: int, dst_row: int, length: int) -> None:
     """On rank 0: has every other rank copy the same KV-cache rows (Transformer.copy_cache_prefix) before
     its next forward."""
-    dist.broadcast(torch.tensor([_COPY_PREFIX, src_row, dst_row, length, 0, 0, 0, 0]), 0, group=_control)
+    _collective(dist.broadcast, torch.tensor([_COPY_PREFIX, src_row, dst_row, length, 0, 0, 0, 0]), 0, group=_control)
 
 
 def shutdown() -> None:
     """Stops the ranks > 0 (when called on rank 0) and leaves the process group; later calls do nothing.
-    Rank 0 calls it at exit; call it sooner only once nothing runs the model any more."""
+    Rank 0 calls it at exit; call it sooner only once nothing runs the model any more. Where the group is broken
+    (a process already ended, killed or failed) there is no one to stop: it returns quietly."""
     global _control
     if _control is None:
         return
-    if dist.get_rank() == 0:
-        dist.broadcast(torch.tensor([_STOP, 0, 0, 0, 0, 0, 0, 0]), 0, group=_control)
-    dist.barrier(group=_control)
-    _control = None
+    group, _control = _control, None
+    if _broken:
+        return
+    try:
+        if dist.get_rank() == 0:
+            _collective(dist.broadcast, torch.tensor([_STOP, 0, 0, 0, 0, 0, 0, 0]), 0, group=group)
+        _collective(dist.barrier, group=group)
+    except TensorParallelError:
+        return  # the others ended already; leaving the group would wait on them
     dist.destroy_process_group()
 
 
@@ -195,20 +242,20 @@ def _broadcast_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
     payload = torch.cat([t.reshape(-1).to("cpu", torch.long) for t in tensors])
     kv_len = call.get("kv_len")
     header = [_FORWARD, batch, seq_len, -1 if kv_len is None else int(kv_len), *map(int, present), payload.numel()]
-    dist.broadcast(torch.tensor(header), 0, group=_control)
-    dist.broadcast(payload, 0, group=_control)
+    _collective(dist.broadcast, torch.tensor(header), 0, group=_control)
+    _collective(dist.broadcast, payload, 0, group=_control)
 
 
 def _receive_call(device: torch.device) -> Optional[dict]:
     header = torch.empty(8, dtype=torch.long)
-    dist.broadcast(header, 0, group=_control)
+    _collective(dist.broadcast, header, 0, group=_control)
     op, batch, seq_len, kv_len, *present, size = header.tolist()
     if op == _STOP:
         return None
     if op == _COPY_PREFIX:
         return {"copy_prefix": (batch, seq_len, kv_len)}  # this header's fields are src_row, dst_row, length
     payload = torch.empty(size, dtype=torch.long)
-    dist.broadcast(payload, 0, group=_control)
+    _collective(dist.broadcast, payload, 0, group=_control)
     payload = payload.to(device)
     call = {"tokens": payload[: batch * seq_len].view(batch, seq_len), "kv_len": None if kv_len < 0 else kv_len}
     offset = batch * seq_len

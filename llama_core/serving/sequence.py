@@ -3,6 +3,7 @@ what its sampling follows, and how it ends; and the engine's counts of that work
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -109,4 +110,13 @@ def failure_message(exc: BaseException) -> str:
     """What a request that failed with exc is told."""
     if isinstance(exc, torch.OutOfMemoryError):
         return "the request ran out of device memory; try a shorter prompt or fewer new tokens"
+    if _tensor_parallel_failure(exc):  # not the request's fault, nor one that sending it again would mend
+        return "a tensor-parallel process failed; the server is stopping"
     return f"generation failed: {type(exc).__name__}: {exc}"
+
+
+def _tensor_parallel_failure(exc: BaseException) -> bool:
+    """Whether exc is a collective of the tensor-parallel group failing (a process of it ended): raised as
+    llama_core.distributed.parallel.TensorParallelError, only where that module runs the group."""
+    parallel = sys.modules.get(__package__.rpartition(".")[0] + ".distributed.parallel")
+    return parallel is not None and isinstance(exc, parallel.TensorParallelError)

@@ -172,14 +172,55 @@ def test_a_bad_app_argument_gets_one_line_naming_it_before_anything_loads(case, 
     assert result.stdout == "" and result.imported == (["torch"] if case == "more slots than memory" else [])
 
 
-def test_compile_under_torchrun_is_refused_naming_the_flag(monkeypatch, capsys):
-    from llama_core.app import cli
+TENSOR_PARALLEL_REFUSALS = {  # app arguments under torchrun -> the one line rank 0 prints before anything loads
+    "compile": (["--compile"], "--compile and tensor parallelism (torchrun) exclude each other: leave out --compile"),
+    "int8": (["--quantize", "int8"], "--quantize int8 and tensor parallelism (torchrun) exclude each other: "
+             "quantized weights run on one device; leave out --quantize"),
+    "device map": (["--device-map", "auto"], "--device-map auto and tensor parallelism (torchrun) exclude each "
+                   "other: each process holds its share of every layer, on cuda:LOCAL_RANK or the cpu; leave out "
+                   "--device-map"),
+    "device": (["--device", "cuda:1"], "--device cuda:1 under torchrun: each process uses cuda:LOCAL_RANK or the "
+               "cpu; pass --device auto, cuda or cpu"),
+    "3 processes": (["--port", "0"], "tiny-shakespeare: tensor parallelism over 3 processes needs n_kv_heads (2) "
+                    "and the FFN hidden size (512) divisible by 3: use --nproc_per_node in [1, 2]"),
+}
 
-    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):  # a rank that serves no socket
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize("case", TENSOR_PARALLEL_REFUSALS)
+def test_an_option_tensor_parallelism_refuses_is_named_once_before_loading(case, rank, monkeypatch, capsys):
+    """Under torchrun every rank runs the checks: each exits 2 (a usage error), rank 0 alone says why, and
+    before the start-up line (which would claim the setup) and any loading."""
+    from llama_core.app import cli
+    from llama_core.serving import launch
+
+    arguments, said = TENSOR_PARALLEL_REFUSALS[case]
+    world = "3" if case == "3 processes" else "2"
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank)):
         monkeypatch.setenv(name, value)
-    assert cli.main(["--compile"]) == 2
-    assert capsys.readouterr().err == ("error: --compile and tensor parallelism (torchrun) exclude each other: "
-                                       "leave out --compile\n")
+    monkeypatch.setattr(launch, "open_engine", lambda *args, **kwargs: pytest.fail("the model began to load"))
+    assert cli.main(arguments) == 2
+    output = capsys.readouterr()
+    assert output.out == "" and output.err == (f"error: {said}\n" if rank == "0" else "")
+
+
+def test_the_group_breaking_on_a_rank_that_serves_is_not_called_a_load_failure(monkeypatch, capsys):
+    """A rank > 0 follows rank 0's steps inside open_engine (loader.load): rank 0 ending then is said as such."""
+    from llama_core.app import cli
+    from llama_core.distributed.parallel import TensorParallelError
+    from llama_core.serving import launch
+
+    said = ("the tensor-parallel group broke while this rank (1) served rank 0's steps: rank 0 or another of its "
+            "processes ended (Connection closed by peer [127.0.0.1]:6894)")
+
+    def breaks(*args, **kwargs):
+        raise TensorParallelError(said) from RuntimeError("[pair.cc:553] Connection closed by peer")
+
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch, "open_engine", breaks)
+    assert cli.main(["--device", "cpu"]) == 1
+    assert capsys.readouterr().err == f"error: {said}\n"
 
 
 @pytest.mark.parametrize("failure, said", [

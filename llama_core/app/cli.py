@@ -149,6 +149,8 @@ def _run(argv: Optional[list[str]]) -> int:
     under_torchrun = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))  # as
     # llama_core.distributed.parallel.launched_by_torchrun says, without importing torch
     try:
+        if under_torchrun:
+            check_tensor_parallel_options(args)
         check_app_packages()
         api_keys, logins = access_options(args)
         # Rank 0 serves; under torchrun the other ranks only replay its steps.
@@ -159,14 +161,15 @@ def _run(argv: Optional[list[str]]) -> int:
         if args.compile and args.device_map is not None:
             raise OptionError("--compile and --device-map exclude each other: the compiled step runs a model on one "
                               "device; leave out one of them")
-        if args.compile and under_torchrun:
-            raise OptionError("--compile and tensor parallelism (torchrun) exclude each other: leave out --compile")
         plan = check_model_options(args, args.device_map)
+        if under_torchrun:
+            check_world_size(plan, int(os.environ["WORLD_SIZE"]))
         check_memory(plan, args.max_batch_size, args.compile)
         if args.max_memory is not None:
             check_max_memory(args.max_memory)
     except LlamaError as exc:  # OptionError, or a prompts file that cannot be used
-        print(f"error: {exc}", file=sys.stderr)
+        if not isinstance(exc, TensorParallelOptionError) or os.environ.get("RANK") == "0":  # the same on each rank:
+            print(f"error: {exc}", file=sys.stderr)  # said once
         return exit_status(exc)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         parallel = f", tensor parallel over {os.environ['WORLD_SIZE']} processes" if under_torchrun else ""
@@ -185,7 +188,8 @@ def _run(argv: Optional[list[str]]) -> int:
                              args.single_process, progress=True, prefix_caching=not args.no_prefix_caching,
                              max_waiting=args.max_waiting, quantize=plan.quantize,
                              kv_cache_dtype=plan.kv_cache_dtype, prompt_lookup=args.prompt_lookup, fixes_as="flags")
-    except LlamaError as exc:  # a checkpoint that fails to load, or a model too large for the GPU's free memory
+    except LlamaError as exc:  # a checkpoint that fails to load, a model too large for the GPU's free memory, or
+        # on a rank > 0 under torchrun (which serves rank 0's steps inside open_engine) the group breaking
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:  # Ctrl-C while the model loads
@@ -215,6 +219,37 @@ def _run(argv: Optional[list[str]]) -> int:
         if sock is not None:
             sock.close()
     return 0
+
+
+class TensorParallelOptionError(OptionError):
+    """An option that does not go with tensor parallelism (torchrun): every rank finds it, rank 0 says it."""
+
+
+def check_tensor_parallel_options(args) -> None:
+    """Under torchrun, before anything loads: refuses the options the tensor-parallel loader would refuse on
+    each rank once the model is being loaded."""
+    refused = [("--compile", args.compile, ""),
+               (f"--quantize {args.quantize}", args.quantize != "none", "quantized weights run on one device"),
+               (f"--device-map {args.device_map}", args.device_map is not None,
+                "each process holds its share of every layer, on cuda:LOCAL_RANK or the cpu")]
+    for flag, given, why in refused:
+        if given:
+            raise TensorParallelOptionError(f"{flag} and tensor parallelism (torchrun) exclude each other: "
+                                            f"{why + '; ' if why else ''}leave out {flag.split()[0]}")
+    if args.device not in ("auto", "cuda", "cpu"):
+        raise TensorParallelOptionError(f"--device {args.device} under torchrun: each process uses cuda:LOCAL_RANK "
+                                        "or the cpu; pass --device auto, cuda or cpu")
+
+
+def check_world_size(plan, world_size: int) -> None:
+    """Refuses a torchrun process count that does not divide the model's key/value heads and FFN width (read from
+    its config, before anything loads)."""
+    from ..distributed.parallel import check_world_size as check
+
+    try:
+        check(plan.args, world_size)
+    except LlamaError as exc:
+        raise TensorParallelOptionError(f"{plan.name}: {exc}") from exc
 
 
 def check_max_memory(text: str) -> None:

@@ -10,7 +10,8 @@ goes to stdout; the model's summary, the loading bar and the closing figures go 
 --quiet). Arguments are checked before the model loads, as `llama-chat` checks them: a bad one prints a
 line naming the flag and the fix. The exit status is 0 when the text is written, 2 for a usage error (a bad
 option or value, as argparse's own), 1 for a failure at run time (a checkpoint or file missing or unreadable,
-bad weights, too little memory, a prompt the model cannot take), 130 on Ctrl-C.
+bad weights, too little memory, a prompt the model cannot take), 130 on Ctrl-C. It runs one process:
+under torchrun with more than one it refuses (status 2; rank 0 says so), since each would generate alone.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import sys
 import warnings
 from typing import Iterator, Optional, TextIO
 
-from .cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, ArgumentParser, ModelPlan, OptionError, ResourceError,
-                          add_model_options, check_memory, check_model_options, exit_status, plain_warnings,
-                          positive_int)
+from .cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, EXIT_USAGE, ArgumentParser, ModelPlan, OptionError,
+                          ResourceError, add_model_options, check_memory, check_model_options, exit_status,
+                          plain_warnings, positive_int)
 from .dialog import SPECIAL_TAGS, Dialog, has_special_tags
 from .errors import InvalidRequestError, LlamaError
 from .generation_config import GenerationConfig, read_generation_config
@@ -89,6 +90,14 @@ def _run(argv: Optional[list[str]], stdin: Optional[TextIO], stdout: Optional[Te
         args = build_parser().parse_args(argv)
     except SystemExit as stop:  # --help (0) or a bad argument (2), already printed
         return stop.code
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size.isdigit() and int(world_size) > 1:  # under torchrun each process would generate a copy of its own
+        if os.environ.get("RANK", "0") == "0":  # every rank refuses; one says so
+            print(f"error: llama-generate runs in one process, not under torchrun (WORLD_SIZE={world_size}: each "
+                  "process would generate its own text); for tensor parallelism serve the model with `torchrun "
+                  "--nproc_per_node N app.py`, or in Python use Llama.build(..., tensor_parallel=True)",
+                  file=sys.stderr)
+        return EXIT_USAGE
     with only_errors(args.quiet):
         return _checked_run(args, stdin, stdout)
 

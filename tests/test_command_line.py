@@ -668,6 +668,30 @@ def test_a_bad_generate_argument_gets_one_line_naming_it_before_anything_loads(c
         assert result.imported == []
 
 
+def test_generate_under_torchrun_refuses_on_every_rank_and_says_so_once():
+    """torchrun --nproc_per_node 2 llama-generate would generate a copy per process (printed twice, different
+    samples interleaved, stdin read by one rank only): each refuses before anything loads, rank 0 says why."""
+    env = {name: value for name, value in os.environ.items() if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", GENERATE,
+               "ROMEO:", "--max-new-tokens", "4"]
+    result = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0 and result.stdout == "", result.stdout
+    said = [line for line in result.stderr.splitlines() if "error: llama-generate" in line]
+    assert said == ["error: llama-generate runs in one process, not under torchrun (WORLD_SIZE=2: each process would "
+                    "generate its own text); for tensor parallelism serve the model with `torchrun --nproc_per_node N "
+                    "app.py`, or in Python use Llama.build(..., tensor_parallel=True)"], result.stderr
+    # torchrun stops the other rank as soon as one fails: each one's own refusal is seen in-process
+    for rank in ("0", "1"):
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", rank)):
+                patch.setenv(name, value)
+            errors = io.StringIO()
+            with contextlib.redirect_stderr(errors):
+                assert generate_cli.main(["ROMEO:"], stdin=io.StringIO(), stdout=io.StringIO()) == 2
+            assert errors.getvalue() == (said[0] + "\n" if rank == "0" else "")
+
+
 def test_generate_without_a_prompt_on_a_terminal_says_how_to_give_one():
     class Terminal:
         def isatty(self):

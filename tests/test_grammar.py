@@ -10,6 +10,7 @@ import random
 import re
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import needs_stories
@@ -130,6 +131,23 @@ def test_a_model_vocabulary_beyond_the_tokenizers_is_never_allowed(llama):
     allowed = allowed_tokens([matcher, None], llama.tokenizer.n_words + 40)
     assert not allowed[0, llama.tokenizer.n_words:].any() and allowed[0, : llama.tokenizer.n_words].any()
     assert allowed[1].all()
+
+
+def test_several_rows_masks_are_each_rows_own(llama):
+    # Rows with grammars and rows without, in one step: each row's mask is its own matcher's.
+    tokenizer, vocab_size = llama.tokenizer, llama.args.vocab_size
+    grammars = [Grammar.regex("(ROMEO|JULIET): [a-z]+"), Grammar.json({"type": "object"}), Grammar.regex("[0-9]+"),
+                Grammar.lark('start: "ay" | "nay"')]
+    matchers = [GrammarMatcher(grammar, tokenizer) for grammar in grammars]
+    for token in token_ids(llama, "ROMEO: a"):
+        assert matchers[0].accept(token)
+    rows = [matchers[0], None, matchers[1], matchers[2], None, matchers[3]]
+    together = allowed_tokens(rows, vocab_size)
+    for i, matcher in enumerate(rows):
+        alone = allowed_tokens([matcher], vocab_size)[0]
+        assert torch.equal(together[i], alone), i
+    assert together[0, tokenizer.eos_id] and not together[3, tokenizer.eos_id]  # "ROMEO: a" may end; "" may not
+    assert len({tuple(row.nonzero().flatten().tolist()) for row in together[[0, 2, 3, 5]]}) == 4
 
 
 def test_a_forbidden_text_is_never_completed_even_where_the_grammar_allows_it(llama):

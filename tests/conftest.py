@@ -10,6 +10,7 @@ them skip where it is absent.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import os
@@ -66,6 +67,15 @@ def interruptible() -> None:
     """Popen's preexec_fn for an app a test stops with Ctrl-C: SIGINT handled as in a terminal. Tests run as a
     background job inherit it ignored, and so would the app, which then never hears the Ctrl-C."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def on_event_loop() -> bool:
+    """Whether the caller runs on an asyncio event loop (not in a worker thread)."""
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
 
 
 @pytest.fixture(scope="session")

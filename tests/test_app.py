@@ -21,7 +21,7 @@ from gradio_client.exceptions import AppError
 
 import app_server
 from app_server import MAX_SEQ_LEN, REPO_ROOT, clients_sent, free_port, serve_app
-from conftest import interruptible
+from conftest import interruptible, on_event_loop
 
 from llama_core import UNSAFE_ERROR, cpu_kernels, load
 from llama_core.generation_config import GenerationConfig
@@ -669,15 +669,7 @@ def test_reply_formats_are_built_off_the_event_loop(client, monkeypatch):
     from llama_core import grammar
 
     on_loop, follow = [], grammar._follow_first_steps
-
-    def where() -> bool:
-        try:
-            asyncio.get_running_loop()
-            return True
-        except RuntimeError:
-            return False
-
-    monkeypatch.setattr(grammar, "_follow_first_steps", lambda *a: on_loop.append(where()) or follow(*a))
+    monkeypatch.setattr(grammar, "_follow_first_steps", lambda *a: on_loop.append(on_event_loop()) or follow(*a))
     client.predict(**chat_args(max_new_tokens=4, output_format="regex", output_grammar="ay|nay"), api_name="/chat")
     client.predict(**complete_args(max_new_tokens=4, output_format="regex", output_grammar="ROMEO|JULIET"),
                    api_name="/complete")

@@ -17,6 +17,7 @@ import pydantic
 import pytest
 
 import app_server
+from conftest import on_event_loop
 from llama_core import load
 from llama_core.dialog import encode_dialog
 from llama_core.openai_api import create_api
@@ -390,24 +391,16 @@ def test_schemas_and_grammars_are_compiled_off_the_event_loop(monkeypatch, clien
     loop serving every other client is not held up while it is. A grammar costs what it asks, not its length:
     13 characters (a{2000}{2000}) held the loop for 2.6 s, a short schema with twenty such patterns 7 s (security
     pass: every user's page and API waited)."""
-    import asyncio
-
     from llama_core import grammar
     from llama_core.serving.grammar_matcher import GrammarMatcher
 
     on_loop = []
 
-    def where() -> bool:
-        try:
-            asyncio.get_running_loop()
-            return True
-        except RuntimeError:
-            return False
-
     follow, check_start = grammar._follow_first_steps, GrammarMatcher.check_start
-    monkeypatch.setattr(grammar, "_follow_first_steps", lambda *a: on_loop.append(("built", where())) or follow(*a))
+    monkeypatch.setattr(grammar, "_follow_first_steps",
+                        lambda *a: on_loop.append(("built", on_event_loop())) or follow(*a))
     monkeypatch.setattr(GrammarMatcher, "check_start",
-                        lambda self, *a: on_loop.append(("matcher", where())) or check_start(self, *a))
+                        lambda self, *a: on_loop.append(("matcher", on_event_loop())) or check_start(self, *a))
     fields = {f"field_{i}": {"type": "integer", "description": "a number of the record " * 4} for i in range(60)}
     schema = {"type": "object", "properties": fields}
     client.chat.completions.create(model=model_id, messages=HELLO, max_tokens=4, response_format={

@@ -559,6 +559,24 @@ def replies_held_open(updates: int, tail: str = ""):
     return held
 
 
+def test_a_reply_that_fails_says_to_send_again_unless_the_server_is_stopping(page, monkeypatch):
+    for failure, again in (("generation failed: RuntimeError: a fault", True),
+                           ("a tensor-parallel process failed; the server is stopping", False)):
+        async def failing(stream, *args, _failure=failure, **kwargs):
+            yield "Ay"
+            raise streaming._error(_failure)
+
+        monkeypatch.setattr(streaming, "replies", failing)
+        new_chat(page)
+        send(page, "Good morrow.")
+        notice = page.locator("#chatbot [data-testid=bot]").last
+        expect(notice).to_contain_text(f"The reply failed: {failure}")
+        if again:
+            expect(notice).to_contain_text("Send the message again.")
+        else:
+            expect(notice).not_to_contain_text("Send the message again")
+
+
 def stored(page) -> str:
     """The page's saved conversations as the browser holds them (encrypted)."""
     return page.evaluate(f"() => localStorage.getItem({json.dumps(ui.STORAGE_KEY)})")

@@ -17,6 +17,7 @@ import gradio as gr
 from ..errors import ContextLengthError, LlamaError
 from ..prompt_library import PromptLibrary
 from ..serving import aio, requests
+from ..serving.sequence import STOPPING
 from ..serving.streams import TextEngine
 from . import branches, conversations, streaming
 from .display import STOPPED_STATS, plural, stats_line
@@ -244,7 +245,8 @@ class ChatTab:
                                gr.skip()]
                         waited = False
             except gr.Error as exc:
-                notice = f"The reply failed: {streaming.on_page(exc.message)} Send the message again."
+                again = "" if exc.message.endswith(STOPPING) else " Send the message again."  # not while it stops
+                notice = f"The reply failed: {streaming.on_page(exc.message)}{again}"
             finally:
                 stream.cancel()
             stopped = self.turns.stopped(turn)  # the reply as shown is the answer; none yet: the conversation as it

@@ -51,11 +51,10 @@ from .prefill import Prefiller
 from .requests import MAX_SEED, GenerationRequest, SamplingParams, sampling_params
 from .sampler import Sampler
 from .scheduler import Scheduler, client_capacity
-from .sequence import EngineCounts, Sequence, failure_message
+from .sequence import STOPPING, EngineCounts, Sequence, failure_message
 from .stops import StopMatcher
 from .streams import TokenStream
 
-STOPPING = "the server is stopping"  # why a draining engine refuses requests, and ends those left at its end
 
 
 CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK = 512, 2048  # Engine's default prefill_chunk

@@ -105,13 +105,15 @@ class EngineCounts:
     drafted_tokens: int = 0  # tokens drafted by prompt lookup and verified
     accepted_tokens: int = 0  # of those, the ones kept
 
+STOPPING = "the server is stopping"  # why a draining engine refuses requests, and ends those left at its end
+
 
 def failure_message(exc: BaseException) -> str:
     """What a request that failed with exc is told."""
     if isinstance(exc, torch.OutOfMemoryError):
         return "the request ran out of device memory; try a shorter prompt or fewer new tokens"
     if _tensor_parallel_failure(exc):  # not the request's fault, nor one that sending it again would mend
-        return "a tensor-parallel process failed; the server is stopping"
+        return f"a tensor-parallel process failed; {STOPPING}"
     return f"generation failed: {type(exc).__name__}: {exc}"
 
 

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -848,6 +849,20 @@ def test_a_body_past_the_servers_bound_is_413_and_the_server_goes_on(served):
                                content=iter([body[:10], body[10:]]))  # read whole, then handed on
     assert small_chunked.status_code == 200 and small_chunked.json()["choices"][0]["text"] == \
         small.json()["choices"][0]["text"]
+    # Chunked with a small Content-Length beside it: the web server reads the chunks whatever the length says,
+    # and a request declaring 10 bytes sent 32 MB past the bound (security re-test). Counted as it is read.
+    address = httpx.URL(url)
+    with socket.create_connection((address.host, address.port), timeout=60) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            for start in range(0, len(big), 1 << 20):
+                part = big[start : start + (1 << 20)]
+                raw.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
+            raw.sendall(b"0\r\n\r\n")
+        except OSError:  # refused, and closed, before all of it was sent
+            pass
+        assert raw.recv(200).split(b"\r\n")[0] == b"HTTP/1.1 413 Request Entity Too Large"
 
 
 def test_the_pages_own_head_script_comes_first_in_its_html_before_gradios(served):

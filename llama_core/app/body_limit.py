@@ -17,7 +17,8 @@ Send = Callable[[dict], Awaitable[None]]
 
 class BodyLimit:
     """ASGI middleware: a declared Content-Length past the limit (`limit`, or limit_for(scope) where given) is
-    refused at once; a body sent without one (chunked) is read up to the limit, then handed on whole or refused."""
+    refused at once; a body sent without one, or chunked (which the web server reads whatever Content-Length
+    says: a request declaring 10 bytes sent 32 MB), is read up to the limit, then handed on whole or refused."""
 
     def __init__(self, app: Any, limit: int = MAX_BODY_BYTES,
                  limit_for: Optional[Callable[[dict], int]] = None) -> None:
@@ -30,8 +31,9 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         limit = self.limit if self.limit_for is None else self.limit_for(scope)
-        declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None:
+        headers = dict(scope.get("headers") or ())
+        declared = headers.get(b"content-length")
+        if declared is not None and b"transfer-encoding" not in headers:  # chunked wins over a declared length
             if not declared.isdigit() or int(declared) > limit:
                 await self._refuse(scope, send, limit)
                 return

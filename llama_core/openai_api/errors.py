@@ -66,7 +66,7 @@ def from_validation_errors(errors: list[dict[str, Any]]) -> APIError:
     """The API's answer to a body pydantic could not read: malformed JSON, a missing field, a wrong type."""
     if not errors:
         return APIError(400, "the request body could not be read")
-    first = errors[0]
+    first = next((error for error in errors if error.get("type") == "too_long"), errors[0])  # a union's branch
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(400, f"the request body is not valid JSON{': ' + detail if detail else ''}")
@@ -88,6 +88,10 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "function-after", 
 def _plain(error: dict[str, Any]) -> str:
     if error.get("type") == "missing":
         return "this field is required"
+    if error.get("type") == "too_long":  # its input unprinted: a list of millions
+        actual, most = (error.get("ctx") or {}).get("actual_length"), (error.get("ctx") or {}).get("max_length")
+        counted = isinstance(actual, int) and isinstance(most, int)
+        return f"holds {actual:,} items; at most {most:,} are taken" if counted else "holds too many items"
     shown = repr(error.get("input"))
     shown = shown if len(shown) <= 40 else shown[:37] + "..."
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")

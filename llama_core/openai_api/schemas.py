@@ -24,6 +24,21 @@ Number = Annotated[Any, AfterValidator(_json_number)]  # "0.7" as a string is re
 # and finiteness are SamplingParams' to judge
 
 
+# Bounds on how many items a list (or a map) may hold, checked before its items are: a request of 8 MiB holding
+# 2.7 million wrong items in one list took pydantic 10 s of the event loop to list its 2.7 million errors. Each is
+# far past what a request can use (a conversation of 10,000 messages is past any model's context).
+MAX_MESSAGES = 10_000  # as a chat on the page (app.branches.MAX_MESSAGES)
+MAX_PARTS = 10_000  # text parts of one message
+MAX_CALLS = 128  # tools a request offers, calls a message makes (OpenAI's bound on tools)
+MAX_ITEMS = 1_048_576  # a prompt's token ids (or its prompts), tokens to detokenize, a map's entries
+MAX_FEW = 1_024  # stop strings, choices, and the like (their own checks bound them lower)
+
+
+def Bounded(item: Any, most: int) -> Any:
+    """A JSON list of `item`s, of at most `most`."""
+    return Annotated[list[item], Field(max_length=most)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -46,9 +61,9 @@ class ToolCall(_Request):
 
 class ChatMessage(_Request):
     role: StrictStr  # system, developer (OpenAI's newer name for system), user, assistant or tool
-    content: Union[StrictStr, list[TextPart], None] = None
+    content: Union[StrictStr, Bounded(TextPart, MAX_PARTS), None] = None
     name: Optional[StrictStr] = None
-    tool_calls: Optional[list[ToolCall]] = None  # an assistant's calls
+    tool_calls: Optional[Bounded(ToolCall, MAX_CALLS)] = None  # an assistant's calls
     tool_call_id: Optional[StrictStr] = None  # a tool message: the call it answers
 
 
@@ -92,7 +107,7 @@ class SamplingControls(_Request):
     stream: Optional[StrictBool] = False
     temperature: Optional[Number] = None
     top_p: Optional[Number] = None
-    stop: Union[StrictStr, list[StrictStr], None] = None
+    stop: Union[StrictStr, Bounded(StrictStr, MAX_FEW), None] = None
     seed: Optional[StrictInt] = None
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
@@ -109,37 +124,37 @@ class SamplingFields(SamplingControls):
     stream_options: Optional[StreamOptions] = None
     n: Optional[StrictInt] = 1
     response_format: Optional[ResponseFormat] = None  # on completions too, as vLLM takes it
-    logit_bias: Optional[dict[str, Any]] = None
+    logit_bias: Optional[Annotated[dict[str, Any], Field(max_length=MAX_ITEMS)]] = None
     # Beyond OpenAI's, as vLLM takes them:
     guided_json: Union[dict[str, Any], StrictStr, None] = None  # a grammar for the reply: one of these four,
     guided_regex: Optional[StrictStr] = None  # or response_format
-    guided_choice: Optional[list[StrictStr]] = None
+    guided_choice: Optional[Bounded(StrictStr, MAX_FEW)] = None
     guided_grammar: Optional[StrictStr] = None  # Lark
     ignore_eos: Optional[StrictBool] = None  # vLLM's: the reply runs to max_tokens (for benchmarks)
 
 
 class Prediction(_Request):
     type: StrictStr  # "content"
-    content: Union[StrictStr, list[TextPart]]
+    content: Union[StrictStr, Bounded(TextPart, MAX_PARTS)]
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: Bounded(ChatMessage, MAX_MESSAGES)
     prediction: Optional[Prediction] = None  # predicted outputs: drafts for prompt lookup
     max_tokens: Optional[StrictInt] = None
     max_completion_tokens: Optional[StrictInt] = None
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[StrictInt] = None
-    tools: Optional[list[Tool]] = None
+    tools: Optional[Bounded(Tool, MAX_CALLS)] = None
     tool_choice: Union[StrictStr, NamedTool, None] = None  # "none", "auto", "required", or a function by name
     parallel_tool_calls: Optional[StrictBool] = None
-    functions: Optional[list[Any]] = None
-    modalities: Optional[list[StrictStr]] = None  # ["text"] only: no audio is written
+    functions: Optional[Bounded(Any, MAX_CALLS)] = None
+    modalities: Optional[Bounded(StrictStr, MAX_FEW)] = None  # ["text"] only: no audio is written
     audio: Optional[dict[str, Any]] = None  # refused: no audio is written
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[StrictStr, list[Any]]  # a string, a list of strings, token ids, or lists of token ids (the route reads which)
+    prompt: Union[StrictStr, Bounded(Any, MAX_ITEMS)]  # a string, a list of strings, token ids, or lists of token ids (the route reads which)
     max_tokens: Optional[StrictInt] = 16  # OpenAI's default for completions
     echo: Optional[StrictBool] = False
     logprobs: Optional[StrictInt] = None  # how many alternatives per token; 0 gives the tokens' own only
@@ -153,11 +168,11 @@ class CompletionRequest(SamplingFields):
 class InputItem(_Request):
     type: Optional[StrictStr] = None  # "message" (or absent); "function_call", "function_call_output"
     role: Optional[StrictStr] = None  # user, system, developer or assistant
-    content: Union[StrictStr, list[TextPart], None] = None  # text parts: input_text, output_text
+    content: Union[StrictStr, Bounded(TextPart, MAX_PARTS), None] = None  # text parts: input_text, output_text
     call_id: Optional[StrictStr] = None  # a function call, or its output
     name: Optional[StrictStr] = None
     arguments: Optional[StrictStr] = None
-    output: Union[StrictStr, list[TextPart], None] = None  # a function call's output: text, or text parts
+    output: Union[StrictStr, Bounded(TextPart, MAX_PARTS), None] = None  # a function call's output: text, or text parts
 
 
 class TextFormat(_Request):
@@ -183,17 +198,17 @@ class ResponseTool(_Request):
 class ResponsesRequest(SamplingControls):
     """POST /v1/responses: OpenAI's Responses API (stored responses kept in memory: responses.ResponseStore)."""
 
-    input: Union[StrictStr, list[InputItem]]
+    input: Union[StrictStr, Bounded(InputItem, MAX_MESSAGES)]
     instructions: Optional[StrictStr] = None
     max_output_tokens: Optional[StrictInt] = None
     text: Optional[TextOptions] = None
-    tools: Optional[list[ResponseTool]] = None
+    tools: Optional[Bounded(ResponseTool, MAX_CALLS)] = None
     tool_choice: Union[StrictStr, dict[str, Any], None] = None
     parallel_tool_calls: Optional[StrictBool] = None
     store: Optional[StrictBool] = None  # false: not kept for previous_response_id and GET
     previous_response_id: Optional[StrictStr] = None
     metadata: Optional[dict[str, Any]] = None
-    include: Optional[list[StrictStr]] = None  # ["message.output_text.logprobs"] only (responses.LOGPROBS)
+    include: Optional[Bounded(StrictStr, MAX_FEW)] = None  # ["message.output_text.logprobs"] only (responses.LOGPROBS)
     top_logprobs: Optional[StrictInt] = None  # with that include: each token's most likely alternatives
     # Refused where set: not done here (responses.refuse_unsupported)
     background: Optional[StrictBool] = None
@@ -204,12 +219,12 @@ class ResponsesRequest(SamplingControls):
 class TokenizeRequest(_Request):
     model: Optional[StrictStr] = None
     prompt: Optional[StrictStr] = None  # a completion's prompt
-    messages: Optional[list[ChatMessage]] = None  # or a chat's messages, laid out as the chat route lays them
-    tools: Optional[list[Tool]] = None  # with messages: described in the system prompt, as the chat route does
+    messages: Optional[Bounded(ChatMessage, MAX_MESSAGES)] = None  # or a chat's messages, laid out as the chat route lays them
+    tools: Optional[Bounded(Tool, MAX_CALLS)] = None  # with messages: described in the system prompt, as the chat route does
     tool_choice: Union[StrictStr, NamedTool, None] = None
     add_special_tokens: Optional[StrictBool] = True  # the prompt's BOS
 
 
 class DetokenizeRequest(_Request):
     model: Optional[StrictStr] = None
-    tokens: list[StrictInt]
+    tokens: Bounded(StrictInt, MAX_ITEMS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,9 @@ QUANTIZE_CHOICES = ("none", "int8", "int4")  # --quantize; llama_core.quantize.Q
 
 EXIT_FAILURE = 1  # the command line was fine, running it failed: files, the machine, the model, the prompt
 EXIT_USAGE = 2  # the command line itself is wrong, as argparse's own errors
+# Under torchrun, what a rank > 0 waits before leaving with a refusal that rank 0 says: torchrun stops every process
+# as soon as one fails, and rank 0, stopped before it had printed, said nothing.
+RANK_0_FIRST_SECONDS = 5.0
 EXIT_STATUS_EPILOG = ("exit status: 0 success; 1 a failure at run time (a checkpoint or file missing or unusable, a "
                       "device this machine lacks, too little memory, weights that fail to load, a bad prompt); 2 a "
                       "usage error (an unknown option, a bad value, options that exclude each other)")
@@ -320,3 +324,10 @@ def _count(n: int) -> str:
     if n >= 10**6:
         return f"{n / 10**6:.1f} M"
     return f"{n:,}"
+
+
+def after_rank_0() -> None:
+    """Under torchrun, on a rank > 0 that refuses what rank 0 refuses and says: waits RANK_0_FIRST_SECONDS
+    before it leaves, so that rank 0 has printed why (torchrun stops the others once one process ends)."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(RANK_0_FIRST_SECONDS)

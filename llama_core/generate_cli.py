@@ -26,7 +26,7 @@ import warnings
 from typing import Iterator, Optional, TextIO
 
 from .cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, EXIT_USAGE, ArgumentParser, ModelPlan, OptionError,
-                          ResourceError, add_model_options, check_memory, check_model_options, exit_status,
+                          ResourceError, add_model_options, after_rank_0, check_memory, check_model_options, exit_status,
                           plain_warnings, positive_int)
 from .dialog import SPECIAL_TAGS, Dialog, has_special_tags
 from .errors import InvalidRequestError, LlamaError
@@ -97,6 +97,7 @@ def _run(argv: Optional[list[str]], stdin: Optional[TextIO], stdout: Optional[Te
                   "process would generate its own text); for tensor parallelism serve the model with `torchrun "
                   "--nproc_per_node N app.py`, or in Python use Llama.build(..., tensor_parallel=True)",
                   file=sys.stderr)
+        after_rank_0()
         return EXIT_USAGE
     with only_errors(args.quiet):
         return _checked_run(args, stdin, stdout)

@@ -30,7 +30,7 @@ from llama_core import DEFAULT_CKPT_DIR, InvalidRequestError, Llama
 from llama_core.cli_options import DEFAULT_MAX_SEQ_LEN, OptionError, check_context, check_model_options, thread_warnings
 from llama_core.checkpoint_files import read_model_args
 from llama_core.cpu_kernels.build import expected
-from llama_core import generate_cli
+from llama_core import cli_options, generate_cli
 
 from conftest import interruptible
 
@@ -198,6 +198,7 @@ def test_an_option_tensor_parallelism_refuses_is_named_once_before_loading(case,
     world = "3" if case == "3 processes" else "2"
     for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank)):
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli_options, "RANK_0_FIRST_SECONDS", 0)  # a rank > 0 leaves after rank 0 (see below)
     monkeypatch.setattr(launch, "open_engine", lambda *args, **kwargs: pytest.fail("the model began to load"))
     assert cli.main(arguments) == 2
     output = capsys.readouterr()
@@ -681,9 +682,11 @@ def test_generate_under_torchrun_refuses_on_every_rank_and_says_so_once():
     assert said == ["error: llama-generate runs in one process, not under torchrun (WORLD_SIZE=2: each process would "
                     "generate its own text); for tensor parallelism serve the model with `torchrun --nproc_per_node N "
                     "app.py`, or in Python use Llama.build(..., tensor_parallel=True)"], result.stderr
-    # torchrun stops the other rank as soon as one fails: each one's own refusal is seen in-process
+    # (rank 1 waits before it leaves: torchrun stopped rank 0 as soon as rank 1 failed, before rank 0 had said
+    # why, once in CI) each one's own refusal, in-process
     for rank in ("0", "1"):
         with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cli_options, "RANK_0_FIRST_SECONDS", 0)
             for name, value in (("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", rank)):
                 patch.setenv(name, value)
             errors = io.StringIO()

@@ -18,8 +18,8 @@ import sys
 from typing import Optional
 
 from ..cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, ArgumentParser, OptionError, ResourceError,
-                           add_model_options, check_memory, check_model_options, exit_status, non_negative_int,
-                           non_negative_seconds, plain_warnings, positive_int)
+                           add_model_options, after_rank_0, check_memory, check_model_options, exit_status,
+                           non_negative_int, non_negative_seconds, plain_warnings, positive_int)
 from ..errors import LlamaError
 from ..prompt_library import load_prompts
 from .address import listen_socket, port_number
@@ -170,6 +170,8 @@ def _run(argv: Optional[list[str]]) -> int:
     except LlamaError as exc:  # OptionError, or a prompts file that cannot be used
         if not isinstance(exc, TensorParallelOptionError) or os.environ.get("RANK") == "0":  # the same on each rank:
             print(f"error: {exc}", file=sys.stderr)  # said once
+        else:
+            after_rank_0()
         return exit_status(exc)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         parallel = f", tensor parallel over {os.environ['WORLD_SIZE']} processes" if under_torchrun else ""

@@ -29,6 +29,7 @@ from llama_core.generation_config import GenerationConfig
 from llama_core.app import server, streaming, ui
 from llama_core.serving import Engine, stream_completion
 from llama_core.app.address import listen_socket
+from llama_core.app.body_limit import MAX_JSON_CONTAINERS, json_containers
 from llama_core.app.turns import Turns
 
 ADVANCED_PARAMETERS = ["top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "seed",
@@ -863,6 +864,24 @@ def test_a_body_past_the_servers_bound_is_413_and_the_server_goes_on(served):
         except OSError:  # refused, and closed, before all of it was sent
             pass
         assert raw.recv(200).split(b"\r\n")[0] == b"HTTP/1.1 413 Request Entity Too Large"
+
+
+def test_a_body_of_millions_of_json_lists_is_413_before_gradio_walks_it(served):
+    # 8 MiB of nested empty lists sent to the page's queue held the event loop (every user's page and API) over
+    # 5 s while Gradio walked them; the lists and objects of a body are counted first.
+    url = served[1]
+    nested = b'{"data": ["t", [' + b"[[],[[]],[]]," * 600_000 + b'[]]], "fn_index": 0, "session_hash": "nested"}'
+    for path, headers in (("gradio_api/queue/join", {"Content-Type": "application/json"}), ("v1/chat/completions", {})):
+        refused = httpx.post(url + path, content=nested, headers=headers, timeout=60)  # no Content-Type: read as JSON
+        assert refused.status_code == 413 and "lists and objects; this server takes at most" in refused.text, \
+            refused.text[:300]
+    # A long conversation store is far from the bound: its brackets inside strings are not counted.
+    store = json.dumps({"data": ["t", [{"role": "user", "content": "[{" * 1000 + "\\\"[" * 300}] * 1500],
+                        "fn_index": 0, "session_hash": "store"}).encode()
+    assert store.count(b"[") > MAX_JSON_CONTAINERS and json_containers(store) == 1503
+    assert httpx.post(url + "gradio_api/queue/join", content=store, headers={"Content-Type": "application/json"},
+                      timeout=60).status_code != 413
+    assert httpx.get(url + "health", timeout=10).status_code == 200
 
 
 def test_the_pages_own_head_script_comes_first_in_its_html_before_gradios(served):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -52,7 +53,9 @@ class StreamDecoder:
 
     SentencePiece drops the leading space of a sequence's first piece, and a character spelled in
     byte-fallback pieces is only complete after its last byte. So each new piece is decoded together
-    with a few tokens of context, and text ending in an incomplete character is held back.
+    with a few tokens of context, and text ending in an incomplete character is held back. A context that
+    ends within a character (a prompt of token ids cut there) has that character completed by the new
+    tokens: it is their text.
     """
 
     _CONTEXT = 4
@@ -68,9 +71,10 @@ class StreamDecoder:
         self.tokens.append(token)
         prefix = self.tokenizer.decode(self.tokens[self.prefix_start : self.emitted_end])
         full = self.tokenizer.decode(self.tokens[self.prefix_start :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        shown = _shared_length(prefix, full)
+        if full.endswith("\ufffd") or len(full) <= shown:
             return ""
-        piece = full[len(prefix) :]
+        piece = full[shown:]
         self.prefix_start = max(self.prefix_start, len(self.tokens) - self._CONTEXT)
         self.emitted_end = len(self.tokens)
         return piece
@@ -80,4 +84,13 @@ class StreamDecoder:
         prefix = self.tokenizer.decode(self.tokens[self.prefix_start : self.emitted_end])
         full = self.tokenizer.decode(self.tokens[self.prefix_start :])
         self.emitted_end = len(self.tokens)
-        return full[len(prefix) :]
+        return full[_shared_length(prefix, full) :]
+
+
+def _shared_length(shown: str, full: str) -> int:
+    """How much of `full` is the text already shown: all of `shown`, but where `shown` ends in a character cut
+    short (a context ending within one, its bytes decoded as U+FFFD) that the new tokens complete, the part
+    before it."""
+    if full.startswith(shown):
+        return len(shown)
+    return len(os.path.commonprefix([shown, full]))

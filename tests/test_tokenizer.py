@@ -121,3 +121,25 @@ def test_stream_decoder_continues_after_context(tokenizer, before, after):
     pieces, tail = stream_text(tokenizer, ids, context)
     # The context is already shown; the pieces are exactly what decoding the whole sequence adds to it.
     assert tokenizer.decode(context) + "".join(pieces) + tail == tokenizer.decode(context + ids)
+
+
+def test_a_context_ending_within_a_character_has_it_completed_by_the_new_tokens(tokenizer):
+    # A prompt of token ids cut within a character (lm-eval style): the reply completes it. Its text, and the
+    # spaces after it, were lost ("" then a slice at the wrong place), and stop strings never saw them.
+    ids = tokenizer.encode("ok 🙂 two", bos=True, eos=False)
+    assert tokenizer.decode(ids) == "ok 🙂 two"
+    cut = next(i for i in range(len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd" * 2))  # 2 of its 4 bytes
+    pieces, tail = stream_text(tokenizer, ids[cut:], ids[:cut])
+    assert "".join(pieces) + tail == "🙂 two"
+    assert pieces[:2] == ["", "🙂"]  # held back until its last byte, then given whole
+
+
+@hypothesis_settings
+@given(text=unicode_text, at=st.floats(0, 1))
+def test_stream_decoder_after_a_context_cut_anywhere_loses_no_text(tokenizer, text, at):
+    assume("\ufffd" not in text)
+    ids = tokenizer.encode(text, bos=True, eos=False)
+    cut = round(at * len(ids))
+    pieces, tail = stream_text(tokenizer, ids[cut:], ids[:cut])
+    # What the context shows whole, then the pieces: the whole text.
+    assert tokenizer.decode(ids[:cut]).rstrip("\ufffd") + "".join(pieces) + tail == tokenizer.decode(ids)

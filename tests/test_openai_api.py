@@ -750,6 +750,17 @@ def test_a_reply_started_by_the_caller_is_continued(served, client, model_id):
     prompt = encode_dialog(served[0].tokenizer, messages)
     plain = client.completions.create(model=model_id, prompt=prompt, max_tokens=10, temperature=0)
     assert reply.choices[0].message.content == plain.choices[0].text and reply.usage.prompt_tokens == len(prompt)
+    # A start ending in white space (the layout leaves it out): what the reply writes of it again is left out, so
+    # that start + reply reads as one text (it read "I am  a ..."), streamed or not.
+    assert reply.choices[0].message.content.startswith(" ")
+    for spaced in ("I am ",):
+        messages[-1]["content"] = spaced
+        after = client.chat.completions.create(model=model_id, messages=messages, max_tokens=10, temperature=0)
+        assert spaced + after.choices[0].message.content == "I am" + reply.choices[0].message.content
+        streamed = client.chat.completions.create(model=model_id, messages=messages, max_tokens=10, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+            after.choices[0].message.content
     for messages in (ASK + ASK, [{"role": "system", "content": "Be brief."}], [*ASK, {"role": "developer",
                                                                                           "content": "In verse."}]):
         assert client.chat.completions.create(model=model_id, messages=messages, max_tokens=2).choices[0].message

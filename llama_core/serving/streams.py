@@ -455,7 +455,36 @@ def stream_chat(
     tokens = engine.submit(fitted.prompt_tokens, max_new_tokens, params=params, prediction_tokens=predicted,
                            standalone_text=standalone, client=client)
     decoder = StreamDecoder(engine.tokenizer, () if standalone else fitted.prompt_tokens)
+    if not standalone:
+        start = dialog[-1]["content"]
+        decoder = AfterStart(decoder, start[len(start.rstrip()):])
     return TextStream(tokens, decoder, len(fitted.prompt_tokens), max_seq_len, fitted.dropped_pairs, stop=params.stop)
+
+
+class AfterStart:
+    """The text of a reply that continues a start given ending in white space (`given`): the Llama-2 layout
+    leaves that white space out, and the model writes it again, as the space before its next word. What the
+    reply writes of it first is the caller's already, and is left out (once the reply writes anything else,
+    nothing more is)."""
+
+    def __init__(self, decoder: StreamDecoder, given: str) -> None:
+        self.decoder = decoder
+        self.given = given
+
+    def push(self, token: int) -> str:
+        return self._after_given(self.decoder.push(token))
+
+    def flush(self) -> str:
+        return self._after_given(self.decoder.flush())
+
+    def _after_given(self, text: str) -> str:
+        kept = 0
+        while self.given and kept < len(text):
+            if text[kept] != self.given[0]:
+                self.given = ""
+                break
+            kept, self.given = kept + 1, self.given[1:]
+        return text[kept:]
 
 
 def _fitted_chat(engine: TextEngine, dialog: chat_format.Dialog, max_new_tokens: int,

@@ -40,6 +40,9 @@ def test_a_port_holders_command_line_is_named_without_its_secrets():
             "7860"]
     assert without_secrets(args) == ["python", "app.py", "--api-key", "***", "--auth=***", "--api-key=***", "--auth",
                                      "***", "--port", "7860"]
+    # argparse takes a flag shortened (--au for --auth): its value was printed as typed
+    assert without_secrets(["app.py", "--au", "bo:pw", "--api=sk-3", "--ap", "sk-4", "--port", "7860"]) == [
+        "app.py", "--au", "***", "--api=***", "--ap", "***", "--port", "7860"]
 
 
 def test_a_server_on_an_ipv6_address_gives_its_url_bracketed():

@@ -85,15 +85,18 @@ SECRET_FLAGS = ("--api-key", "--auth")
 
 
 def without_secrets(args: list[str]) -> list[str]:
-    """A command line with the values of SECRET_FLAGS (either spelling: `--api-key KEY`, `--api-key=KEY`) shown
-    as ***, for a message that names another process."""
+    """A command line with the values of SECRET_FLAGS (any spelling argparse takes: `--api-key KEY`,
+    `--api-key=KEY`, shortened `--api KEY`) shown as ***, for a message that names another process."""
     shown: list[str] = []
+    value_next = False
     for arg in args:
         name, equals, _ = arg.partition("=")
-        if shown and shown[-1] in SECRET_FLAGS:
+        secret = name.startswith("--") and len(name) > 2 and any(flag.startswith(name) for flag in SECRET_FLAGS)
+        if value_next:
             shown.append("***")
-        elif name in SECRET_FLAGS and equals:
+        elif secret and equals:
             shown.append(f"{name}=***")
         else:
             shown.append(arg)
+        value_next = secret and not equals and not value_next
     return shown

@@ -911,3 +911,22 @@ def test_replies_past_the_engines_slots_wait_in_its_queue_where_admission_is_fai
         assert engine.waiting_count == 3  # all three in the engine's queue
         blocker.cancel()
         assert all(job.result(timeout=60) for job in jobs)
+
+
+def test_behind_a_proxy_at_a_sub_path_the_page_asks_for_everything_there(engine):
+    # Behind a proxy serving the app at /llama/, the page asked for its files and events at the host's root
+    # (404: every component showed "Error"); --root-path tells it where it is.
+    from fastapi.testclient import TestClient
+
+    from llama_core.app.address import root_path
+    from llama_core.prompt_library import load_prompts
+
+    api, _ = server.web_app(ui.build_demo(engine, load_prompts()), engine, root_path=root_path("/llama/"))
+    with TestClient(api) as proxied:
+        config = proxied.get("/config", headers={"Host": "example.org"})
+        assert config.status_code == 200 and config.json()["root"].endswith("example.org/llama"), config.json()["root"]
+        assert proxied.get("/v1/models").status_code == 200
+    for wrong in ("llama", "ftp://x/llama", "/lla ma"):
+        with pytest.raises(Exception, match="must be a path starting with /"):
+            root_path(wrong)
+    assert root_path("https://example.org/llama/") == "https://example.org/llama"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import re
 import socket
 from typing import Optional
 
@@ -18,6 +19,15 @@ def port_number(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, or 0 for any free port; got {text!r}")
     return int(text)
+
+
+def root_path(text: str) -> str:
+    """argparse type for --root-path: the sub-path a reverse proxy serves the app at ("/llama"), or the whole
+    public URL of it ("https://example.org/llama"); without its last "/"."""
+    if not (text.startswith("/") or re.match(r"https?://[^/\s]+(/|$)", text)) or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"must be a path starting with / (e.g. /llama) or a URL starting with "
+                                         f"http:// or https://; got {text!r}")
+    return text.rstrip("/")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

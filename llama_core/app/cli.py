@@ -22,7 +22,7 @@ from ..cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, ArgumentParser, Opt
                            non_negative_int, non_negative_seconds, plain_warnings, positive_int)
 from ..errors import LlamaError
 from ..prompt_library import load_prompts
-from .address import listen_socket, port_number
+from .address import listen_socket, port_number, root_path
 
 API_KEYS_VARIABLE = "LLAMA_API_KEYS"  # comma-separated keys, beside any --api-key
 AUTH_VARIABLE = "LLAMA_AUTH"  # comma-separated user:password pairs, beside any --auth
@@ -72,6 +72,10 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--stop-grace", type=non_negative_seconds, default=10.0, metavar="SECONDS",
                    help="on Ctrl-C or SIGTERM, the seconds requests in flight get to end before those left end with "
                    "an error; new ones are refused at once (default: 10)")
+    p.add_argument("--root-path", type=root_path, metavar="PATH",
+                   help="behind a reverse proxy that serves the app at a sub-path, that path (e.g. /llama), or the "
+                   "public URL of the app: the page asks for its files and events there (default: the "
+                   "GRADIO_ROOT_PATH environment variable, else /)")
     p.add_argument("--access-log", action="store_true", help="print a line per HTTP request (client, method, path, "
                    "status: refusals and failed logins show), as uvicorn writes them")
     return p
@@ -212,7 +216,7 @@ def _run(argv: Optional[list[str]]) -> int:
     served = MeteredEngine(engine)  # the page's replies and the API's, counted together at /metrics
     try:
         serve(build_demo(served, prompts), served, sock, args.share, api_keys, logins, args.model_name,
-              args.stop_grace, args.access_log)
+              args.stop_grace, args.access_log, args.root_path)
     except EngineFailedError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -56,11 +56,12 @@ class RunningApp:
 
 
 def web_app(demo: gr.Blocks, engine: Any, api_keys: Sequence[str] = (), auth: Optional[list[tuple[str, str]]] = None,
-            model_name: Optional[str] = None) -> tuple[Any, Any]:
+            model_name: Optional[str] = None, root_path: Optional[str] = None) -> tuple[Any, Any]:
     """(the FastAPI app to serve, the mounted Gradio app): the API's routes on `engine` first, then the page
-    at / behind `auth` (user, password) pairs when given."""
+    at / behind `auth` (user, password) pairs when given; root_path: where a reverse proxy serves it (the
+    page's own links), if not at /."""
     api = create_api(engine, model_name, api_keys)
-    page = mount_page(api, demo, auth)
+    page = mount_page(api, demo, auth, root_path)
     api.add_middleware(PageHead, html=PAGE_HEAD)  # the page's head script before Gradio's (page_head.py)
     api.add_middleware(BodyLimit, limit_for=body_limit_for(page))
     return api, page
@@ -89,7 +90,8 @@ def body_limit_for(page: Any) -> Callable[[dict], int]:
     return limit_for
 
 
-def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] = None) -> Any:
+def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] = None,
+               root_path: Optional[str] = None) -> Any:
     """Mounts demo at / of the FastAPI app `api`, its queue set up as the app serves it (bounded sessions,
     miscounted values named, the monitoring summary rebuilt seldom, the login check on the event loop);
     returns the mounted Gradio app."""
@@ -98,7 +100,7 @@ def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] 
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(MONITORING_SUMMARY_EVERY))  # read by queue()
     demo.queue(max_size=QUEUE_SIZE)
     gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS, js=PAGE_JS,
-                        max_file_size=MAX_UPLOAD_BYTES)
+                        max_file_size=MAX_UPLOAD_BYTES, root_path=root_path)
     # Gradio checks that a file a request names was uploaded to it only once the app "has launched", which
     # launch() marks and mounting does not: unmarked, the import button read any path on this machine.
     demo.has_launched = True
@@ -170,11 +172,11 @@ def miscounted_values_message(block_fn: Any, received: int) -> str:
 
 def launch(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys: Sequence[str] = (),
            auth: Optional[list[tuple[str, str]]] = None, model_name: Optional[str] = None,
-           access_log: bool = False) -> RunningApp:
+           access_log: bool = False, root_path: Optional[str] = None) -> RunningApp:
     """Starts serving the page and the API on the listening socket `sock` in background threads. With share,
     also asks Gradio for a public link; when that fails (no internet), prints one warning line and serves
     locally."""
-    api, page = web_app(demo, engine, api_keys, auth, model_name)
+    api, page = web_app(demo, engine, api_keys, auth, model_name, root_path)
     server = BackgroundServer(api, sock, before_stop=(page.stop_event.set,), access_log=access_log).start()
     running = RunningApp(server, server.url)
     if share:
@@ -197,11 +199,11 @@ def share_link(port: int) -> Optional[str]:
 
 def serve(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys: Sequence[str] = (),
           auth: Optional[list[tuple[str, str]]] = None, model_name: Optional[str] = None,
-          stop_grace: float = STOP_GRACE_SECONDS, access_log: bool = False) -> None:
+          stop_grace: float = STOP_GRACE_SECONDS, access_log: bool = False, root_path: Optional[str] = None) -> None:
     """Serves until Ctrl-C or SIGTERM, printing where: the page, the API, and the public link when made. On
     stopping, new requests are refused, those in flight get up to stop_grace seconds to end, and those still
     running then end with an error their clients read (not a dropped connection)."""
-    running = launch(demo, engine, sock, share, api_keys, auth, model_name, access_log)
+    running = launch(demo, engine, sock, share, api_keys, auth, model_name, access_log, root_path)
     stopping = threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stopping.set())

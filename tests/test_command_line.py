@@ -109,6 +109,7 @@ BAD_CHAT_ARGUMENTS = {  # arguments ({root}: the checkpoints fixture) -> what th
     "port out of range": (["--port", "99999"], ["argument --port", "65535", "0 for any free port"]),
     "port not a number": (["--port", "http"], ["argument --port", "'http'"]),
     "stop grace negative": (["--stop-grace", "-1"], ["argument --stop-grace", "0 or more", "'-1'"]),
+    "root path not a path": (["--root-path", "llama"], ["argument --root-path", "starting with /", "'llama'"]),
     "host not of this machine": (["--host", "192.0.2.1"], ["--host 192.0.2.1", "not an address of this machine",
                                                            "127.0.0.1"]),
     "host unknown": (["--host", "no-such-host.invalid"], ["--host no-such-host.invalid", "no such address",

@@ -538,6 +538,46 @@ def test_share_link_failure_warns_once_and_keeps_serving_locally(engine, monkeyp
         running.stop()
 
 
+def test_with_share_the_local_url_is_said_before_the_link_is_asked_for(engine, monkeypatch, capsys):
+    # On a network that drops connections, Gradio's share server takes 30 s to fail: the app served all along,
+    # but said nothing, its local URL included, until then.
+    asked, answer = threading.Event(), threading.Event()
+
+    def slow_tunnel(*args, **kwargs):
+        asked.set()
+        answer.wait(30)
+        raise RuntimeError("Could not get share link from Gradio API Server.")
+
+    monkeypatch.setattr(gr.networking, "setup_tunnel", slow_tunnel)
+
+    class Stoppable:  # the shared engine, ended for this app by its state
+        state = "running"
+
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def drain(self, seconds: float) -> None:
+            pass
+
+    served = Stoppable()
+    with gr.Blocks(analytics_enabled=False) as demo:
+        gr.Markdown("hello")
+    thread = threading.Thread(target=lambda: pytest.raises(server.EngineFailedError, server.serve, demo, served,
+                                                           listen_socket("127.0.0.1", 0), share=True))
+    thread.start()
+    try:
+        assert asked.wait(30)
+        said = capsys.readouterr().out
+        [url] = re.findall(r"Running on local URL: (\S+)", said)
+        assert "Asking Gradio for a public share link" in said
+        assert httpx.get(url, timeout=10).status_code == 200
+    finally:
+        answer.set()
+        served.state = "failed"
+        thread.join(timeout=30)
+    assert "could not create a Gradio share link" in capsys.readouterr().err
+
+
 def test_on_cpu_torch_leaves_a_core_to_the_web_server(monkeypatch):
     from llama_core.serving import launch
 

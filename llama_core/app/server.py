@@ -203,13 +203,19 @@ def serve(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys
     """Serves until Ctrl-C or SIGTERM, printing where: the page, the API, and the public link when made. On
     stopping, new requests are refused, those in flight get up to stop_grace seconds to end, and those still
     running then end with an error their clients read (not a dropped connection)."""
-    running = launch(demo, engine, sock, share, api_keys, auth, model_name, access_log, root_path)
+    running = launch(demo, engine, sock, False, api_keys, auth, model_name, access_log, root_path)
     stopping = threading.Event()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
         print(f"Running on local URL: {running.local_url}", flush=True)
         print(f"OpenAI-compatible API: {running.local_url}v1{' (API key required)' if api_keys else ''}", flush=True)
+        if share:  # serving already: Gradio's share server may take its 30 s to answer, or not answer
+            print("Asking Gradio for a public share link (up to 30 s)...", flush=True)
+            running.share_url = share_link(running.server.port)
+            if running.share_url is None:
+                print(f"warning: could not create a Gradio share link (no internet access?); serving locally at "
+                      f"{running.local_url}", file=sys.stderr, flush=True)
         if running.share_url:
             print(f"Running on public URL: {running.share_url}", flush=True)
         while not stopping.wait(0.2) and running.server.thread.is_alive():

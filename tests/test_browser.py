@@ -84,6 +84,17 @@ def test_chat_reply_streams_into_the_chatbot(page):
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot.png"))
 
 
+def test_the_message_box_is_named_and_the_conversations_show_keyboard_focus(page):
+    # The message box was announced as "Textbox"; a conversation reached by Tab showed no focus at all.
+    expect(page.get_by_role("textbox", name="Message")).to_have_count(1)
+    page.locator("#chat-list input").first.focus()
+    page.keyboard.press("Shift+Tab")
+    page.keyboard.press("Tab")  # focus by the keyboard: :focus-visible
+    assert page.evaluate("document.activeElement.closest('#chat-list') !== null")
+    outline = page.evaluate("(s => [s.outlineStyle, s.outlineWidth])(getComputedStyle(document.activeElement))")
+    assert outline[0] != "none" and outline[1] != "0px", outline
+
+
 def test_the_completion_seed_starts_empty_when_its_section_opens(page):
     # An empty Number first shown when Advanced opens showed, and sent, 0: every completion alike (docs pass).
     page.click("#completion-tab-button")
@@ -106,6 +117,17 @@ def test_the_completion_prompt_says_its_keys_enter_a_new_line_shift_enter_genera
     expect(page.locator("#completion-stats")).to_contain_text("tokens/s")
 
 
+def contrast(foreground: str, background: str) -> float:
+    """WCAG's contrast ratio of two opaque CSS rgb() colours."""
+    def luminance(colour: str) -> float:
+        channels = [int(c) / 255 for c in re.findall(r"\d+", colour)[:3]]
+        linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    lighter, darker = sorted((luminance(foreground), luminance(background)), reverse=True)
+    return (lighter + 0.05) / (darker + 0.05)
+
+
 def test_completion_shows_tokens_coloured_by_probability(page):
     page.click("#completion-tab-button")
     page.check("#completion-probabilities input")
@@ -120,6 +142,10 @@ def test_completion_shows_tokens_coloured_by_probability(page):
     assert len(probabilities) == tokens.count() and all(0.0 <= p <= 1.0 for p in probabilities)
     colours = tokens.evaluate_all("els => els.map(e => getComputedStyle(e).backgroundColor)")
     assert all(c not in ("rgba(0, 0, 0, 0)", "transparent") for c in colours)
+    # Each probability reads at 4.5:1 or more on its colour (Gradio wrote it white: 1.4:1 on amber).
+    pairs = page.locator("#completion-tokens .label").evaluate_all(
+        "els => els.map(e => [getComputedStyle(e).color, getComputedStyle(e).backgroundColor])")
+    assert min(contrast(*pair) for pair in pairs) >= 4.5, pairs[:3]
     settled(page, "#completion-stats")  # for the screenshot: the completion at its end
     page.screenshot(path=str(REPO_ROOT / "docs" / "screenshot-completion.png"), full_page=True)
 

@@ -156,8 +156,9 @@ def build_demo(engine: TextEngine, prompts: PromptLibrary) -> gr.Blocks:
                     branch_at = gr.State(None)  # the message the branch bar is about, an index into those shown
                     chat_stats = gr.Markdown(elem_id="chat-stats")
                     with gr.Row(elem_id="chat-compose"):
-                        chat_input = gr.Textbox(show_label=False, placeholder="Message (Enter sends)", scale=5,
-                                                elem_id="chat-input", autofocus=True, min_width=160, max_lines=8)
+                        chat_input = gr.Textbox(label="Message", show_label=False, placeholder="Message (Enter sends)",
+                                                scale=5, elem_id="chat-input", autofocus=True, min_width=160,
+                                                max_lines=8)
                         send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send", min_width=80)
                         stop = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop", visible=False,
                                          min_width=80)

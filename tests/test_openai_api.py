@@ -1485,6 +1485,12 @@ def test_logins_protect_the_page_and_keys_the_api_on_one_server():
         assert httpx.get(url + "v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
         with pytest.raises(Exception):
             Client(url, verbose=False, auth=("ann", "wrong"))
+        # Wrong logins take turns, one a second (Gradio answered 100 in 1.6 s); a right one is let in after them.
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            tries = list(pool.map(lambda i: httpx.post(url + "login", data={"username": "ann", "password": f"guess{i}"},
+                                                       timeout=30).status_code, range(4)))
+        assert tries == [400] * 4 and time.monotonic() - started >= 3.0
         text, _, _ = Client(url, verbose=False, auth=("ann", "s3cret")).predict(
             "ROMEO:", 0.0, 0.9, 4, False, False, api_name="/complete")
         assert text

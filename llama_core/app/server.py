@@ -20,6 +20,7 @@ from starlette.routing import Mount
 from ..openai_api import create_api
 from ..openai_api.cors import API_PATHS
 from .body_limit import MAX_BODY_BYTES, SMALL_BODY_BYTES, BodyLimit
+from .logins import LoginCheck
 from .page_head import PageHead
 from .ui import CSS, PAGE_HEAD, PAGE_JS, THEME
 from .web_server import BackgroundServer
@@ -93,13 +94,14 @@ def body_limit_for(page: Any) -> Callable[[dict], int]:
 def mount_page(api: Any, demo: gr.Blocks, auth: Optional[list[tuple[str, str]]] = None,
                root_path: Optional[str] = None) -> Any:
     """Mounts demo at / of the FastAPI app `api`, its queue set up as the app serves it (bounded sessions,
-    miscounted values named, the monitoring summary rebuilt seldom, the login check on the event loop);
-    returns the mounted Gradio app."""
+    miscounted values named, the monitoring summary rebuilt seldom, the login check on the event loop, logins
+    slowed for guessing); returns the mounted Gradio app."""
     demo.state_session_capacity = SESSION_CAPACITY
     name_miscounted_values(demo)
     os.environ.setdefault("GRADIO_ANALYTICS_CACHE_FREQUENCY", str(MONITORING_SUMMARY_EVERY))  # read by queue()
     demo.queue(max_size=QUEUE_SIZE)
-    gr.mount_gradio_app(api, demo, path="/", auth=auth or None, theme=THEME, css=CSS, js=PAGE_JS,
+    logins = LoginCheck(auth).check if auth else None  # one wrong guess a second (logins.py)
+    gr.mount_gradio_app(api, demo, path="/", auth=logins, theme=THEME, css=CSS, js=PAGE_JS,
                         max_file_size=MAX_UPLOAD_BYTES, root_path=root_path)
     # Gradio checks that a file a request names was uploaded to it only once the app "has launched", which
     # launch() marks and mounting does not: unmarked, the import button read any path on this machine.

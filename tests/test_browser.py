@@ -892,6 +892,7 @@ def test_editing_a_message_starts_a_branch_and_flipping_back_shows_the_old_reply
     expect(user).to_have_text("What news from Padua?")
     expect(bot).to_have_count(1)
     expect(page.locator("#chat-branch-next")).to_be_disabled()
+    expect(page.get_by_role("button", name="Previous version")).to_be_visible()  # a name, not "‹"
     page.click("#chat-branch-prev")
     expect(user).to_have_text("Good morrow, my lord.")
     expect(bot).to_have_text(old_reply, use_inner_text=True)  # a line break: "\n" in both

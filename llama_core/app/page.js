@@ -65,6 +65,16 @@
     };
     refocus();
   }, true);
+  // The version buttons say which way they go to a screen reader (they show ‹ and ›), each time Gradio draws them.
+  const versionNames = {"chat-branch-prev": "Previous version", "chat-branch-next": "Next version"};
+  const nameVersions = () => {
+    for (const [id, name] of Object.entries(versionNames)) {
+      const button = document.getElementById(id);
+      if (button && button.getAttribute("aria-label") !== name) button.setAttribute("aria-label", name);
+    }
+  };
+  new MutationObserver(nameVersions).observe(document.body, {childList: true, subtree: true});
+  nameVersions();
   // A message sent is kept in this tab's sessionStorage until its turn ends: leaving or reloading the page before
   // (the reply is not kept then), or before the server took it, puts it back in the box when the page opens again,
   // unless the chat shows it.

@@ -871,18 +871,26 @@ def test_the_import_button_takes_only_an_uploaded_file_and_uploads_are_bounded(s
 
 
 def test_a_body_past_the_servers_bound_is_413_and_the_server_goes_on(served):
-    from llama_core.app.body_limit import MAX_BODY_BYTES
+    from llama_core.app.body_limit import MAX_BODY_BYTES, PAGE_BODY_BYTES
 
     url, big = served[1], b"x" * (MAX_BODY_BYTES + 1)
     declared = httpx.post(url + "v1/completions", content=big, headers={"Content-Type": "application/json"}, timeout=60)
     assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
+    bigger = b"x" * (PAGE_BODY_BYTES + 1)  # the page's events carry the conversations: two stores in a merge
 
     def chunks():  # no Content-Length: sent chunked
-        for start in range(0, len(big), 1 << 20):
-            yield big[start : start + (1 << 20)]
+        for start in range(0, len(bigger), 1 << 20):
+            yield bigger[start : start + (1 << 20)]
 
     chunked = httpx.post(url + "gradio_api/call/complete", content=chunks(), timeout=60)
     assert chunked.status_code == 413 and "larger than this server takes" in chunked.json()["detail"]
+    # Two near-full stores merged (a JSON string of one, its quotes escaped) reach past the API's bound: taken.
+    message = {"role": "user", "content": '{"k": "v"} ' * 50}
+    store = json.dumps({"version": 1, "conversations": [{"title": "x", "messages": [message]}] * 5000})
+    merge = json.dumps({"data": [store, json.loads(store), None], "fn_index": 0, "session_hash": "merge"}).encode()
+    assert MAX_BODY_BYTES < len(merge) < PAGE_BODY_BYTES
+    assert httpx.post(url + "gradio_api/run/predict", content=merge, headers={"Content-Type": "application/json"},
+                      timeout=60).status_code != 413
     small = httpx.post(url + "v1/completions", timeout=60, json={"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0})
     assert small.status_code == 200, small.text
     body = json.dumps({"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0}).encode()

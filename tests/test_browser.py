@@ -1113,6 +1113,30 @@ def two_tabs(served, browser, merging: bool):
     return context, page, other
 
 
+def test_a_merge_the_server_refuses_makes_the_tab_stale_rather_than_lose_the_other_tabs_change(served, browser):
+    # Two near-full stores merged were past the server's bound (413): nothing said so, and the tab's next write
+    # replaced the other tab's change (QA: heavy user). A refused merge now makes the tab stale, as with no merge.
+    context, page, other = two_tabs(served, browser, merging=True)
+
+    def refuse_the_merge(route):
+        if "From the other tab." in (route.request.post_data or ""):  # only the merge carries it to this tab
+            route.fulfill(status=413, content_type="application/json", body='{"detail": "too large"}')
+        else:
+            route.continue_()
+
+    page.route("**/gradio_api/run/predict", refuse_the_merge)
+    new_chat(other)
+    send(other, "From the other tab.")
+    expect(other.locator("#chat-stats")).to_contain_text("tokens/s")
+    note = page.locator("#other-tab-note")
+    expect(note).to_contain_text("changed in another tab")
+    set_number(page, "#chat-temperature", 1.1)  # held, not written over the other tab's chat
+    page.wait_for_timeout(1000)
+    other.reload()
+    expect(other.locator("#chat-list")).to_contain_text("From the other tab.")
+    context.close()
+
+
 def test_a_stale_tab_holds_what_it_would_write_until_the_user_keeps_it(served, browser, monkeypatch):
     # A reply ending, a setting changed or another chat chosen in a tab whose conversations another tab changed
     # wrote its whole copy back, silently replacing the other tab's exchanges (UI pass: 3 of 3). Now they are held

@@ -14,6 +14,10 @@ from starlette.concurrency import run_in_threadpool
 
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a request's text is at most 100,000 characters a field; an upload 4 MiB
 SMALL_BODY_BYTES = 64 * 1024  # a login form, or the few ids Gradio's /cancel takes
+# The page's events carry the whole conversation store (the browser's storage for the app holds ~5 M
+# characters, ~3.7 MB of it as JSON), a merge of two tabs' changes two of them, one as a JSON string (its quotes
+# escaped): up to ~12 MB. Two near-full stores past 8 MiB were refused, and the other tab's change was lost.
+PAGE_BODY_BYTES = 16 * 1024 * 1024
 # Lists and objects in a JSON body: one every 16 bytes of the largest body. A store of conversations holds one
 # every ~150 bytes (two a message; ~35 where every message is "hi"). 8 MiB of nested empty lists, 3.2 million,
 # held the event loop over 5 s in Gradio (it walks a value on the loop); 520,000 of them, 2 s.

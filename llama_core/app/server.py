@@ -19,7 +19,7 @@ from starlette.routing import Mount
 
 from ..openai_api import create_api
 from ..openai_api.cors import API_PATHS
-from .body_limit import MAX_BODY_BYTES, SMALL_BODY_BYTES, BodyLimit
+from .body_limit import MAX_BODY_BYTES, PAGE_BODY_BYTES, SMALL_BODY_BYTES, BodyLimit
 from .logins import LoginCheck
 from .page_head import PageHead
 from .ui import CSS, PAGE_HEAD, PAGE_JS, THEME
@@ -69,7 +69,8 @@ def web_app(demo: gr.Blocks, engine: Any, api_keys: Sequence[str] = (), auth: Op
 
 
 def body_limit_for(page: Any) -> Callable[[dict], int]:
-    """The largest body each request may send (BodyLimit): MAX_BODY_BYTES, but SMALL_BODY_BYTES to the page's
+    """The largest body each request may send (BodyLimit): MAX_BODY_BYTES to the API, PAGE_BODY_BYTES to the
+    page's routes (its events carry the conversations), but SMALL_BODY_BYTES to the page's
     routes from a browser or client not logged in where the page asks for a login, and to Gradio's routes that
     take a few ids (/cancel, /reset). Gradio checks a login after it has read and parsed the body (and /cancel
     checks none): an 8 MiB body of nested lists sent there with no login held the event loop, every user's
@@ -83,10 +84,10 @@ def body_limit_for(page: Any) -> Callable[[dict], int]:
         if path.rstrip("/") in few_ids:
             return SMALL_BODY_BYTES
         if page.auth is None:
-            return MAX_BODY_BYTES
+            return PAGE_BODY_BYTES
         cookies = Request(scope).cookies  # the headers alone: nothing of the body is read
         token = cookies.get(f"access-token-{page.cookie_id}") or cookies.get(f"access-token-unsecure-{page.cookie_id}")
-        return MAX_BODY_BYTES if page.tokens.get(token) is not None else SMALL_BODY_BYTES
+        return PAGE_BODY_BYTES if page.tokens.get(token) is not None else SMALL_BODY_BYTES
 
     return limit_for
 

@@ -37,7 +37,7 @@
   };
   const channel = typeof BroadcastChannel === "function" ? new BroadcastChannel(key) : null;
   const sent = new Set();  // the marks of the changes other tabs sent here
-  let incoming = null;  // the last conversations another tab sent, not yet merged here
+  let incoming = null, taken = null;  // the last conversations another tab sent, not yet merged here; being merged
   const note = () => document.getElementById("other-tab-note");
   const whenShown = (show) => {  // the head runs before the body is there
     if (document.body) show();
@@ -157,6 +157,8 @@
   // one to land last undid the other. An event fired before another's conversations came back is sent once
   // they have, with them in place of its own; so is one fired as they came back, before the page held them (a
   // setting changed just after a pasted system prompt saved the prompt as it was before).
+  // A merge the server did not make (a refusal: two full stores past the size it takes) leaves this tab's copy
+  // without the other tab's change: it goes stale, rather than write its copy over that change unsaid.
   const fetchNow = window.fetch;
   let queue = Promise.resolve(), latest = null;
   window.fetch = function (input, init) {
@@ -164,9 +166,17 @@
     let body = null;
     try { body = url.endsWith("/gradio_api/run/predict") ? JSON.parse(init?.body) : null; } catch {}
     if (!Array.isArray(body?.data) || !body.data.some(isStore)) return fetchNow.apply(this, arguments);
+    const merging = taken !== null && body.data.includes(taken);  // #chat-sync's, with what another tab sent
     const sent = queue.then(async () => {
       if (latest !== null) body.data = body.data.map((value) => isStore(value) ? latest : value);
-      const response = await fetchNow.call(this, input, {...init, body: JSON.stringify(body)});
+      let response;
+      try {
+        response = await fetchNow.call(this, input, {...init, body: JSON.stringify(body)});
+      } catch (error) {
+        if (merging) goStale();
+        throw error;
+      }
+      if (merging && !response.ok) goStale();
       try {
         const carried = ((await response.clone().json()).data ?? []).find(isStore);
         if (carried) latest = carried;
@@ -195,7 +205,7 @@
     stale: () => stale,  // another tab changed the conversations since this one read them
     keep,
     replyStreaming,
-    takeSent: () => { const text = incoming; incoming = null; return text; },  // for #chat-sync
+    takeSent: () => { taken = incoming; incoming = null; return taken; },  // for #chat-sync
     shownHere: () => { try { return sessionStorage.getItem(shownHere); } catch { return null; } },  // as it opens
   };
 })();

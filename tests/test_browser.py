@@ -95,6 +95,20 @@ def test_the_message_box_is_named_and_the_conversations_show_keyboard_focus(page
     assert outline[0] != "none" and outline[1] != "0px", outline
 
 
+def test_many_conversations_scroll_in_their_list_and_the_chats_own_controls_stay_near(served, browser):
+    # With 260 chats the list was 16,600 px tall: the title, Delete and Export sat 21 screens down the page.
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    page.goto(served[1])
+    expect(page.locator("#chat-list input[type=radio]")).not_to_have_count(0)
+    page.evaluate("""() => {  // as 300 saved chats draw it
+        const item = document.querySelector("#chat-list label");
+        for (let i = 0; i < 300; i++) item.parentElement.append(item.cloneNode(true));
+    }""")
+    top = page.locator("#chat-list").bounding_box()["y"]
+    assert page.locator("#chat-title").bounding_box()["y"] - top < 800, "the chat's title box is far down the page"
+    page.close()
+
+
 def test_the_completion_seed_starts_empty_when_its_section_opens(page):
     # An empty Number first shown when Advanced opens showed, and sent, 0: every completion alike (docs pass).
     page.click("#completion-tab-button")

@@ -22,7 +22,8 @@ PAGE_BODY_BYTES = 16 * 1024 * 1024
 # every ~150 bytes (two a message; ~35 where every message is "hi"). 8 MiB of nested empty lists, 3.2 million,
 # held the event loop over 5 s in Gradio (it walks a value on the loop); 520,000 of them, 2 s.
 MAX_JSON_CONTAINERS = MAX_BODY_BYTES // 16
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BACKSLASH = b"\\"
+_JSON_STRING = re.compile(rb'"[^"]*"')  # a string once its escapes are gone
 
 
 def json_containers(body: bytes) -> int:
@@ -31,7 +32,11 @@ def json_containers(body: bytes) -> int:
     brackets = body.count(b"[") + body.count(b"{")
     if brackets <= MAX_JSON_CONTAINERS:
         return brackets
-    unquoted = _JSON_STRING.sub(b"", body)
+    # The escapes go first, left to right as JSON reads them (an escaped backslash, then an escaped quote):
+    # a string is then the text between two quotes, found in one pass. (A pattern reading the escapes took
+    # time as the square of a run of escaped quotes with no closing one: 0.6 MB held the event loop 10 s.)
+    unescaped = body.replace(_BACKSLASH * 2, b"").replace(_BACKSLASH + b'"', b"")
+    unquoted = _JSON_STRING.sub(b"", unescaped)
     return unquoted.count(b"[") + unquoted.count(b"{")
 
 Receive = Callable[[], Awaitable[dict]]

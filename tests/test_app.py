@@ -540,12 +540,12 @@ def test_share_link_failure_warns_once_and_keeps_serving_locally(engine, monkeyp
 
 def test_with_share_the_local_url_is_said_before_the_link_is_asked_for(engine, monkeypatch, capsys):
     # On a network that drops connections, Gradio's share server takes 30 s to fail: the app served all along,
-    # but said nothing, its local URL included, until then.
+    # but said nothing, its local URL included, until then; and a stop (SIGTERM) waited those 30 s (re-test).
     asked, answer = threading.Event(), threading.Event()
 
     def slow_tunnel(*args, **kwargs):
         asked.set()
-        answer.wait(30)
+        answer.wait(60)
         raise RuntimeError("Could not get share link from Gradio API Server.")
 
     monkeypatch.setattr(gr.networking, "setup_tunnel", slow_tunnel)
@@ -559,23 +559,43 @@ def test_with_share_the_local_url_is_said_before_the_link_is_asked_for(engine, m
         def drain(self, seconds: float) -> None:
             pass
 
-    served = Stoppable()
-    with gr.Blocks(analytics_enabled=False) as demo:
-        gr.Markdown("hello")
-    thread = threading.Thread(target=lambda: pytest.raises(server.EngineFailedError, server.serve, demo, served,
-                                                           listen_socket("127.0.0.1", 0), share=True))
-    thread.start()
-    try:
+    def serving(served) -> threading.Thread:
+        with gr.Blocks(analytics_enabled=False) as demo:
+            gr.Markdown("hello")
+        thread = threading.Thread(target=lambda: pytest.raises(server.EngineFailedError, server.serve, demo, served,
+                                                               listen_socket("127.0.0.1", 0), share=True))
+        thread.start()
         assert asked.wait(30)
+        return thread
+
+    served = Stoppable()
+    thread = serving(served)
+    try:
         said = capsys.readouterr().out
         [url] = re.findall(r"Running on local URL: (\S+)", said)
         assert "Asking Gradio for a public share link" in said
+        assert httpx.get(url, timeout=10).status_code == 200
+        answer.set()  # no link: said, and the app goes on serving
+        deadline, warned = time.monotonic() + 30, ""
+        while "could not create a Gradio share link" not in warned and time.monotonic() < deadline:
+            time.sleep(0.1)
+            warned += capsys.readouterr().err
+        assert "could not create a Gradio share link" in warned
         assert httpx.get(url, timeout=10).status_code == 200
     finally:
         answer.set()
         served.state = "failed"
         thread.join(timeout=30)
-    assert "could not create a Gradio share link" in capsys.readouterr().err
+    # Stopped while the link is being asked for: at once, not when the share server gives up.
+    asked.clear()
+    answer.clear()
+    served = Stoppable()
+    thread = serving(served)
+    served.state = "failed"
+    thread.join(timeout=10)
+    stuck = thread.is_alive()
+    answer.set()
+    assert not stuck
 
 
 def test_on_cpu_torch_leaves_a_core_to_the_web_server(monkeypatch):

@@ -213,17 +213,22 @@ def serve(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys
     try:
         print(f"Running on local URL: {running.local_url}", flush=True)
         print(f"OpenAI-compatible API: {running.local_url}v1{' (API key required)' if api_keys else ''}", flush=True)
-        if share:  # serving already: Gradio's share server may take its 30 s to answer, or not answer
+        asking = None  # serving already: Gradio's share server may take its 30 s to answer, or not answer, and
+        if share:      # a stop meanwhile is not kept waiting
             print("Asking Gradio for a public share link (up to 30 s)...", flush=True)
-            running.share_url = share_link(running.server.port)
-            if running.share_url is None:
-                print(f"warning: could not create a Gradio share link (no internet access?); serving locally at "
-                      f"{running.local_url}", file=sys.stderr, flush=True)
-        if running.share_url:
-            print(f"Running on public URL: {running.share_url}", flush=True)
+            links: list[Optional[str]] = []
+            asking = threading.Thread(target=lambda: links.append(share_link(running.server.port)), daemon=True)
+            asking.start()
         while not stopping.wait(0.2) and running.server.thread.is_alive():
             if getattr(engine, "state", "running") == "failed":  # its process died, and restarting did not help
                 raise EngineFailedError("the model process could not be kept running; see the errors above")
+            if asking is not None and not asking.is_alive():
+                asking, running.share_url = None, links[0] if links else None
+                if running.share_url:
+                    print(f"Running on public URL: {running.share_url}", flush=True)
+                else:
+                    print(f"warning: could not create a Gradio share link (no internet access?); serving locally "
+                          f"at {running.local_url}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         pass
     finally:

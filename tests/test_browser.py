@@ -1644,3 +1644,36 @@ def test_the_pages_turns_and_completions_name_their_browser_session_as_the_clien
     expect(page.locator("#completion-stats")).to_contain_text("tokens/s")
     page.reload()  # the completion tab as it was, for the tests after
     assert len(sent) == 2 and sent[0] == sent[1] and sent[0].startswith("session:"), sent
+
+
+def test_a_login_the_server_asks_to_wait_is_tried_again_then_explained(browser):
+    # Wrong logins take turns on the server (a crowd of them: 429): Gradio's form showed nothing for it, or the
+    # "Incorrect Credentials" of a try before, though the password was right (re-test).
+    with serve_app(max_seq_len=64, max_batch_size=1, auth=[("ann", "s3cret")]) as (_, url):
+        page = browser.new_page()
+        busy = {"left": 2}
+
+        def crowded(route):  # the server busy with others' tries for the first two
+            if busy["left"] > 0:
+                busy["left"] -= 1
+                route.fulfill(status=429, content_type="application/json", body='{"detail": "Too many"}')
+            else:
+                route.continue_()
+
+        page.route("**/login", crowded)
+        page.goto(url)
+        page.get_by_label("username").fill("ann")
+        page.get_by_label("password").fill("s3cret")
+        page.get_by_role("button", name="Login").click()
+        expect(page.locator("#chat-input textarea")).to_be_visible(timeout=TIMEOUT_MS)  # let in, at the third
+        assert busy["left"] == 0
+        page.close()
+        page = browser.new_page()
+        page.route("**/login", lambda route: route.fulfill(status=429, content_type="application/json",
+                                                           body='{"detail": "Too many"}'))
+        page.goto(url)
+        page.get_by_label("username").fill("ann")
+        page.get_by_label("password").fill("s3cret")
+        page.get_by_role("button", name="Login").click()
+        expect(page.locator("#login-busy-note")).to_contain_text("Too many login attempts", timeout=40_000)
+        page.close()

@@ -102,7 +102,7 @@ def test_the_wheel_holds_the_package_its_data_and_the_commands(wheel):
     for data in ("models/tiny-shakespeare/consolidated.00.pth", "models/tiny-shakespeare/params.json",
                  "models/tiny-shakespeare/tokenizer.model", "prompts/system_prompt.txt",
                  "prompts/chat_examples.txt", "prompts/completion_examples.txt", "cpu_kernels/linear.c",
-                 "app/page.js", "app/page.css", "app/store.js"):
+                 "app/page.js", "app/page.css", "app/store.js", "app/login.js"):
         assert f"llama_core/{data}" in names
     assert {"llama_core/app/ui.py", "llama_core/app/cli.py", "llama_core/generate_cli.py",
             "llama_core/export.py"} <= names

@@ -66,9 +66,9 @@ PAGE_JS = (APP_DIR / "page.js").read_text(encoding="utf-8").replace("STORAGE_KEY
 FROM_HERE_ONLY = ("""<meta http-equiv="Content-Security-Policy" """
                     """content="img-src 'self' data: blob:; form-action 'self'">""")
 # Run first in the page's head, before Gradio's scripts (page_head.py): the conversations' store shared by the
-# app's tabs, and asking before leaving mid-reply (store.js).
+# app's tabs, and asking before leaving mid-reply (store.js); a login the server asks to wait, tried again (login.js).
 PAGE_HEAD = FROM_HERE_ONLY + "<script>%s</script>" % (APP_DIR / "store.js").read_text(encoding="utf-8").replace(
-    "STORAGE_KEY", json.dumps(STORAGE_KEY))
+    "STORAGE_KEY", json.dumps(STORAGE_KEY)) + "<script>%s</script>" % (APP_DIR / "login.js").read_text(encoding="utf-8")
 
 
 def _sampling_controls(info: ModelInfo, prefix: str) -> list[gr.components.Component]:

@@ -56,3 +56,19 @@ def test_a_right_login_with_no_recent_failure_is_not_held():
             await logins.check("ann", "wrong")
             return await asyncio.wait_for(logins.check("ann", "s3cret"), timeout=0.5)
         asyncio.run(after_failure())
+
+
+def test_guesses_at_one_users_password_do_not_hold_another_users_login():
+    logins = LoginCheck([("ann", "s3cret"), ("bo", "pw")], failed_seconds=30.0)
+
+    async def tries():
+        await logins.check("ann", "wrong")  # ann's next try waits 30 s; bo's and a stranger's do not wait on it
+        bo = await asyncio.wait_for(logins.check("bo", "pw"), timeout=5)
+        stranger = await asyncio.wait_for(logins.check("cy", "pw"), timeout=5)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(logins.check("ann", "s3cret"), timeout=0.5)
+        with pytest.raises(asyncio.TimeoutError):  # names that are no user's take turns together
+            await asyncio.wait_for(logins.check("dee", "pw"), timeout=0.5)
+        return bo, stranger
+
+    assert asyncio.run(tries()) == (True, False)

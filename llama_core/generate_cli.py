@@ -26,8 +26,8 @@ import warnings
 from typing import Iterator, Optional, TextIO
 
 from .cli_options import (EXIT_FAILURE, EXIT_STATUS_EPILOG, EXIT_USAGE, ArgumentParser, ModelPlan, OptionError,
-                          ResourceError, add_model_options, after_rank_0, check_memory, check_model_options, exit_status,
-                          plain_warnings, positive_int)
+                          ResourceError, add_model_options, after_rank_0, check_memory, check_model_options,
+                          exit_status, plain_warnings, positive_int)
 from .dialog import SPECIAL_TAGS, Dialog, has_special_tags
 from .errors import InvalidRequestError, LlamaError
 from .generation_config import GenerationConfig, read_generation_config

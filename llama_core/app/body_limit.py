@@ -47,7 +47,8 @@ class BodyLimit:
     """ASGI middleware: a declared Content-Length past the limit (`limit`, or limit_for(scope) where given) is
     refused at once; a body sent without one, or chunked (which the web server reads whatever Content-Length
     says: a request declaring 10 bytes sent 32 MB), is read up to the limit, then handed on whole or refused.
-    A JSON body holding more than MAX_JSON_CONTAINERS lists and objects (any body but an upload's) is refused once read."""
+    A JSON body holding more than MAX_JSON_CONTAINERS lists and objects (any body but an upload's) is refused
+    once read."""
 
     def __init__(self, app: Any, limit: int = MAX_BODY_BYTES,
                  limit_for: Optional[Callable[[dict], int]] = None) -> None:

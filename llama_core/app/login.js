@@ -1,12 +1,13 @@
 // The login form's tries, run in the page's head (llama_core.app.ui.PAGE_HEAD). The server takes wrong logins
-// one a second for everyone together (app/logins.py), and answers 429 while 16 tries wait: Gradio's form shows
+// at a user's password one a second (app/logins.py), and answers 429 while 16 tries wait: Gradio's form shows
 // nothing for it (or the "Incorrect Credentials" of a try before). A try the server asks to wait is made again
 // each second for 20 s; then the page says why it was not let in.
 (() => {
   const fetchNow = window.fetch, patience = 20000;
   const isLogin = (input, init) => {
     try {
-      return init?.method === "POST" && /\/login\/?$/.test(new URL(String(input?.url ?? input), location.href).pathname);
+      const path = new URL(String(input?.url ?? input), location.href).pathname;
+      return init?.method === "POST" && /\/login\/?$/.test(path);
     } catch { return false; }
   };
   const say = (text) => {

@@ -185,9 +185,13 @@ def launch(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_key
     if share:
         running.share_url = share_link(server.port)
         if running.share_url is None:
-            print(f"warning: could not create a Gradio share link (no internet access?); serving locally at "
-                  f"{running.local_url}", file=sys.stderr, flush=True)
+            warn_no_share_link(running.local_url)
     return running
+
+
+def warn_no_share_link(local_url: str) -> None:
+    print(f"warning: could not create a Gradio share link (no internet access?); serving locally at {local_url}",
+          file=sys.stderr, flush=True)
 
 
 def share_link(port: int) -> Optional[str]:
@@ -227,8 +231,7 @@ def serve(demo: gr.Blocks, engine: Any, sock: Any, share: bool = False, api_keys
                 if running.share_url:
                     print(f"Running on public URL: {running.share_url}", flush=True)
                 else:
-                    print(f"warning: could not create a Gradio share link (no internet access?); serving locally "
-                          f"at {running.local_url}", file=sys.stderr, flush=True)
+                    warn_no_share_link(running.local_url)
     except KeyboardInterrupt:
         pass
     finally:

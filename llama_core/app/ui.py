@@ -67,8 +67,9 @@ FROM_HERE_ONLY = ("""<meta http-equiv="Content-Security-Policy" """
                     """content="img-src 'self' data: blob:; form-action 'self'">""")
 # Run first in the page's head, before Gradio's scripts (page_head.py): the conversations' store shared by the
 # app's tabs, and asking before leaving mid-reply (store.js); a login the server asks to wait, tried again (login.js).
-PAGE_HEAD = FROM_HERE_ONLY + "<script>%s</script>" % (APP_DIR / "store.js").read_text(encoding="utf-8").replace(
-    "STORAGE_KEY", json.dumps(STORAGE_KEY)) + "<script>%s</script>" % (APP_DIR / "login.js").read_text(encoding="utf-8")
+PAGE_HEAD = FROM_HERE_ONLY + "".join(
+    "<script>%s</script>" % (APP_DIR / name).read_text(encoding="utf-8").replace("STORAGE_KEY", json.dumps(STORAGE_KEY))
+    for name in ("store.js", "login.js"))
 
 
 def _sampling_controls(info: ModelInfo, prefix: str) -> list[gr.components.Component]:

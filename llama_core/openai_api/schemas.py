@@ -162,7 +162,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[StrictStr, Bounded(Any, MAX_ITEMS)]  # a string, a list of strings, token ids, or lists of token ids (the route reads which)
+    # a string, a list of strings, token ids, or lists of token ids (the route reads which)
+    prompt: Union[StrictStr, Bounded(Any, MAX_ITEMS)]
     max_tokens: Optional[StrictInt] = 16  # OpenAI's default for completions
     echo: Optional[StrictBool] = False
     logprobs: Optional[StrictInt] = None  # how many alternatives per token; 0 gives the tokens' own only
@@ -227,8 +228,8 @@ class ResponsesRequest(SamplingControls):
 class TokenizeRequest(_Request):
     model: Optional[StrictStr] = None
     prompt: Optional[StrictStr] = None  # a completion's prompt
-    messages: Optional[Bounded(ChatMessage, MAX_MESSAGES)] = None  # or a chat's messages, laid out as the chat route lays them
-    tools: Optional[Bounded(Tool, MAX_CALLS)] = None  # with messages: described in the system prompt, as the chat route does
+    messages: Optional[Bounded(ChatMessage, MAX_MESSAGES)] = None  # or a chat's, laid out as the chat route does
+    tools: Optional[Bounded(Tool, MAX_CALLS)] = None  # with messages: in the system prompt, as the chat route does
     tool_choice: Union[StrictStr, NamedTool, None] = None
     add_special_tokens: Optional[StrictBool] = True  # the prompt's BOS
 
